@@ -1,0 +1,102 @@
+"""Peer backends behind the same interface: torch SDPA (dense mask) and FlexAttention (BlockMask)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .reference import ColumnMask
+
+
+def _dense_heads(mask: ColumnMask, heads_q: int) -> torch.Tensor:
+    """Dense attend-mask [Bm, 1 or Hq, Sq, Sk] with mask heads mapped onto query heads."""
+    dense = mask.to_dense()
+    if dense.shape[1] in (1, heads_q):
+        return dense
+    return dense.repeat_interleave(heads_q // dense.shape[1], dim=1)
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ColumnMask | None, softmax_scale: float
+) -> torch.Tensor:
+    """torch SDPA with a dense bool mask (O(Sq*Sk) memory); rows that see no key give 0."""
+    attn_mask = None if mask is None else _dense_heads(mask, q.shape[2])
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=attn_mask, scale=softmax_scale, enable_gqa=k.shape[2] != q.shape[2]
+    )
+    if attn_mask is not None:
+        out = out.masked_fill(~attn_mask.any(-1, keepdim=True), 0)
+    return out.transpose(1, 2)
+
+
+def column_mask_mod(mask: ColumnMask, batch: int, heads_q: int):
+    """FlexAttention `mask_mod(b, h, q_idx, kv_idx)` (True = attend) reading the column vectors."""
+    iv = mask.intervals()
+    batch_step = mask.batch // batch  # 1 for a per-batch mask, 0 for a broadcast one
+    head_div = heads_q // mask.heads
+    off = mask.seqlen_k - mask.seqlen_q
+    causal = mask.causal
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        bb, hh = b * batch_step, h // head_div
+        hidden = ((q_idx >= iv.lts[bb, hh, kv_idx]) & (q_idx < iv.lte[bb, hh, kv_idx])) | (
+            (q_idx >= iv.uts[bb, hh, kv_idx]) & (q_idx < iv.ute[bb, hh, kv_idx])
+        )
+        if causal:
+            hidden = hidden | (kv_idx > q_idx + off)
+        return ~hidden
+
+    return mask_mod
+
+
+def flex_block_mask(mask: ColumnMask | None, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device):
+    """BlockMask (128 x 128) for FlexAttention; None for full attention."""
+    if mask is None:
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod = column_mask_mod(mask, batch, heads_q)
+    heads = None if mask.heads == 1 else heads_q
+    return create_block_mask(
+        mask_mod, batch if mask.batch > 1 else None, heads, seqlen_q, seqlen_k, device=device,
+        BLOCK_SIZE=128, _compile=torch.device(device).type == "cuda",
+    )
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: ColumnMask | None,
+    softmax_scale: float,
+    block_mask=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention (compiled on CUDA, eager on CPU). Pass `block_mask` to reuse one."""
+    from torch.nn.attention.flex_attention import flex_attention as flex_eager
+
+    b, sq, hq, _ = q.shape
+    if block_mask is None:
+        block_mask = flex_block_mask(mask, b, hq, sq, k.shape[1], q.device)
+    fn = _compiled_flex() if q.is_cuda else flex_eager
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention.*compile", category=UserWarning)
+        out, lse = fn(
+            qt, kt, vt, block_mask=block_mask, scale=softmax_scale,
+            enable_gqa=k.shape[2] != hq, return_lse=True,
+        )
+    lse = lse.float()
+    out = out.masked_fill((lse == -math.inf).unsqueeze(-1), 0)  # rows that see no key
+    return out.transpose(1, 2), lse

@@ -1,0 +1,212 @@
+"""Pure-PyTorch mask-aware attention: chunked forward with LSE and an explicit backward.
+
+Layout is FlashAttention's: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], Hq a multiple of Hkv.
+Work is cut into query chunks; for each chunk only the key blocks that are not fully masked (for
+any batch or mask head) are gathered, and the element mask is applied only when one of them is
+partial. Cost follows the mask density and memory stays O(chunk * Sk), never Sq x Sk.
+
+Rows that see no key give output 0 and LSE -inf; their gradients are 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .mask import SKIP, UNMASKED, ColumnMask
+
+KEY_BLOCK = 128
+_SCORE_BUDGET = 64 * 2**20  # score elements per chunk (B * Hq * rows * keys)
+
+
+class _Plan:
+    """The work of each query chunk: (rows, keys, needs_mask), chunks with no visible key left out.
+
+    `keys` is a slice when the needed key blocks are contiguous, else an index tensor.
+    """
+
+    def __init__(self, mask: ColumnMask | None, batch: int, heads: int, sq: int, sk: int, device):
+        rows = max(KEY_BLOCK, (_SCORE_BUDGET // max(1, batch * heads * sk)) // KEY_BLOCK * KEY_BLOCK)
+        chunk = min(rows, -(-sq // KEY_BLOCK) * KEY_BLOCK)
+        self.chunks = []
+        if mask is None:
+            self.chunks = [(slice(s, min(s + chunk, sq)), slice(0, sk), False) for s in range(0, sq, chunk)]
+            return
+        classes = mask.block_classes(chunk, KEY_BLOCK).classes.to("cpu")
+        for t, s in enumerate(range(0, sq, chunk)):
+            tiles = classes[:, :, t, :]  # [B, Hm, Tn]
+            needed = (tiles != SKIP).flatten(0, 1).any(0).nonzero().flatten()
+            if len(needed):
+                needs_mask = bool((tiles[:, :, needed] != UNMASKED).any())
+                keys = _block_keys(needed, sk)
+                if not isinstance(keys, slice):
+                    keys = keys.to(device)
+                self.chunks.append((slice(s, min(s + chunk, sq)), keys, needs_mask))
+
+
+def _block_keys(blocks: torch.Tensor, sk: int) -> torch.Tensor | slice:
+    """Key indices of the given key blocks; a slice when they are contiguous."""
+    first, last = int(blocks[0]), int(blocks[-1])
+    if last - first + 1 == len(blocks):
+        return slice(first * KEY_BLOCK, min((last + 1) * KEY_BLOCK, sk))
+    idx = (blocks.view(-1, 1) * KEY_BLOCK + torch.arange(KEY_BLOCK).view(1, -1)).flatten()
+    return idx[idx < sk]
+
+
+def _take(x: torch.Tensor, keys, dim: int) -> torch.Tensor:
+    if isinstance(keys, slice):
+        return x.narrow(dim, keys.start, keys.stop - keys.start)
+    return x.index_select(dim, keys)
+
+
+def _key_index(keys, device) -> torch.Tensor:
+    if isinstance(keys, slice):
+        return torch.arange(keys.start, keys.stop, device=device)
+    return keys
+
+
+def _hidden(mask: ColumnMask, rows: slice, keys, heads_kv: int, group: int, device) -> torch.Tensor:
+    """Element mask (True = masked) for a chunk, broadcastable to scores [B, Hkv, G, rows, keys]."""
+    r = torch.arange(rows.start, rows.stop, device=device)
+    hidden = mask.to(device).masked(r, _key_index(keys, device))  # [Bm, Hm, rows, keys]
+    bm, hm = hidden.shape[:2]
+    if hm == 1:
+        return hidden.view(bm, 1, 1, *hidden.shape[2:])
+    if hm == heads_kv:
+        return hidden.view(bm, heads_kv, 1, *hidden.shape[2:])
+    return hidden.view(bm, heads_kv, group, *hidden.shape[2:])
+
+
+def _accumulator(compute_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+
+def _split_heads(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """[B, S, Hq, D] -> [B, Hkv, G, S, D]."""
+    b, s, hq, d = q.shape
+    return q.view(b, s, heads_kv, hq // heads_kv, d).permute(0, 2, 3, 1, 4)
+
+
+def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, G, S, D] -> [B, S, Hq, D]."""
+    b, hkv, g, s, d = x.shape
+    return x.permute(0, 3, 1, 2, 4).reshape(b, s, hkv * g, d)
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: ColumnMask | None,
+    softmax_scale: float,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (out [B, Sq, Hq, D], lse [B, Hq, Sq]), both in the accumulator dtype.
+
+    Matmul operands and results are in `compute_dtype`; softmax statistics in fp32 (fp64 when
+    computing in fp64), as the kernels keep them.
+    """
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    plan = _Plan(mask, b, hq, sq, sk, q.device)
+    qh = _split_heads(q.to(compute_dtype), hkv)  # [B, Hkv, G, Sq, D]
+    kh = k.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Sk, D]
+    vh = v.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    acc = _accumulator(compute_dtype)
+    out = torch.zeros(qh.shape, dtype=acc, device=q.device)
+    lse = torch.full(qh.shape[:-1], -math.inf, dtype=acc, device=q.device)
+    for rows, keys, needs_mask in plan.chunks:
+        s = (qh[..., rows, :] @ _take(kh, keys, 3).transpose(-1, -2)).to(acc) * softmax_scale
+        if needs_mask:
+            s = s.masked_fill(_hidden(mask, rows, keys, hkv, hq // hkv, q.device), -math.inf)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows
+        p = torch.exp(s - m)
+        l = p.sum(-1, keepdim=True)
+        o = (p.to(compute_dtype) @ _take(vh, keys, 3)).to(acc)
+        out[..., rows, :] = o / torch.where(l == 0, torch.ones_like(l), l)
+        lse[..., rows] = (m + torch.log(l)).squeeze(-1)
+    return _merge_heads(out), lse.flatten(1, 2)
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: ColumnMask | None,
+    softmax_scale: float,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV from dO, O and LSE, as the kernels compute them (P = exp(S - LSE))."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    plan = _Plan(mask, b, hq, sq, sk, q.device)
+    qh = _split_heads(q.to(compute_dtype), hkv)
+    doh = _split_heads(dout.to(compute_dtype), hkv)
+    oh = _split_heads(out.to(compute_dtype), hkv)
+    kh = k.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    vh = v.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    acc = _accumulator(compute_dtype)
+    lseh = lse.view(b, hkv, hq // hkv, sq).to(acc)
+    delta = (doh.to(acc) * oh.to(acc)).sum(-1)  # rowsum(dO * O)
+    dq = torch.zeros(qh.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(b, hkv, sk, d, dtype=acc, device=q.device)
+    dv = torch.zeros_like(dk)
+    for rows, keys, needs_mask in plan.chunks:
+        q_c, do_c = qh[..., rows, :], doh[..., rows, :]
+        k_c, v_c = _take(kh, keys, 3), _take(vh, keys, 3)
+        s = (q_c @ k_c.transpose(-1, -2)).to(acc) * softmax_scale
+        row_lse = lseh[..., rows].unsqueeze(-1)
+        p = torch.exp(s - torch.where(torch.isinf(row_lse), torch.full_like(row_lse, math.inf), row_lse))
+        if needs_mask:
+            p = p.masked_fill(_hidden(mask, rows, keys, hkv, hq // hkv, q.device), 0)
+        dv_c = (p.to(compute_dtype).transpose(-1, -2) @ do_c).to(acc).sum(2)  # sum over the group
+        dp = (do_c @ v_c.transpose(-1, -2)).to(acc)
+        ds = (p * (dp - delta[..., rows].unsqueeze(-1))).to(compute_dtype)
+        dq[..., rows, :] = (ds @ k_c).to(acc) * softmax_scale
+        dk_c = (ds.transpose(-1, -2) @ q_c).to(acc).sum(2) * softmax_scale
+        if isinstance(keys, slice):
+            dk[:, :, keys] += dk_c
+            dv[:, :, keys] += dv_c
+        else:
+            dk.index_add_(2, keys, dk_c)
+            dv.index_add_(2, keys, dv_c)
+    return _merge_heads(dq), dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
+
+
+class ReferenceAttention(torch.autograd.Function):
+    """Differentiable reference attention; the backward is the explicit one above."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, softmax_scale, compute_dtype):
+        out, lse = forward(q, k, v, mask, softmax_scale, compute_dtype)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.softmax_scale, ctx.compute_dtype = mask, softmax_scale, compute_dtype
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.mask, ctx.softmax_scale, ctx.compute_dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: ColumnMask | None,
+    softmax_scale: float,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable (out, lse). `compute_dtype` defaults to fp32 (fp64 for fp64 inputs); pass the
+    input dtype to emulate a low-precision computation (the verify baseline)."""
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return ReferenceAttention.apply(q, k, v, mask, softmax_scale, compute_dtype)
