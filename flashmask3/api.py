@@ -60,9 +60,7 @@ def attention(
         out, lse = reference_attention(q, k, v, mask, softmax_scale)
         lse = lse.float()
     elif backend == "sdpa":
-        if return_lse:
-            raise ValueError("backend='sdpa' cannot return the LSE; use backend='reference' or 'flex'")
-        out, lse = peers.sdpa_attention(q, k, v, mask, softmax_scale), None
+        out, lse = peers.sdpa_attention(q, k, v, mask, softmax_scale, return_lse)
     elif backend == "flex":
         out, lse = peers.flex_attention(q, k, v, mask, softmax_scale)
     else:

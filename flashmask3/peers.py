@@ -21,17 +21,27 @@ def _dense_heads(mask: ColumnMask, heads_q: int) -> torch.Tensor:
 
 
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ColumnMask | None, softmax_scale: float
-) -> torch.Tensor:
-    """torch SDPA with a dense bool mask (O(Sq*Sk) memory); rows that see no key give 0."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ColumnMask | None, softmax_scale: float,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch SDPA with a dense bool mask (O(Sq*Sk) memory); rows that see no key give 0.
+
+    SDPA has no LSE output: with `return_lse` it is computed densely from the scores in fp32.
+    """
     attn_mask = None if mask is None else _dense_heads(mask, q.shape[2])
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        qt, kt, vt, attn_mask=attn_mask, scale=softmax_scale, enable_gqa=k.shape[2] != q.shape[2]
-    )
+    gqa = k.shape[2] != q.shape[2]
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, scale=softmax_scale, enable_gqa=gqa)
     if attn_mask is not None:
         out = out.masked_fill(~attn_mask.any(-1, keepdim=True), 0)
-    return out.transpose(1, 2)
+    lse = None
+    if return_lse:
+        kf = kt.float().repeat_interleave(q.shape[2] // k.shape[2], dim=1)
+        scores = (qt.float() @ kf.transpose(-1, -2)) * softmax_scale
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+    return out.transpose(1, 2), lse
 
 
 def column_mask_mod(mask: ColumnMask, batch: int, heads_q: int):
@@ -84,6 +94,7 @@ def flex_attention(
     block_mask=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention (compiled on CUDA, eager on CPU). Pass `block_mask` to reuse one."""
+    from torch.nn.attention.flex_attention import AuxRequest
     from torch.nn.attention.flex_attention import flex_attention as flex_eager
 
     b, sq, hq, _ = q.shape
@@ -93,10 +104,10 @@ def flex_attention(
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention.*compile", category=UserWarning)
-        out, lse = fn(
+        out, aux = fn(
             qt, kt, vt, block_mask=block_mask, scale=softmax_scale,
-            enable_gqa=k.shape[2] != hq, return_lse=True,
+            enable_gqa=k.shape[2] != hq, return_aux=AuxRequest(lse=True),
         )
-    lse = lse.float()
+    lse = aux.lse.float()
     out = out.masked_fill((lse == -math.inf).unsqueeze(-1), 0)  # rows that see no key
     return out.transpose(1, 2), lse

@@ -17,6 +17,7 @@ import torch
 from .mask import SKIP, UNMASKED, ColumnMask
 
 KEY_BLOCK = 128
+QUERY_CHUNK = 256  # rows per chunk: small enough that key selection follows the mask
 _SCORE_BUDGET = 64 * 2**20  # score elements per chunk (B * Hq * rows * keys)
 
 
@@ -27,8 +28,8 @@ class _Plan:
     """
 
     def __init__(self, mask: ColumnMask | None, batch: int, heads: int, sq: int, sk: int, device):
-        rows = max(KEY_BLOCK, (_SCORE_BUDGET // max(1, batch * heads * sk)) // KEY_BLOCK * KEY_BLOCK)
-        chunk = min(rows, -(-sq // KEY_BLOCK) * KEY_BLOCK)
+        rows = (_SCORE_BUDGET // max(1, batch * heads * sk)) // KEY_BLOCK * KEY_BLOCK
+        chunk = max(KEY_BLOCK, min(rows, QUERY_CHUNK))
         self.chunks = []
         if mask is None:
             self.chunks = [(slice(s, min(s + chunk, sq)), slice(0, sk), False) for s in range(0, sq, chunk)]

@@ -1,0 +1,35 @@
+"""Timing and FLOP accounting shared by the main job and the benchmark scripts."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, density: float) -> float:
+    """Forward FLOPs on unmasked work: 4 * B * H * Sq * Sk * D * density (backward is 2.5x)."""
+    return 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * density
+
+
+def time_fn(fn: Callable[[], object], warmup: int = 3, repeats: int = 10, device: torch.device | str = "cpu") -> float:
+    """Median seconds per call: CUDA events on a GPU, perf_counter on the CPU."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

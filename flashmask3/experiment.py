@@ -1,0 +1,145 @@
+"""One configured experiment: build the mask and inputs, time a backend, check it, record it."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .api import attention
+from .bench import attention_flops, time_fn
+from .reference import masks
+from .verify.compare import random_inputs
+from .verify.suite import DTYPES
+
+
+def git_commit() -> str:
+    """The checkout's commit (with '+dirty' for uncommitted changes), or 'unknown'."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment(device: str) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
+    if torch.device(device).type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def run_experiment(cfg: DictConfig) -> dict:
+    """Run the experiment `cfg` describes, print a summary and return (and write) its record."""
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    dtype, device = DTYPES[cfg.dtype], cfg.device
+    params = {k: v for k, v in OmegaConf.to_container(cfg.mask.params).items() if v is not None}
+    mask = masks.build(cfg.mask.name, cfg.seqlen, cfg.batch, cfg.heads, cfg.seed, device, **params)
+    classes = mask.block_classes(128, 128)
+    density = mask.density()
+    q, k, v, dout = random_inputs(
+        cfg.batch, cfg.seqlen, cfg.seqlen, cfg.heads, cfg.kv_heads, cfg.head_dim, dtype, device, cfg.seed
+    )
+    backward = bool(cfg.bench.backward)
+    q, k, v = (x.requires_grad_(backward) for x in (q, k, v))
+
+    def fwd():
+        with torch.no_grad():
+            return attention(q, k, v, mask, backend=cfg.backend)
+
+    def fwd_bwd():
+        out = attention(q, k, v, mask, backend=cfg.backend)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    flops = attention_flops(cfg.batch, cfg.heads, cfg.seqlen, cfg.seqlen, cfg.head_dim, density)
+    t_fwd = time_fn(fwd, cfg.bench.warmup, cfg.bench.repeats, device)
+    record = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "commit": git_commit(),
+        "environment": environment(device),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "density": density,
+        "tiles_128": {"skip": classes.skip, "partial": classes.partial, "unmasked": classes.unmasked},
+        "fwd_ms": t_fwd * 1e3,
+        "fwd_tflops": flops / t_fwd / 1e12,
+    }
+    if backward:
+        t_fb = time_fn(fwd_bwd, cfg.bench.warmup, cfg.bench.repeats, device)
+        record |= {"fwd_bwd_ms": t_fb * 1e3, "fwd_bwd_tflops": 3.5 * flops / t_fb / 1e12}
+    if cfg.seqlen <= cfg.check.max_seqlen:
+        record["max_abs_err_vs_" + cfg.check.against] = _max_error(q, k, v, dout, mask, cfg, backward)
+    _print_summary(record)
+    _write(record, cfg)
+    return record
+
+
+def _max_error(q, k, v, dout, mask, cfg, backward: bool) -> dict:
+    """Max abs difference of out (and grads) from the `check.against` backend run in fp64."""
+    ref_inputs = [x.detach().double().requires_grad_(backward) for x in (q, k, v)]
+    ref = attention(*ref_inputs, mask, backend=cfg.check.against)
+    got = attention(q, k, v, mask, backend=cfg.backend)
+    errors = {"out": float((got.double() - ref).abs().max().detach())}
+    if backward:
+        got_g = torch.autograd.grad(got, (q, k, v), dout)
+        ref_g = torch.autograd.grad(ref, ref_inputs, dout.double())
+        for name, a, b in zip(("dq", "dk", "dv"), got_g, ref_g):
+            errors[name] = float((a.double() - b).abs().max())
+    return errors
+
+
+def _print_summary(rec: dict) -> None:
+    c = rec["config"]
+    print(
+        f"mask={c['mask']['name']} seqlen={c['seqlen']} B={c['batch']} H={c['heads']}/{c['kv_heads']} "
+        f"D={c['head_dim']} {c['dtype']} backend={c['backend']} device={c['device']}"
+    )
+    t = rec["tiles_128"]
+    print(f"density {rec['density']:.4f}  tiles 128x128: skip {t['skip']} partial {t['partial']} unmasked {t['unmasked']}")
+    line = f"fwd {rec['fwd_ms']:.2f} ms ({rec['fwd_tflops']:.3f} TFLOP/s)"
+    if "fwd_bwd_ms" in rec:
+        line += f"  fwd+bwd {rec['fwd_bwd_ms']:.2f} ms ({rec['fwd_bwd_tflops']:.3f} TFLOP/s)"
+    print(line)
+    for key, errs in rec.items():
+        if key.startswith("max_abs_err_vs_"):
+            print(f"max abs error vs {key[15:]} (fp64): " + "  ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+
+
+def _write(record: dict, cfg: DictConfig) -> None:
+    out_dir = Path(cfg.logging.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    c = record["config"]
+    name = f"{c['mask']['name']}_{c['backend']}_{c['seqlen']}_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}.json"
+    path = out_dir / name
+    path.write_text(json.dumps(record, indent=1))
+    record["path"] = str(path)
+    wandb_cfg = cfg.logging.wandb
+    if wandb_cfg.enabled:
+        _log_wandb(record, wandb_cfg, out_dir)
+
+
+def _log_wandb(record: dict, wandb_cfg: DictConfig, out_dir: Path) -> None:
+    import wandb
+
+    if wandb_cfg.mode not in ("offline", "disabled", "online"):
+        raise ValueError(f"logging.wandb.mode must be offline, online or disabled, got {wandb_cfg.mode!r}")
+    c = record["config"]
+    run = wandb.init(
+        project=wandb_cfg.project, mode=wandb_cfg.mode, dir=str(out_dir), config=c,
+        name=f"{c['mask']['name']}-{c['backend']}-{c['seqlen']}", reinit="finish_previous",
+    )
+    metrics = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+    for key, errs in record.items():
+        if key.startswith("max_abs_err_vs_"):
+            metrics |= {f"err/{n}": e for n, e in errs.items()}
+    run.log(metrics)
+    run.summary.update(metrics)
+    run.finish()

@@ -1,0 +1,159 @@
+"""Reference attention against dense float64 SDPA: forward, LSE and gradients."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashmask3 as fm
+from conftest import random_column_mask
+from flashmask3.reference import masks
+from flashmask3.verify import random_inputs
+
+
+def dense_attention(q, k, v, dense, scale):
+    """Textbook attention in float64 with a dense mask [B, H, Sq, Sk] (True = attend)."""
+    g = q.shape[2] // k.shape[2]
+    qt = q.transpose(1, 2)
+    kt = k.transpose(1, 2).repeat_interleave(g, 1)
+    vt = v.transpose(1, 2).repeat_interleave(g, 1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    if dense.shape[1] not in (1, q.shape[2]):
+        dense = dense.repeat_interleave(q.shape[2] // dense.shape[1], 1)
+    s = s.masked_fill(~dense, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return (p @ vt).transpose(1, 2), lse
+
+
+def check_against_dense(mask, b, sq, sk, hq, hkv, d, seed=0):
+    q, k, v, dout = random_inputs(b, sq, sk, hq, hkv, d, torch.float64, seed=seed)
+    scale = 1 / math.sqrt(d)
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fm.attention(*ins, mask, backend="reference", return_lse=True)
+    grads = torch.autograd.grad(out, ins, dout)
+    ref_ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    dense = mask.to_dense() if mask is not None else torch.ones(1, 1, sq, sk, dtype=torch.bool)
+    ref_out, ref_lse = dense_attention(*ref_ins, dense, scale)
+    ref_grads = torch.autograd.grad(ref_out, ref_ins, dout)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse.float().double(), rtol=1e-6, atol=1e-6)
+    for got, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("name", masks.MASK_NAMES)
+def test_every_benchmark_mask_matches_dense_float64(name):
+    mask = masks.build(name, 333, batch=2, heads=4, seed=5)
+    check_against_dense(mask, 2, 333, 333, 4, 2, 32)
+
+
+@pytest.mark.parametrize("name", ["causal_document", "document", "random_eviction", "share_question"])
+def test_long_chunked_path_matches_dense(name):
+    # 1300 rows: several query chunks, a ragged last key block, and gathered (non-contiguous) keys.
+    mask = masks.build(name, 1300, batch=1, heads=2, seed=2)
+    check_against_dense(mask, 1, 1300, 1300, 2, 1, 16)
+
+
+def test_matches_torch_sdpa_backend():
+    mask = masks.build("global_sliding_window", 500, batch=1, heads=2)
+    q, k, v, _ = random_inputs(1, 500, 500, 4, 2, 64, torch.float64)
+    ref = fm.attention(q, k, v, mask, backend="reference")
+    torch.testing.assert_close(ref, fm.attention(q, k, v, mask, backend="sdpa"), rtol=1e-10, atol=1e-10)
+
+
+def test_flex_backend_forward_on_cpu():
+    mask = masks.build("prefix_lm_document", 384, batch=1)
+    q, k, v, _ = random_inputs(1, 384, 384, 2, 2, 32, torch.float32)
+    out, lse = fm.attention(q, k, v, mask, backend="flex", return_lse=True)
+    ref, ref_lse = fm.attention(q, k, v, mask, backend="reference", return_lse=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal, width", [(True, 1), (True, 2), (False, 2), (False, 4)])
+@pytest.mark.parametrize("sq, sk, hq, hkv, mask_heads", [(200, 200, 4, 4, 4), (131, 257, 6, 2, 2), (300, 130, 4, 1, 1)])
+def test_variants_gqa_and_unequal_lengths(causal, width, sq, sk, hq, hkv, mask_heads):
+    gen = torch.Generator().manual_seed(sq + sk + width)
+    mask = random_column_mask(gen, 2, mask_heads, sq, sk, causal, width)
+    check_against_dense(mask, 2, sq, sk, hq, hkv, 16)
+
+
+def test_no_mask_is_full_attention():
+    check_against_dense(None, 1, 150, 170, 2, 2, 8)
+
+
+def test_rows_that_see_nothing_give_zero_and_minus_inf():
+    # qk_sparse hides every key from the first rows of a span that starts at row 0.
+    idx = torch.tensor([[[[j, 40] for j in range(40)] + [[j, j] for j in range(40, 64)]]], dtype=torch.int32)
+    mask = fm.ColumnMask(idx, True, 64)
+    out, lse, grads = check_against_dense(mask, 1, 64, 64, 2, 2, 8)
+    dead = mask.to_dense()[0, 0].sum(-1) == 0
+    assert dead.sum() == 40
+    assert bool((out[:, dead] == 0).all()) and bool((lse[:, :, dead] == -math.inf).all())
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    assert bool((grads[0][:, dead] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_precision_inputs_keep_their_dtype_and_stay_close(dtype):
+    mask = masks.build("causal_document", 256)
+    q, k, v, dout = random_inputs(1, 256, 256, 2, 2, 64, dtype)
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fm.attention(*ins, mask, backend="reference", return_lse=True)
+    grads = torch.autograd.grad(out, ins, dout)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and all(g.dtype == dtype for g in grads)
+    ref = fm.attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def test_softmax_scale_is_applied():
+    q, k, v, _ = random_inputs(1, 64, 64, 1, 1, 16, torch.float64)
+    mask = masks.build("causal", 64)
+    a = fm.attention(q, k, v, mask, softmax_scale=0.5)
+    b = fm.attention(q * 2, k, v, mask, softmax_scale=0.25)
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, "q must be 4-D"),
+        (lambda q, k, v: (q.long(), k, v), TypeError, "q dtype must be one of"),
+        (lambda q, k, v: (q, k.float(), v), TypeError, "share a dtype"),
+        (lambda q, k, v: (q, k, v[:, :10]), ValueError, "k and v must have the same shape"),
+        (lambda q, k, v: (q[:, :, :3], k, v), ValueError, r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
+        (lambda q, k, v: (q[..., :8], k, v), ValueError, "same head dim"),
+        (lambda q, k, v: (q.expand(2, -1, -1, -1), k, v), ValueError, "same batch size"),
+    ],
+)
+def test_input_errors(change, error, match):
+    q, k, v, _ = random_inputs(1, 32, 32, 4, 2, 16, torch.float64)
+    with pytest.raises(error, match=match):
+        fm.attention(*change(q, k, v))
+
+
+def test_mask_and_backend_errors():
+    q, k, v, _ = random_inputs(1, 32, 32, 2, 2, 16, torch.float64)
+    with pytest.raises(ValueError, match="unknown backend 'magic'; accepted: auto, reference"):
+        fm.attention(q, k, v, backend="magic")
+    with pytest.raises(TypeError, match="mask must be a ColumnMask"):
+        fm.attention(q, k, v, torch.ones(32, 32, dtype=torch.bool))
+    with pytest.raises(ValueError, match="seqlen"):
+        fm.attention(q, k, v, masks.build("causal", 64))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    variant=st.sampled_from([(True, 1), (True, 2), (False, 2), (False, 4)]),
+    sq=st.integers(1, 300),
+    sk=st.integers(1, 300),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_masks_match_dense(variant, sq, sk, seed):
+    mask = random_column_mask(torch.Generator().manual_seed(seed), 1, 2, sq, sk, *variant)
+    check_against_dense(mask, 1, sq, sk, 2, 1, 8, seed=seed % 1000)
