@@ -1,0 +1,65 @@
+"""The main job (`python -m flashmask3`): Hydra config, JSON record, offline wandb."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from flashmask3.experiment import run_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config(overrides):
+    with initialize_config_module(version_base="1.3", config_module="flashmask3.conf"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_default_job_records_density_tiles_and_errors(tmp_path):
+    cfg = config([f"logging.out_dir={tmp_path}", "seqlen=512", "bench.repeats=1", "bench.warmup=0"])
+    assert cfg.mask.name == "causal_document" and cfg.backend == "reference" and cfg.device == "cpu"
+    record = run_experiment(cfg)
+    saved = json.loads(Path(record["path"]).read_text())
+    assert saved["density"] == pytest.approx(record["density"]) and 0 < saved["density"] < 0.5
+    tiles = saved["tiles_128"]
+    assert tiles["skip"] + tiles["partial"] + tiles["unmasked"] == 16
+    errors = saved["max_abs_err_vs_sdpa"]
+    assert set(errors) == {"out", "dq", "dk", "dv"} and max(errors.values()) < 1e-4
+    assert saved["fwd_ms"] > 0 and saved["fwd_bwd_tflops"] > 0 and saved["commit"]
+
+
+def test_overrides_pick_mask_and_backend(tmp_path):
+    cfg = config([f"logging.out_dir={tmp_path}", "mask=share_question", "seqlen=384", "backend=flex",
+                  "bench.backward=false", "bench.repeats=1", "mask.params.num_docs=2"])
+    record = run_experiment(cfg)
+    assert record["config"]["mask"]["name"] == "share_question" and "fwd_bwd_ms" not in record
+    assert record["max_abs_err_vs_sdpa"]["out"] < 1e-4
+
+
+def test_wandb_offline_run_writes_its_files(tmp_path):
+    cfg = config([f"logging.out_dir={tmp_path}", "seqlen=256", "bench.repeats=1", "bench.backward=false",
+                  "logging.wandb.enabled=true"])
+    env = {"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        run_experiment(cfg)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("*.wandb")), "offline run has no data file"
+
+
+def test_command_line_entry_point(tmp_path):
+    cmd = [sys.executable, "-m", "flashmask3", "seqlen=256", "bench.repeats=1", f"logging.out_dir={tmp_path}",
+           f"hydra.run.dir={tmp_path}/hydra"]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "density" in result.stdout and "max abs error vs sdpa" in result.stdout
+    assert len(list(tmp_path.glob("causal_document_reference_256_*.json"))) == 1
