@@ -9,10 +9,11 @@ import torch
 
 from . import peers
 from .reference import ColumnMask
+from .optimized.interface import cute_attention, unsupported_reason
 from .reference.attention import reference_attention
 
-Backend = Literal["auto", "reference", "sdpa", "flex"]
-BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "flex")
+Backend = Literal["auto", "reference", "cute", "sdpa", "flex"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "cute", "sdpa", "flex")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -34,8 +35,10 @@ def attention(
             (GQA / MQA).
         mask: a `ColumnMask` (FlashMask column-wise format) or None for full attention. Use
             `masks.build(...)`, `ColumnMask.from_dense` or `ColumnMask.from_mask_mod` to make one.
-        backend: "reference" (pure PyTorch, any device), "sdpa" (torch SDPA with a dense mask),
-            "flex" (FlexAttention with a BlockMask), or "auto" (the best available for the inputs).
+        backend: "reference" (pure PyTorch, any device), "cute" (the CuTe DSL Hopper kernel:
+            bf16/fp16, head dim 64/128, sm_90), "sdpa" (torch SDPA with a dense mask), "flex"
+            (FlexAttention with a BlockMask), or "auto": cute where it supports the inputs, else
+            flex on CUDA, else reference.
         softmax_scale: scale of q.k; default 1/sqrt(D).
         return_lse: also return the log-sum-exp of the scaled scores, fp32 [B, Hq, Sq].
 
@@ -55,17 +58,25 @@ def attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     if backend == "auto":
-        backend = "flex" if q.is_cuda else "reference"
+        backend = _auto_backend(q, k)
     if backend == "reference":
         out, lse = reference_attention(q, k, v, mask, softmax_scale)
         lse = lse.float()
     elif backend == "sdpa":
         out, lse = peers.sdpa_attention(q, k, v, mask, softmax_scale, return_lse)
+    elif backend == "cute":
+        out, lse = cute_attention(q, k, v, mask, softmax_scale)
     elif backend == "flex":
         out, lse = peers.flex_attention(q, k, v, mask, softmax_scale)
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: {', '.join(BACKENDS)}")
     return (out, lse) if return_lse else out
+
+
+def _auto_backend(q: torch.Tensor, k: torch.Tensor) -> str:
+    if not q.is_cuda:
+        return "reference"
+    return "flex" if unsupported_reason(q, k) else "cute"
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,0 +1,298 @@
+"""Mask-aware attention forward for Hopper (sm_90a) in the CuTe DSL.
+
+One CTA per (query tile, query head, batch); 3 warpgroups:
+  - warpgroup 0, warp 0: producer. TMA-loads the Q tile once, then K and V tiles into a
+    `num_stages`-deep mbarrier pipeline, walking the CTA's compacted list of key tiles.
+  - warpgroups 1-2: consumers, 64 query rows each. S = Q K^T (SS-WGMMA), the element mask only on
+    tiles listed PARTIAL, online softmax in fp32, O += P V (RS-WGMMA, P stays in registers).
+The compacted list (tile_plan.py) holds only the key tiles that are not fully masked, so skipped
+tiles cost neither loads nor MMAs. setmaxnreg moves registers from the producer to the consumers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Type
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from .layout import acc_as_operand_a, acc_rows_view, transpose_view
+from .mask import apply_column_mask
+from .softmax import softmax_finalize, softmax_update
+
+LOG2_E = math.log2(math.e)
+
+
+def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _assume_aligned(t: cute.Tensor) -> cute.Tensor:
+    """Tell the compiler every stride but the last is a multiple of 16 bytes (TMA needs it)."""
+    divby = 128 // t.element_type.width
+    strides = tuple(s if isinstance(s, int) else cute.assume(s, divby=divby) for s in t.stride[:-1])
+    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=(*strides, t.stride[-1])))
+
+
+def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, zero_init: bool) -> None:
+    """Issue acc (+)= a @ b over the k-blocks of one warpgroup and commit the group."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in range(cute.size(a.shape[2])):  # unrolled at trace time
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+class FlashMaskForwardSm90:
+    """Compile-time configuration and kernel of the forward pass."""
+
+    tile_m = 128
+    tile_n = 128
+    producer_regs = 24
+    consumer_regs = 240
+
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, num_stages: int = 2):
+        if head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.num_stages = num_stages
+        self.num_consumer_wgs = self.tile_m // 64
+        self.num_threads = 128 * (self.num_consumer_wgs + 1)
+
+    def _smem_layout(self, rows: int, stages: int | None):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim), self.dtype
+        )
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, self.head_dim), order=(0, 1))
+        return cute.tile_to_shape(atom, (rows, self.head_dim, stages), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, Sq, Hq, D]
+        mK: cute.Tensor,  # [B, Sk, Hkv, D]
+        mV: cute.Tensor,  # [B, Sk, Hkv, D]
+        mO: cute.Tensor,  # [B, Sq, Hq, D]
+        mLSE: cute.Tensor,  # [B, Hq, Sq] fp32
+        mBounds: cute.Tensor,  # [Bm, Hm, Sk, 4] int32
+        mTileList: cute.Tensor,  # [Bm, Hm, Tm, Tn] int32: key tile << 1 | partial
+        mTileCount: cute.Tensor,  # [Bm, Hm, Tm] int32
+        softmax_scale: Float32,
+        qheads_per_kvhead: Int32,
+        qheads_per_maskhead: Int32,
+        mask_batch_stride: Int32,
+        stream: cuda.CUstream,
+    ):
+        mQ, mK, mV, mO = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mO))
+        mLSE = _select(mLSE, [2, 1, 0])  # (Sq, Hq, B)
+        sQ_layout = self._smem_layout(self.tile_m, None)
+        sKV_layout = self._smem_layout(self.tile_n, self.num_stages)
+        kv_tile = cute.select(sKV_layout, mode=[0, 1])
+        tiled_mma_qk = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_consumer_wgs, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.num_consumer_wgs, 1, 1), tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.head_dim))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, kv_tile, (self.tile_n, self.head_dim), 1)
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, kv_tile, (self.tile_n, self.head_dim), 1)
+        q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+        kv_bytes = cute.size_in_bytes(self.dtype, kv_tile)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tma_mQ, tma_mK, tma_mV, mO, mLSE, mBounds, mTileList, mTileCount,
+            tma_q, tma_k, tma_v, q_bytes, kv_bytes,
+            Float32(softmax_scale * LOG2_E), qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
+            sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mBounds: cute.Tensor,
+        mTileList: cute.Tensor,
+        mTileCount: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        q_bytes: cutlass.Constexpr[int],
+        kv_bytes: cutlass.Constexpr[int],
+        scale_log2: Float32,
+        qheads_per_kvhead: Int32,
+        qheads_per_maskhead: Int32,
+        mask_batch_stride: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=q_bytes, defer_sync=True,
+        )
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=kv_bytes, defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=kv_bytes, defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+
+        mask_batch = batch * mask_batch_stride
+        mask_head = head // qheads_per_maskhead
+        num_tiles = mTileCount[mask_batch, mask_head, m_block]
+        tiles = mTileList[mask_batch, mask_head, m_block, None]
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                          m_block, head, head // qheads_per_kvhead, batch, tiles, num_tiles)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(mO, mLSE, mBounds, sQ, sK, transpose_view(sV), tiled_mma_qk, tiled_mma_pv,
+                         pipe_q, pipe_k, pipe_v, tidx - 128, scale_log2, m_block, head, batch,
+                         mask_batch, mask_head, tiles, num_tiles, mQ.shape[0], mK.shape[0])
+
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+             m_block, head, head_kv, batch, tiles, num_tiles):
+        """Producer warp: Q once, then K and V of every listed key tile."""
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for i in cutlass.range(num_tiles, unroll=1):
+            n_block = tiles[i] >> 1
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+
+    @cute.jit
+    def consume(self, mO, mLSE, mBounds, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
+                tidx, scale_log2, m_block, head, batch, mask_batch, mask_head, tiles, num_tiles,
+                seqlen_q, seqlen_k):
+        """Consumer warpgroups: the masked online-softmax main loop and the epilogue."""
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_O.fill(0.0)
+        s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
+        s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        row_max = cute.make_rmem_tensor(cute.size(acc_rows_view(acc_O), mode=[0]), Float32)
+        row_sum = cute.make_rmem_tensor_like(row_max, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        row_start = m_block * self.tile_m
+        causal_offset = seqlen_k - seqlen_q
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for i in cutlass.range(num_tiles, unroll=1):
+            entry = tiles[i]
+            acc_S = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_k.consumer_wait(state)
+            _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state)
+            if (entry & 1) != 0:
+                apply_column_mask(acc_S, s_coords, mBounds, mask_batch, mask_head, row_start,
+                                  (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal)
+            softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
+            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            pipe_v.consumer_wait(state)
+            _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state)
+            state.advance()
+
+        lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2)
+        self.store(acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def store(self, acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q):
+        """Epilogue: O in the input dtype and the LSE, rows past seqlen_q left unwritten."""
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        o_rows = acc_rows_view(rO)
+        coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        gO = mO[None, None, head, batch]
+        for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
+            row = m_block * self.tile_m + coords[r, 0][0]
+            if row < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                    gO[row, coords[r, c][1]] = o_rows[r, c]
+                if coords[r, 0][1] == 0:
+                    mLSE[row, head, batch] = lse[r]

@@ -1,0 +1,154 @@
+"""Torch-facing side of the CuTe DSL kernels: support checks, compile cache, launch, autograd.
+
+`cute_attention(q, k, v, mask, softmax_scale)` runs the Hopper forward kernel. Its backward is the
+reference's explicit backward from the kernel's LSE until the CuTe backward lands (issue 4), so the
+backend is already usable in training, just not fast there.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..reference import ColumnMask
+from ..reference import attention as reference
+from .tile_plan import full_mask, make_tile_plan
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_HEAD_DIMS = (64, 128)
+_compiled: dict[tuple, object] = {}
+compile_seconds: dict[tuple, float] = {}
+"""Wall time of each compilation, keyed like the cache: (dtype, head_dim, causal)."""
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the cute backend cannot run these inputs, or None if it can."""
+    if not q.is_cuda:
+        return "backend='cute' needs CUDA tensors"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"backend='cute' needs a Hopper GPU (sm_90), got {torch.cuda.get_device_name(q.device)}"
+    if q.dtype not in _DTYPES:
+        return f"backend='cute' takes bf16 or fp16 inputs, got {q.dtype}"
+    if q.shape[-1] not in _HEAD_DIMS:
+        return f"backend='cute' takes head_dim 64 or 128, got {q.shape[-1]}"
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        return "backend='cute' needs nvidia-cutlass-dsl (pip install 'flashmask3[gpu]')"
+    return None
+
+
+def _to_cute(t: torch.Tensor):
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, args: list):
+    key = (dtype, head_dim, causal)
+    if key not in _compiled:
+        import cutlass
+        import cutlass.cute as cute
+
+        from .flash_fwd_sm90 import FlashMaskForwardSm90
+
+        cute_dtype = cutlass.BFloat16 if dtype == torch.bfloat16 else cutlass.Float16
+        start = time.perf_counter()
+        _compiled[key] = cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal), *args)
+        compile_seconds[key] = time.perf_counter() - start
+    return _compiled[key]
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: ColumnMask | None,
+    softmax_scale: float,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) from the Hopper kernel, tile plan included.
+
+    `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
+    """
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32
+
+    from .flash_fwd_sm90 import FlashMaskForwardSm90 as Kernel
+
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if mask is None:
+        mask = full_mask(b, sq, sk, q.device)
+    plan = make_tile_plan(mask, Kernel.tile_m, Kernel.tile_n)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
+    tensors = [_to_cute(t) for t in (q, k, v, out, lse, plan.bounds, plan.tiles, plan.counts)]
+    scalars = [Float32(softmax_scale), Int32(hq // hkv), Int32(hq // mask.heads), Int32(mask.batch // b)]
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    kernel = _kernel(q.dtype, d, mask.causal, [*tensors, *scalars, stream])
+    kernel(*tensors, *scalars, stream)
+    return out, lse
+
+
+class CuteAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, softmax_scale):
+        out, lse = forward(q, k, v, mask, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.softmax_scale = mask, softmax_scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = reference.backward(dout, q, k, v, out, lse, ctx.mask, ctx.softmax_scale, q.dtype)
+        return (*(g.to(q.dtype) for g in grads), None, None)
+
+
+def cute_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ColumnMask | None, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    reason = unsupported_reason(q, k)
+    if reason:
+        raise ValueError(reason)
+    return CuteAttention.apply(q, k, v, mask, softmax_scale)
+
+
+def compile_check(dtype: str = "bf16", head_dim: int = 128, causal: bool = True) -> float:
+    """Compile the forward kernel for sm_90a without a GPU (fake tensors); return seconds taken.
+
+    Set CUTE_DSL_ARCH=sm_90a first when no GPU is present.
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from .flash_fwd_sm90 import FlashMaskForwardSm90
+
+    cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
+    b, sq, sk, hq, hkv = (cute.sym_int32() for _ in range(5))
+    bm, hm, tm, tn = (cute.sym_int32() for _ in range(4))
+
+    def fake(dt, shape):
+        return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
+
+    args = [
+        fake(cute_dtype, (b, sq, hq, head_dim)),
+        fake(cute_dtype, (b, sk, hkv, head_dim)),
+        fake(cute_dtype, (b, sk, hkv, head_dim)),
+        fake(cute_dtype, (b, sq, hq, head_dim)),
+        fake(cutlass.Float32, (b, hq, sq)),
+        fake(cutlass.Int32, (bm, hm, sk, 4)),
+        fake(cutlass.Int32, (bm, hm, tm, tn)),
+        fake(cutlass.Int32, (bm, hm, tm)),
+        Float32(0.1), Int32(1), Int32(1), Int32(1),
+        cute.runtime.make_fake_stream(),
+    ]
+    start = time.perf_counter()
+    cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal), *args)
+    return time.perf_counter() - start

@@ -1,0 +1,46 @@
+"""The kernels' tile plan, computed on the mask's device: per query tile, the compacted list of
+key tiles that are not fully masked, each flagged PARTIAL or UNMASKED.
+
+It is FlashMask's classification (per-key-block min/max of the boundary vectors, as
+`ColumnMask.block_classes` defines it) followed by a stable compaction, a handful of tensor ops
+whose cost is O(B * Hm * Tm * Tn) and is counted in the kernel timings.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..reference import PARTIAL, SKIP, ColumnMask
+
+
+class TilePlan(NamedTuple):
+    bounds: torch.Tensor  # int32 [Bm, Hm, Sk, 4]: LTS, LTE, UTS, UTE per key
+    tiles: torch.Tensor  # int32 [Bm, Hm, Tm, Tn]: key tile << 1 | partial, listed first
+    counts: torch.Tensor  # int32 [Bm, Hm, Tm]: number of listed key tiles
+
+
+def full_mask(batch: int, seqlen_q: int, seqlen_k: int, device) -> ColumnMask:
+    """No masking: non-causal [LTS, UTE] = [Sq, 0] for every key."""
+    idx = torch.empty(1, 1, seqlen_k, 2, dtype=torch.int32, device=device)
+    idx[..., 0], idx[..., 1] = seqlen_q, 0
+    return ColumnMask(idx, False, seqlen_q)
+
+
+def make_tile_plan(mask: ColumnMask, tile_m: int, tile_n: int) -> TilePlan:
+    classes = mask.block_classes(tile_m, tile_n).classes
+    if mask.seqlen_k % tile_n:
+        # The ragged last key tile always needs the bounds check.
+        last = classes[..., -1]
+        classes[..., -1] = torch.where(last == SKIP, last, torch.full_like(last, PARTIAL))
+    keep = classes != SKIP
+    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+    tile_ids = order.to(torch.int32)
+    flags = (torch.gather(classes, -1, order) == PARTIAL).to(torch.int32)
+    bounds = torch.stack(mask.intervals(), dim=-1).to(torch.int32).contiguous()
+    return TilePlan(
+        bounds=bounds,
+        tiles=((tile_ids << 1) | flags).contiguous(),
+        counts=keep.sum(-1, dtype=torch.int32).contiguous(),
+    )

@@ -1,0 +1,174 @@
+"""Forward kernel on the H200: correctness against the reference, then speed against the peers.
+
+    python scripts/bench_fwd.py check                 # every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
+    python scripts/bench_fwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
+
+Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x the error of the
+same computation in the input precision), on poisoned output buffers. Speed: CUDA events, warm-up,
+median over several input sets; TFLOP/s counts only unmasked work (4 B H Sq Sk D density) and the
+cute time includes the tile plan. Peers in the same run: FlexAttention (compiled, BlockMask 128
+built once outside the timing), FA4 and cuDNN SDPA where the mask is plain full/causal.
+Writes JSON to $OUT (or bench/results/) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flashmask3 as fm  # noqa: E402
+from flashmask3 import peers  # noqa: E402
+from flashmask3.bench import attention_flops  # noqa: E402
+from flashmask3.optimized import compile_seconds  # noqa: E402
+from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
+from flashmask3.reference import ColumnMask, masks  # noqa: E402
+from flashmask3.verify import compare, random_inputs  # noqa: E402
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
+    q, k, v, _ = random_inputs(b, sq, sk, hq, hkv, d, dtype, "cuda", seed=seed)
+    report = compare("cute", q, k, v, mask)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((b, hq, sq), math.nan, device="cuda")
+    cute_forward(q, k, v, mask, 1 / math.sqrt(d), out=out, lse=lse)
+    torch.cuda.synchronize()
+    unwritten = int(out.isnan().sum() + lse.isnan().sum())
+    ok = report.passed and unwritten == 0
+    return {
+        "mask": name, "b": b, "sq": sq, "sk": sk, "hq": hq, "hkv": hkv, "d": d, "dtype": str(dtype)[6:],
+        "err_out": report.errors["out"], "err_lse": report.errors["lse"],
+        "tol_out": report.tolerance("out"), "tol_lse": report.tolerance("lse"),
+        "unwritten": unwritten, "notes": report.notes, "passed": ok,
+    }
+
+
+def run_check() -> list[dict]:
+    rows, seed = [], 0
+    for name in masks.MASK_NAMES:
+        for sq, d, dtype in ((1024, 128, torch.bfloat16), (1531, 64, torch.float16), (2048, 128, torch.float16)):
+            seed += 1
+            mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device="cuda")
+            rows.append(check_case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed))
+    # Sq != Sk (causal bottom-right), MQA, and no mask.
+    for sq, sk in ((700, 1300), (1300, 700)):
+        mask = ColumnMask(torch.full((1, 1, sk, 1), sq, dtype=torch.int32, device="cuda"), True, sq)
+        rows.append(check_case("causal_sq!=sk", mask, 1, sq, sk, 8, 1, 128, torch.bfloat16, seed + sq))
+        rows.append(check_case("none_sq!=sk", None, 1, sq, sk, 8, 1, 64, torch.bfloat16, seed + sk))
+    return rows
+
+
+def bench_ms(fn, inputs, warmup=3, repeats=10) -> float:
+    """Median ms over `repeats` calls per input set, cycling through the sets (CUDA events)."""
+    for _ in range(warmup):
+        for x in inputs:
+            fn(*x)
+    times = []
+    for _ in range(repeats):
+        for x in inputs:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*x)
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def fa4_fn(causal: bool):
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as exc:  # the peer wheels may not be carried
+        print("FA4 unavailable:", exc)
+        return None
+    return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
+
+
+def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str]) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    heads = 4096 // head_dim
+    for seqlen in seqlens:
+        batch = max(1, 131072 // seqlen)
+        inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
+                  for s in range(3)]
+        scale = 1 / math.sqrt(head_dim)
+        for name in mask_names:
+            mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
+            density = mask.density()
+            flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
+            row = {"mask": name, "seqlen": seqlen, "batch": batch, "heads": heads, "head_dim": head_dim,
+                   "density": density}
+            row["cute_ms"] = bench_ms(lambda q, k, v: cute_forward(q, k, v, mask, scale), inputs)
+            start = time.perf_counter()
+            block_mask = peers.flex_block_mask(mask, batch, heads, seqlen, seqlen, "cuda")
+            torch.cuda.synchronize()
+            row["flex_block_mask_s"] = time.perf_counter() - start
+            row["flex_ms"] = bench_ms(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask), inputs)
+            if name in ("full", "causal"):
+                causal = name == "causal"
+                fa4 = fa4_fn(causal)
+                if fa4 is not None:
+                    row["fa4_ms"] = bench_ms(fa4, inputs)
+                bhsd = [tuple(x.transpose(1, 2) for x in inp) for inp in inputs]
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    row["cudnn_ms"] = bench_ms(
+                        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), bhsd)
+            for key in [k for k in row if k.endswith("_ms")]:
+                row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["check", "bench", "all"])
+    parser.add_argument("--seqlens", default="8192")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
+    args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"commit": commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__}
+    if args.what in ("check", "all"):
+        result["check"] = run_check()
+        result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
+        print(f"{'case':24s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_out':>9s} {'tol':>9s} {'err_lse':>9s} ok")
+        for r in result["check"]:
+            print(f"{r['mask']:24s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} {r['err_out']:9.2e} "
+                  f"{r['tol_out']:9.2e} {r['err_lse']:9.2e} {'ok' if r['passed'] else 'FAIL ' + str(r['notes']) + ' unwritten=' + str(r['unwritten'])}")
+        print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
+              f"{sum(not r['passed'] for r in result['check'])} failed; compile s: {result['compile_s']}")
+    if args.what in ("bench", "all"):
+        result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","))
+        print(f"{'mask':24s} {'S':>6s} {'dens':>5s} {'cute':>6s} {'flex':>6s} {'x flex':>6s} {'fa4':>6s} {'cudnn':>6s}")
+        for r in result["bench"]:
+            print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
+                  f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_tflops', float('nan')):6.0f} "
+                  f"{r.get('cudnn_tflops', float('nan')):6.0f}")
+    name = f"fwd_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    (out_dir / name).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
