@@ -28,6 +28,7 @@ from .mask import apply_column_mask
 from .softmax import softmax_finalize, softmax_update
 
 LOG2_E = math.log2(math.e)
+_MMA_TURN = 1  # named barriers 1 and 2: whose turn on the tensor cores (0 is sync_threads)
 
 
 def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
@@ -260,11 +261,17 @@ class FlashMaskForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # Ping-pong: the two warpgroups take turns on the tensor cores (PV of one tile and QK of
+        # the next), so one warpgroup's softmax runs under the other's GEMMs. Warpgroup 0 starts.
+        if wg == 0:
+            cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
+        cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
         for i in cutlass.range(num_tiles, unroll=1):
             entry = tiles[i]
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             pipe_k.consumer_wait(state)
             _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+            cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             if (entry & 1) != 0:
@@ -273,10 +280,12 @@ class FlashMaskForwardSm90:
             softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             pipe_v.consumer_wait(state)
+            cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
             _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
             state.advance()
+        cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
 
         lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2)
         self.store(acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q)
