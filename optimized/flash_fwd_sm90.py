@@ -61,12 +61,15 @@ class FlashMaskForwardSm90:
     producer_regs = 24
     consumer_regs = 240
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, num_stages: int = 2):
+    def __init__(
+        self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, mask_width: int, num_stages: int = 2
+    ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
+        self.mask_width = mask_width
         self.num_stages = num_stages
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
@@ -87,7 +90,7 @@ class FlashMaskForwardSm90:
         mV: cute.Tensor,  # [B, Sk, Hkv, D]
         mO: cute.Tensor,  # [B, Sq, Hq, D]
         mLSE: cute.Tensor,  # [B, Hq, Sq] fp32
-        mBounds: cute.Tensor,  # [Bm, Hm, Sk, 4] int32
+        mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
         mTileList: cute.Tensor,  # [Bm, Hm, Tm, Tn] int32: key tile << 1 | partial
         mTileCount: cute.Tensor,  # [Bm, Hm, Tm] int32
         softmax_scale: Float32,
@@ -128,7 +131,7 @@ class FlashMaskForwardSm90:
 
         grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, mO, mLSE, mBounds, mTileList, mTileCount,
+            tma_mQ, tma_mK, tma_mV, mO, mLSE, mRowIndices, mTileList, mTileCount,
             tma_q, tma_k, tma_v, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
             sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
@@ -142,7 +145,7 @@ class FlashMaskForwardSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
-        mBounds: cute.Tensor,
+        mRowIndices: cute.Tensor,
         mTileList: cute.Tensor,
         mTileCount: cute.Tensor,
         tma_q: cute.CopyAtom,
@@ -201,7 +204,7 @@ class FlashMaskForwardSm90:
                           m_block, head, head // qheads_per_kvhead, batch, tiles, num_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mO, mLSE, mBounds, sQ, sK, transpose_view(sV), tiled_mma_qk, tiled_mma_pv,
+            self.consume(mO, mLSE, mRowIndices, sQ, sK, transpose_view(sV), tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tidx - 128, scale_log2, m_block, head, batch,
                          mask_batch, mask_head, tiles, num_tiles, mQ.shape[0], mK.shape[0])
 
@@ -234,7 +237,7 @@ class FlashMaskForwardSm90:
             state.advance()
 
     @cute.jit
-    def consume(self, mO, mLSE, mBounds, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
+    def consume(self, mO, mLSE, mRowIndices, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
                 tidx, scale_log2, m_block, head, batch, mask_batch, mask_head, tiles, num_tiles,
                 seqlen_q, seqlen_k):
         """Consumer warpgroups: the masked online-softmax main loop and the epilogue."""
@@ -275,8 +278,8 @@ class FlashMaskForwardSm90:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             if (entry & 1) != 0:
-                apply_column_mask(acc_S, s_coords, mBounds, mask_batch, mask_head, row_start,
-                                  (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal)
+                apply_column_mask(acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start,
+                                  (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal, self.mask_width)
             softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             pipe_v.consumer_wait(state)

@@ -19,7 +19,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128)
 _compiled: dict[tuple, object] = {}
 compile_seconds: dict[tuple, float] = {}
-"""Wall time of each compilation, keyed like the cache: (dtype, head_dim, causal)."""
+"""Wall time of each compilation, keyed like the cache: (dtype, head_dim, causal, mask width)."""
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -45,8 +45,8 @@ def _to_cute(t: torch.Tensor):
     return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, args: list):
-    key = (dtype, head_dim, causal)
+def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list):
+    key = (dtype, head_dim, causal, width)
     if key not in _compiled:
         import cutlass
         import cutlass.cute as cute
@@ -55,7 +55,7 @@ def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, args: list):
 
         cute_dtype = cutlass.BFloat16 if dtype == torch.bfloat16 else cutlass.Float16
         start = time.perf_counter()
-        _compiled[key] = cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal), *args)
+        _compiled[key] = cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal, width), *args)
         compile_seconds[key] = time.perf_counter() - start
     return _compiled[key]
 
@@ -86,10 +86,11 @@ def forward(
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
-    tensors = [_to_cute(t) for t in (q, k, v, out, lse, plan.bounds, plan.tiles, plan.counts)]
+    row_indices = mask.startend_row_indices.contiguous()
+    tensors = [_to_cute(t) for t in (q, k, v, out, lse, row_indices, plan.tiles, plan.counts)]
     scalars = [Float32(softmax_scale), Int32(hq // hkv), Int32(hq // mask.heads), Int32(mask.batch // b)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel = _kernel(q.dtype, d, mask.causal, [*tensors, *scalars, stream])
+    kernel = _kernel(q.dtype, d, mask.causal, row_indices.shape[-1], [*tensors, *scalars, stream])
     kernel(*tensors, *scalars, stream)
     return out, lse
 
@@ -119,7 +120,7 @@ def cute_attention(
     return CuteAttention.apply(q, k, v, mask, softmax_scale)
 
 
-def compile_check(dtype: str = "bf16", head_dim: int = 128, causal: bool = True) -> float:
+def compile_check(dtype: str = "bf16", head_dim: int = 128, causal: bool = True, width: int = 1) -> float:
     """Compile the forward kernel for sm_90a without a GPU (fake tensors); return seconds taken.
 
     Set CUTE_DSL_ARCH=sm_90a first when no GPU is present.
@@ -143,12 +144,12 @@ def compile_check(dtype: str = "bf16", head_dim: int = 128, causal: bool = True)
         fake(cute_dtype, (b, sk, hkv, head_dim)),
         fake(cute_dtype, (b, sq, hq, head_dim)),
         fake(cutlass.Float32, (b, hq, sq)),
-        fake(cutlass.Int32, (bm, hm, sk, 4)),
+        fake(cutlass.Int32, (bm, hm, sk, width)),
         fake(cutlass.Int32, (bm, hm, tm, tn)),
         fake(cutlass.Int32, (bm, hm, tm)),
         Float32(0.1), Int32(1), Int32(1), Int32(1),
         cute.runtime.make_fake_stream(),
     ]
     start = time.perf_counter()
-    cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal), *args)
+    cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal, width), *args)
     return time.perf_counter() - start

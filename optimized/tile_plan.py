@@ -16,7 +16,6 @@ from ..reference import PARTIAL, SKIP, ColumnMask
 
 
 class TilePlan(NamedTuple):
-    bounds: torch.Tensor  # int32 [Bm, Hm, Sk, 4]: LTS, LTE, UTS, UTE per key
     tiles: torch.Tensor  # int32 [Bm, Hm, Tm, Tn]: key tile << 1 | partial, listed first
     counts: torch.Tensor  # int32 [Bm, Hm, Tm]: number of listed key tiles
 
@@ -38,9 +37,7 @@ def make_tile_plan(mask: ColumnMask, tile_m: int, tile_n: int) -> TilePlan:
     order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
     tile_ids = order.to(torch.int32)
     flags = (torch.gather(classes, -1, order) == PARTIAL).to(torch.int32)
-    bounds = torch.stack(mask.intervals(), dim=-1).to(torch.int32).contiguous()
     return TilePlan(
-        bounds=bounds,
         tiles=((tile_ids << 1) | flags).contiguous(),
         counts=keep.sum(-1, dtype=torch.int32).contiguous(),
     )

@@ -14,6 +14,7 @@ Writes JSON to $OUT (or bench/results/) and prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -108,8 +109,10 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str]) -> list[
     heads = 4096 // head_dim
     for seqlen in seqlens:
         batch = max(1, 131072 // seqlen)
+        sets, repeats = (3, 10) if seqlen <= 8192 else (2, 4)  # longer runs: fewer, still >= 8 samples
         inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
-                  for s in range(3)]
+                  for s in range(sets)]
+        bench = functools.partial(bench_ms, repeats=repeats)
         scale = 1 / math.sqrt(head_dim)
         for name in mask_names:
             mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
@@ -117,20 +120,20 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str]) -> list[
             flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
             row = {"mask": name, "seqlen": seqlen, "batch": batch, "heads": heads, "head_dim": head_dim,
                    "density": density}
-            row["cute_ms"] = bench_ms(lambda q, k, v: cute_forward(q, k, v, mask, scale), inputs)
+            row["cute_ms"] = bench(lambda q, k, v: cute_forward(q, k, v, mask, scale), inputs)
             start = time.perf_counter()
             block_mask = peers.flex_block_mask(mask, batch, heads, seqlen, seqlen, "cuda")
             torch.cuda.synchronize()
             row["flex_block_mask_s"] = time.perf_counter() - start
-            row["flex_ms"] = bench_ms(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask), inputs)
+            row["flex_ms"] = bench(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask), inputs)
             if name in ("full", "causal"):
                 causal = name == "causal"
                 fa4 = fa4_fn(causal)
                 if fa4 is not None:
-                    row["fa4_ms"] = bench_ms(fa4, inputs)
+                    row["fa4_ms"] = bench(fa4, inputs)
                 bhsd = [tuple(x.transpose(1, 2) for x in inp) for inp in inputs]
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    row["cudnn_ms"] = bench_ms(
+                    row["cudnn_ms"] = bench(
                         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), bhsd)
             for key in [k for k in row if k.endswith("_ms")]:
                 row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12

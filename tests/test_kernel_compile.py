@@ -7,11 +7,11 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installe
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [True, False])
-def test_forward_kernel_compiles_for_sm90a(dtype, head_dim, causal):
+@pytest.mark.parametrize("causal, width", [(True, 1), (True, 2), (False, 2), (False, 4)])
+def test_forward_kernel_compiles_for_sm90a(dtype, head_dim, causal, width):
     from flashmask3.optimized import compile_check
 
-    seconds = compile_check(dtype, head_dim, causal)
+    seconds = compile_check(dtype, head_dim, causal, width)
     assert 0 < seconds < 120
 
 
@@ -19,4 +19,4 @@ def test_unsupported_head_dim_is_refused():
     from flashmask3.optimized.flash_fwd_sm90 import FlashMaskForwardSm90
 
     with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
-        FlashMaskForwardSm90(cutlass.BFloat16, 96, True)
+        FlashMaskForwardSm90(cutlass.BFloat16, 96, True, 1)
