@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .reference import ColumnMask
+from .reference import PARTIAL, UNMASKED, ColumnMask
 
 
 def _dense_heads(mask: ColumnMask, heads_q: int) -> torch.Tensor:
@@ -64,17 +64,44 @@ def column_mask_mod(mask: ColumnMask, batch: int, heads_q: int):
     return mask_mod
 
 
-def flex_block_mask(mask: ColumnMask | None, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device):
-    """BlockMask (128 x 128) for FlexAttention; None for full attention."""
+_DENSE_BLOCK_MASK_LIMIT = 2**33  # mask elements create_block_mask may evaluate at once
+
+
+def flex_block_mask(
+    mask: ColumnMask | None, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device, from_tiles: bool | None = None
+):
+    """BlockMask (128 x 128) for FlexAttention; None for full attention.
+
+    By default FlexAttention's own `create_block_mask` classifies the blocks, exactly; it evaluates
+    the whole mask, which does not fit in memory at 128K tokens. Beyond that size (or with
+    `from_tiles=True`) the blocks come from `ColumnMask.block_classes` instead: the same SKIP
+    blocks, and PARTIAL blocks where create_block_mask might find some full.
+    """
     if mask is None:
         return None
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     mask_mod = column_mask_mod(mask, batch, heads_q)
-    heads = None if mask.heads == 1 else heads_q
-    return create_block_mask(
-        mask_mod, batch if mask.batch > 1 else None, heads, seqlen_q, seqlen_k, device=device,
-        BLOCK_SIZE=128, _compile=torch.device(device).type == "cuda",
+    heads = 1 if mask.heads == 1 else heads_q
+    if from_tiles is None:
+        from_tiles = mask.batch * heads * seqlen_q * seqlen_k > _DENSE_BLOCK_MASK_LIMIT
+    if not from_tiles:
+        return create_block_mask(
+            mask_mod, batch if mask.batch > 1 else None, None if heads == 1 else heads, seqlen_q, seqlen_k,
+            device=device, BLOCK_SIZE=128, _compile=torch.device(device).type == "cuda",
+        )
+    classes = mask.to(device).block_classes(128, 128).classes
+    if heads != mask.heads:
+        classes = classes.repeat_interleave(heads // mask.heads, dim=1)
+
+    def listed(selected):
+        order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return selected.sum(-1, dtype=torch.int32), order.contiguous()
+
+    partial_num, partial_idx = listed(classes == PARTIAL)
+    full_num, full_idx = listed(classes == UNMASKED)
+    return BlockMask.from_kv_blocks(
+        partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=128, mask_mod=mask_mod, seq_lengths=(seqlen_q, seqlen_k)
     )
 
 

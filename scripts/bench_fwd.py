@@ -37,8 +37,12 @@ from flashmask3.verify import compare, random_inputs  # noqa: E402
 
 
 def commit() -> str:
+    """The commit measured: $FLASHMASK3_COMMIT (the device copy has no .git), else git's HEAD."""
+    if os.environ.get("FLASHMASK3_COMMIT"):
+        return os.environ["FLASHMASK3_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else "unknown"
     except OSError:
         return "unknown"
 

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashmask3 as fm
+from flashmask3 import peers
 from conftest import random_column_mask
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
@@ -63,6 +64,15 @@ def test_matches_torch_sdpa_backend():
     q, k, v, _ = random_inputs(1, 500, 500, 4, 2, 64, torch.float64)
     ref = fm.attention(q, k, v, mask, backend="reference")
     torch.testing.assert_close(ref, fm.attention(q, k, v, mask, backend="sdpa"), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("from_tiles", [False, True])
+def test_flex_block_mask_from_our_tile_classes(from_tiles):
+    mask = masks.build("random_eviction", 300, batch=2, heads=4)
+    q, k, v, _ = random_inputs(2, 300, 300, 4, 2, 32, torch.float32)
+    block_mask = peers.flex_block_mask(mask, 2, 4, 300, 300, "cpu", from_tiles=from_tiles)
+    out, _ = peers.flex_attention(q, k, v, mask, 1 / math.sqrt(32), block_mask)
+    torch.testing.assert_close(out, fm.attention(q, k, v, mask, backend="reference"), rtol=1e-5, atol=1e-5)
 
 
 def test_flex_backend_forward_on_cpu():
