@@ -1,0 +1,14 @@
+"""Context parallelism: chunk plans, zero-communication mask localization, the sparsity-aware
+balancer and mask-aware all-gather / ring / all-gather CP attention on torch.distributed."""
+
+from .balance import balance, chunk_loads, imbalance
+from .cp_attention import SCHEMES, CPConfig, CPStats, cp_attention
+from .localize import local_rows_below, localize
+from .plan import CPPlan, contiguous_assignment, make_plan, zigzag_assignment
+
+__all__ = [
+    "CPPlan", "make_plan", "contiguous_assignment", "zigzag_assignment",
+    "localize", "local_rows_below",
+    "balance", "chunk_loads", "imbalance",
+    "CPConfig", "CPStats", "SCHEMES", "cp_attention",
+]

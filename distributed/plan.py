@@ -1,0 +1,108 @@
+"""How a sequence is cut into chunks and which rank holds which: the CP plan.
+
+The sequence (Sq = Sk = S) is cut into C = k * R equal chunks; rank r holds k of them, its local
+tokens being those chunks concatenated in increasing order. Assignments: contiguous, zigzag
+(dual-chunk: rank r gets chunks r and 2R-1-r, repeated for k > 2), and the sparsity-aware balancer's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """Chunk layout of one context-parallel run.
+
+    Args:
+        seqlen: global sequence length S (queries and keys).
+        chunk_size: tokens per chunk; S must be a multiple of it.
+        assignment: for each rank, its chunk ids (sorted); every rank holds the same number.
+    """
+
+    seqlen: int
+    chunk_size: int
+    assignment: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.seqlen % self.chunk_size:
+            raise ValueError(f"seqlen {self.seqlen} must be a multiple of chunk_size {self.chunk_size}")
+        chunks = sorted(c for rank in self.assignment for c in rank)
+        if chunks != list(range(self.num_chunks)):
+            raise ValueError(f"assignment must use every chunk 0..{self.num_chunks - 1} exactly once, got {chunks}")
+        if len({len(r) for r in self.assignment}) != 1:
+            raise ValueError("every rank must hold the same number of chunks (equal token counts)")
+        if any(list(r) != sorted(r) for r in self.assignment):
+            raise ValueError("each rank's chunk ids must be sorted")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.assignment)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.seqlen // self.chunk_size
+
+    @property
+    def local_len(self) -> int:
+        return len(self.assignment[0]) * self.chunk_size
+
+    def owner(self, chunk: int) -> int:
+        return next(r for r, chunks in enumerate(self.assignment) if chunk in chunks)
+
+    def token_index(self, rank: int) -> torch.Tensor:
+        """Global positions of rank's local tokens, in local order."""
+        return torch.cat([torch.arange(c * self.chunk_size, (c + 1) * self.chunk_size) for c in self.assignment[rank]])
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+        """Rank's local part of a full-sequence tensor (e.g. [B, S, H, D] along dim 1)."""
+        return x.index_select(dim, self.token_index(rank).to(x.device))
+
+    def unshard(self, parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """Inverse of `shard`: the full-sequence tensor from every rank's local part."""
+        full = torch.cat(parts, dim=dim)
+        order = torch.cat([self.token_index(r) for r in range(self.world_size)])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return full.index_select(dim, inverse.to(full.device))
+
+
+def contiguous_assignment(world_size: int, chunks_per_rank: int) -> tuple[tuple[int, ...], ...]:
+    k = chunks_per_rank
+    return tuple(tuple(range(r * k, (r + 1) * k)) for r in range(world_size))
+
+
+def zigzag_assignment(world_size: int, chunks_per_rank: int) -> tuple[tuple[int, ...], ...]:
+    """Dual-chunk swap: in each group of 2R chunks, rank r takes chunks r and 2R-1-r."""
+    if chunks_per_rank % 2:
+        raise ValueError(f"zigzag needs an even number of chunks per rank, got {chunks_per_rank}")
+    out = []
+    for r in range(world_size):
+        chunks = []
+        for g in range(chunks_per_rank // 2):
+            base = g * 2 * world_size
+            chunks += [base + r, base + 2 * world_size - 1 - r]
+        out.append(tuple(sorted(chunks)))
+    return tuple(out)
+
+
+def make_plan(seqlen: int, world_size: int, chunks_per_rank: int = 2, scheme: str = "zigzag", loads=None) -> CPPlan:
+    """A plan with `scheme` in contiguous | zigzag | balanced (needs per-chunk `loads`)."""
+    num_chunks = world_size * chunks_per_rank
+    if seqlen % num_chunks:
+        raise ValueError(f"seqlen {seqlen} must be a multiple of world_size * chunks_per_rank = {num_chunks}")
+    if scheme == "contiguous":
+        assignment = contiguous_assignment(world_size, chunks_per_rank)
+    elif scheme == "zigzag":
+        assignment = zigzag_assignment(world_size, chunks_per_rank)
+    elif scheme == "balanced":
+        from .balance import balance
+
+        if loads is None:
+            raise ValueError("scheme='balanced' needs the per-chunk loads (see balance.chunk_loads)")
+        assignment = balance(loads, world_size)
+    else:
+        raise ValueError(f"unknown assignment scheme {scheme!r}; accepted: contiguous, zigzag, balanced")
+    return CPPlan(seqlen, seqlen // num_chunks, assignment)
