@@ -41,6 +41,8 @@ def run_experiment(cfg: DictConfig) -> dict:
     """Run the experiment `cfg` describes, print a summary and return (and write) its record."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.cp.scheme != "none":
+        return _run_cp_experiment(cfg)
     dtype, device = DTYPES[cfg.dtype], cfg.device
     params = {k: v for k, v in OmegaConf.to_container(cfg.mask.params).items() if v is not None}
     mask = masks.build(cfg.mask.name, cfg.seqlen, cfg.batch, cfg.heads, cfg.seed, device, **params)
@@ -78,6 +80,29 @@ def run_experiment(cfg: DictConfig) -> dict:
     if cfg.seqlen <= cfg.check.max_seqlen:
         record["max_abs_err_vs_" + cfg.check.against] = _max_error(q, k, v, dout, mask, cfg, backward)
     _print_summary(record)
+    _write(record, cfg)
+    return record
+
+
+def _run_cp_experiment(cfg: DictConfig) -> dict:
+    from .cp_experiment import run_cp
+
+    if cfg.device != "cpu":
+        raise ValueError("the CP experiment spawns gloo processes on the CPU: use device=cpu")
+    record = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "commit": git_commit(),
+        "environment": environment("cpu"),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    } | run_cp(cfg)
+    c = record["cp"]
+    print(f"CP {c['scheme']} on {c['world_size']} gloo ranks, {c['assignment']} assignment, mask={cfg.mask.name} "
+          f"seqlen={cfg.seqlen}: imbalance {record['imbalance']:.3f}")
+    for rank, r in enumerate(record["per_rank"]):
+        print(f"  rank {rank}: fwd {r['fwd_s'] * 1e3:.1f} ms, fwd+bwd {r['total_s'] * 1e3:.1f} ms, "
+              f"sent {r['bytes_sent'] / 2**20:.2f} MiB")
+    errs = record["max_abs_err_vs_single_device"]
+    print("max abs error vs single device: " + "  ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     _write(record, cfg)
     return record
 

@@ -63,3 +63,14 @@ def test_command_line_entry_point(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "density" in result.stdout and "max abs error vs sdpa" in result.stdout
     assert len(list(tmp_path.glob("causal_document_reference_256_*.json"))) == 1
+
+
+def test_cp_job_matches_single_device(tmp_path):
+    cfg = config([f"logging.out_dir={tmp_path}", "cp=mask_aware", "cp.world_size=2", "seqlen=512",
+                  "mask=share_question", "heads=2", "kv_heads=1", "head_dim=16"])
+    record = run_experiment(cfg)
+    assert record["cp"]["scheme"] == "mask_aware" and len(record["per_rank"]) == 2
+    assert max(record["max_abs_err_vs_single_device"].values()) < 1e-5
+    assert 1.0 <= record["imbalance"] < 1.5
+    assert all(r["bytes_sent"] > 0 for r in record["per_rank"])
+    assert Path(record["path"]).exists()

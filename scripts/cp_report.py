@@ -1,0 +1,72 @@
+"""Load balance and communication of the CP schemes for the 12 masks (CPU, no GPU needed).
+
+    python scripts/cp_report.py --tokens-per-rank 8192 --ranks 4,8,16,32 --chunk 2048
+
+For every mask and CP size R (sequence = R x tokens-per-rank): the imbalance (max / mean rank
+workload, workload = non-skipped 128 x 128 tiles, partial tiles weighted) of the contiguous,
+zigzag and balanced assignments; the balancer's run time; and the KV bytes each scheme sends per
+layer (bf16, 8 KV heads x 128 = one GQA layer of hidden 4096), counted from the actual routes:
+plain all-gather and ring send every chunk to every other rank, the mask-aware all-gather only
+the chunks a receiver's queries can see. Writes JSON to bench/results/ (or $OUT), prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashmask3.distributed import CPConfig, balance, chunk_loads, imbalance, make_plan  # noqa: E402
+from flashmask3.distributed.cp_attention import _Layout  # noqa: E402
+from flashmask3.reference import masks  # noqa: E402
+
+KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens-per-rank", type=int, default=8192)
+    parser.add_argument("--ranks", default="4,8,16,32")
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
+    args = parser.parse_args()
+    rows = []
+    for world in (int(r) for r in args.ranks.split(",")):
+        seqlen = world * args.tokens_per_rank
+        per_rank = args.tokens_per_rank // args.chunk
+        for name in args.masks.split(","):
+            mask = masks.build(name, seqlen, seed=0)
+            loads = chunk_loads(mask, args.chunk)
+            start = time.perf_counter()
+            balanced = balance(loads, world)
+            balance_s = time.perf_counter() - start
+            row = {"mask": name, "ranks": world, "seqlen": seqlen, "chunk": args.chunk, "balance_s": balance_s}
+            for scheme in ("contiguous", "zigzag", "balanced"):
+                plan = make_plan(seqlen, world, per_rank, scheme, loads)
+                row[f"imbalance_{scheme}"] = imbalance(loads, plan.assignment)
+            plan = make_plan(seqlen, world, per_rank, "balanced", loads)
+            layout = _Layout(mask, plan, CPConfig(), rank=0)
+            sent_chunks = sum(len(c) for phase in layout.phases for c in phase.values())
+            full_chunks = plan.num_chunks * (world - 1)
+            row["kv_mb_allgather"] = full_chunks * args.chunk * KV_BYTES_PER_TOKEN / 2**20
+            row["kv_mb_mask_aware"] = sent_chunks * args.chunk * KV_BYTES_PER_TOKEN / 2**20
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"command": " ".join(["python", *sys.argv]), "rows": rows}
+    (out_dir / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json").write_text(json.dumps(result, indent=1))
+    print(f"{'mask':24s} {'R':>3s} {'contig':>7s} {'zigzag':>7s} {'balanced':>8s} {'bal ms':>7s} {'AG MB':>8s} {'MA MB':>8s}")
+    for r in rows:
+        print(f"{r['mask']:24s} {r['ranks']:3d} {r['imbalance_contiguous']:7.2f} {r['imbalance_zigzag']:7.2f} "
+              f"{r['imbalance_balanced']:8.3f} {r['balance_s'] * 1e3:7.1f} {r['kv_mb_allgather']:8.0f} "
+              f"{r['kv_mb_mask_aware']:8.0f}")
+
+
+if __name__ == "__main__":
+    main()
