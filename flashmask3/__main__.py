@@ -2,7 +2,9 @@
 
 Default: causal-document mask, 2K tokens, reference backend on the CPU. Prints the mask density,
 tile classes, forward / forward+backward time and TFLOP/s on unmasked work, and the max error vs
-an fp64 SDPA computation; writes a JSON record under `logging.out_dir`. Sweeps: `-m`.
+an fp64 SDPA computation; writes a JSON record under `logging.out_dir`. Sweeps: `-m`, e.g.
+`python -m flashmask3 -m mask=causal,document backend=reference,flex seqlen=2048,4096`;
+ablations: `+experiment=kernel_ablation` (H200), `+experiment=cp_ablation` (gloo processes).
 """
 
 from __future__ import annotations

@@ -14,6 +14,15 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
     return 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * density
 
 
+def progress(items, desc: str):
+    """A tqdm progress bar over `items` for long sweeps (plain iteration where tqdm is missing)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False)
+
+
 def time_fn(fn: Callable[[], object], warmup: int = 3, repeats: int = 10, device: torch.device | str = "cpu") -> float:
     """Median seconds per call: CUDA events on a GPU, perf_counter on the CPU."""
     cuda = torch.device(device).type == "cuda"

@@ -62,7 +62,14 @@ class FlashMaskForwardSm90:
     consumer_regs = 240
 
     def __init__(
-        self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, mask_width: int, num_stages: int = 2
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        causal: bool,
+        mask_width: int,
+        num_stages: int = 2,
+        pingpong: bool = True,
+        setmaxnreg: bool = True,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -71,6 +78,8 @@ class FlashMaskForwardSm90:
         self.causal = causal
         self.mask_width = mask_width
         self.num_stages = num_stages
+        self.pingpong = pingpong
+        self.setmaxnreg = setmaxnreg
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -198,12 +207,14 @@ class FlashMaskForwardSm90:
         tiles = mTileList[mask_batch, mask_head, m_block, None]
 
         if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if const_expr(self.setmaxnreg):
+                cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
                           m_block, head, head // qheads_per_kvhead, batch, tiles, num_tiles)
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
+            if const_expr(self.setmaxnreg):
+                cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mLSE, mRowIndices, sQ, sK, transpose_view(sV), tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tidx - 128, scale_log2, m_block, head, batch,
                          mask_batch, mask_head, tiles, num_tiles, mQ.shape[0], mK.shape[0])
@@ -266,15 +277,17 @@ class FlashMaskForwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # Ping-pong: the two warpgroups take turns on the tensor cores (PV of one tile and QK of
         # the next), so one warpgroup's softmax runs under the other's GEMMs. Warpgroup 0 starts.
-        if wg == 0:
-            cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
-        cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
+        if const_expr(self.pingpong):
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
+            cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
         for i in cutlass.range(num_tiles, unroll=1):
             entry = tiles[i]
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             pipe_k.consumer_wait(state)
             _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
-            cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             if (entry & 1) != 0:
@@ -283,12 +296,14 @@ class FlashMaskForwardSm90:
             softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             pipe_v.consumer_wait(state)
-            cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
             _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
             state.advance()
-        cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
 
         lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2)
         self.store(acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q)

@@ -7,7 +7,10 @@ backend is already usable in training, just not fast there.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -15,11 +18,41 @@ from ..reference import ColumnMask
 from ..reference import attention as reference
 from .tile_plan import full_mask, make_tile_plan
 
+@dataclass(frozen=True)
+class KernelOptions:
+    """Kernel features, on by default; switched off only for ablations (`kernel_options`)."""
+
+    num_stages: int = 2  # K/V pipeline depth
+    pingpong: bool = True  # the consumer warpgroups take turns on the tensor cores
+    setmaxnreg: bool = True  # move registers from the producer to the consumers
+    skip_tiles: bool = True  # leave fully masked tiles out of the tile lists
+
+    def __post_init__(self) -> None:
+        if self.num_stages not in (2, 3):
+            raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
+
+
+options = KernelOptions()
+"""The options `forward` uses; change them with `kernel_options(...)`."""
+
+
+@contextlib.contextmanager
+def kernel_options(**changes):
+    """Run the block with some kernel features changed, e.g. `kernel_options(pingpong=False)`."""
+    global options
+    saved = options
+    options = dataclasses.replace(options, **changes)
+    try:
+        yield options
+    finally:
+        options = saved
+
+
 _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128)
 _compiled: dict[tuple, object] = {}
 compile_seconds: dict[tuple, float] = {}
-"""Wall time of each compilation, keyed like the cache: (dtype, head_dim, causal, mask width)."""
+"""Wall time of each compilation, keyed like the cache: (dtype, head_dim, causal, mask width, options)."""
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -46,7 +79,7 @@ def _to_cute(t: torch.Tensor):
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list):
-    key = (dtype, head_dim, causal, width)
+    key = (dtype, head_dim, causal, width, options)
     if key not in _compiled:
         import cutlass
         import cutlass.cute as cute
@@ -55,7 +88,9 @@ def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: l
 
         cute_dtype = cutlass.BFloat16 if dtype == torch.bfloat16 else cutlass.Float16
         start = time.perf_counter()
-        _compiled[key] = cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal, width), *args)
+        kernel = FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, options.num_stages, options.pingpong,
+                                      options.setmaxnreg)
+        _compiled[key] = cute.compile(kernel, *args)
         compile_seconds[key] = time.perf_counter() - start
     return _compiled[key]
 
@@ -82,7 +117,7 @@ def forward(
     sk, hkv = k.shape[1], k.shape[2]
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
-    plan = make_tile_plan(mask, Kernel.tile_m, Kernel.tile_n)
+    plan = make_tile_plan(mask, Kernel.tile_m, Kernel.tile_n, options.skip_tiles)
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
@@ -120,7 +155,9 @@ def cute_attention(
     return CuteAttention.apply(q, k, v, mask, softmax_scale)
 
 
-def compile_check(dtype: str = "bf16", head_dim: int = 128, causal: bool = True, width: int = 1) -> float:
+def compile_check(
+    dtype: str = "bf16", head_dim: int = 128, causal: bool = True, width: int = 1, opts: KernelOptions = KernelOptions()
+) -> float:
     """Compile the forward kernel for sm_90a without a GPU (fake tensors); return seconds taken.
 
     Set CUTE_DSL_ARCH=sm_90a first when no GPU is present.
@@ -151,5 +188,6 @@ def compile_check(dtype: str = "bf16", head_dim: int = 128, causal: bool = True,
         cute.runtime.make_fake_stream(),
     ]
     start = time.perf_counter()
-    cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal, width), *args)
+    cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong,
+                                      opts.setmaxnreg), *args)
     return time.perf_counter() - start

@@ -27,8 +27,11 @@ def full_mask(batch: int, seqlen_q: int, seqlen_k: int, device) -> ColumnMask:
     return ColumnMask(idx, False, seqlen_q)
 
 
-def make_tile_plan(mask: ColumnMask, tile_m: int, tile_n: int) -> TilePlan:
+def make_tile_plan(mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool = True) -> TilePlan:
+    """`skip_tiles=False` (an ablation) lists fully masked tiles too, as PARTIAL."""
     classes = mask.block_classes(tile_m, tile_n).classes
+    if not skip_tiles:
+        classes = torch.where(classes == SKIP, torch.full_like(classes, PARTIAL), classes)
     if mask.seqlen_k % tile_n:
         # The ragged last key tile always needs the bounds check.
         last = classes[..., -1]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashmask3 as fm  # noqa: E402
 from flashmask3 import peers  # noqa: E402
-from flashmask3.bench import attention_flops  # noqa: E402
+from flashmask3.bench import attention_flops, progress  # noqa: E402
 from flashmask3.optimized import compile_seconds  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
 from flashmask3.reference import ColumnMask, masks  # noqa: E402
@@ -66,7 +66,7 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
 
 def run_check() -> list[dict]:
     rows, seed = [], 0
-    for name in masks.MASK_NAMES:
+    for name in progress(masks.MASK_NAMES, "check"):
         for sq, d, dtype in ((1024, 128, torch.bfloat16), (1531, 64, torch.float16), (2048, 128, torch.float16)):
             seed += 1
             mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device="cuda")
@@ -118,7 +118,7 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str]) -> list[
                   for s in range(sets)]
         bench = functools.partial(bench_ms, repeats=repeats)
         scale = 1 / math.sqrt(head_dim)
-        for name in mask_names:
+        for name in progress(mask_names, f"bench {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
             density = mask.density()
             flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, density)

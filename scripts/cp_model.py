@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3.distributed import chunk_loads, make_plan  # noqa: E402
 from flashmask3.distributed.cost_model import Hardware, predict  # noqa: E402
+from flashmask3.bench import progress  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -36,7 +37,7 @@ def main() -> None:
     for world in (int(r) for r in args.ranks.split(",")):
         seqlen = world * args.tokens_per_rank
         per_rank = args.tokens_per_rank // args.chunk
-        for name in args.masks.split(","):
+        for name in progress(args.masks.split(","), f"CP {world}"):
             mask = masks.build(name, seqlen, seed=0)
             flops = 4.0 * seqlen * seqlen * mask.density() * HEADS * HEAD_DIM
             row = {"mask": name, "ranks": world, "seqlen": seqlen}

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3.distributed import CPConfig, balance, chunk_loads, imbalance, make_plan  # noqa: E402
 from flashmask3.distributed.cp_attention import _Layout  # noqa: E402
+from flashmask3.bench import progress  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
@@ -39,7 +40,7 @@ def main() -> None:
     for world in (int(r) for r in args.ranks.split(",")):
         seqlen = world * args.tokens_per_rank
         per_rank = args.tokens_per_rank // args.chunk
-        for name in args.masks.split(","):
+        for name in progress(args.masks.split(","), f"CP {world}"):
             mask = masks.build(name, seqlen, seed=0)
             loads = chunk_loads(mask, args.chunk)
             start = time.perf_counter()

@@ -20,3 +20,23 @@ def test_unsupported_head_dim_is_refused():
 
     with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
         FlashMaskForwardSm90(cutlass.BFloat16, 96, True, 1)
+
+
+@pytest.mark.parametrize(
+    "changes", [dict(num_stages=3), dict(pingpong=False), dict(setmaxnreg=False)]
+)
+def test_ablation_variants_compile(changes):
+    from flashmask3.optimized import KernelOptions, compile_check
+
+    assert compile_check("bf16", 128, True, 1, KernelOptions(**changes)) > 0
+
+
+def test_kernel_options_are_validated_and_restored():
+    from flashmask3.optimized import interface, kernel_options
+
+    with kernel_options(pingpong=False, skip_tiles=False) as opts:
+        assert not opts.pingpong and interface.options is opts
+    assert interface.options.pingpong and interface.options.skip_tiles
+    with pytest.raises(ValueError, match="num_stages must be 2 or 3"):
+        with kernel_options(num_stages=5):
+            pass

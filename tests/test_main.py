@@ -74,3 +74,35 @@ def test_cp_job_matches_single_device(tmp_path):
     assert 1.0 <= record["imbalance"] < 1.5
     assert all(r["bytes_sent"] > 0 for r in record["per_rank"])
     assert Path(record["path"]).exists()
+
+
+@pytest.mark.parametrize("experiment", ["kernel_ablation", "cp_ablation", "mask_sweep"])
+def test_ablation_experiments_compose(experiment):
+    with initialize_config_module(version_base="1.3", config_module="flashmask3.conf"):
+        cfg = compose(config_name="config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert "mask" in params
+    if experiment == "kernel_ablation":
+        assert cfg.backend == "cute" and cfg.device == "cuda" and cfg.seqlen == 8192 and cfg.dtype == "bf16"
+        assert set(params) >= {"kernel.skip_tiles", "kernel.pingpong", "kernel.setmaxnreg", "kernel.num_stages"}
+    if experiment == "cp_ablation":
+        assert cfg.cp.scheme == "mask_aware" and set(params) >= {"cp.assignment", "cp.prune", "cp.overlap"}
+
+
+def test_groups_select_shapes_and_backends():
+    cfg = config(["shape=gqa_8k", "dtype=bf16", "backend=flex", "logging=wandb"])
+    assert (cfg.seqlen, cfg.heads, cfg.kv_heads, cfg.head_dim) == (8192, 32, 8, 128)
+    assert cfg.dtype == "bf16" and cfg.backend == "flex" and cfg.logging.wandb.enabled
+
+
+def test_plot_script_draws_records(tmp_path):
+    records = []
+    for backend in ("reference", "flex"):
+        cfg = config([f"logging.out_dir={tmp_path}", "seqlen=256", "bench.repeats=1", "bench.backward=false",
+                      f"backend={backend}"])
+        records.append(run_experiment(cfg)["path"])
+    out = tmp_path / "chart.png"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot.py"), *records, "--out", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 5000
