@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3.distributed import CPConfig, balance, chunk_loads, imbalance, make_plan  # noqa: E402
-from flashmask3.distributed.cp_attention import _Layout  # noqa: E402
+from flashmask3.distributed.context_parallel import _Layout  # noqa: E402
 from flashmask3.bench import progress  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
 

@@ -1,6 +1,5 @@
 """Context parallelism: plans, localization, the balancer, and CP attention on gloo processes."""
 
-import importlib
 import itertools
 import os
 import socket
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 import flashmask3 as fm
 from conftest import random_column_mask
 from flashmask3.distributed import (
+    context_parallel,
     CPConfig,
     CPPlan,
     balance,
@@ -205,7 +205,7 @@ def test_cp_attention_equals_single_device(tmp_path, world, assignment):
 def _pruning_worker(rank, world, port, result_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cp = importlib.import_module("flashmask3.distributed.cp_attention")
+    cp = context_parallel
     mask = masks.build("document", 512, num_docs=4, seed=0)
     q, k, v, _ = random_inputs(1, 512, 512, 2, 2, 16, torch.float32)
     plan = make_plan(512, world, 2, "contiguous")
@@ -242,7 +242,7 @@ def test_pruning_sends_fewer_bytes(tmp_path):
 
 
 def test_hierarchical_routes_cross_nodes_once_per_chunk():
-    cp = importlib.import_module("flashmask3.distributed.cp_attention")
+    cp = context_parallel
     mask = masks.build("full", 512)
     plan = make_plan(512, 8, 2, "zigzag")
     node = lambda r: r // 4  # noqa: E731

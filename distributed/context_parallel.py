@@ -108,19 +108,31 @@ def _chunk_slice(plan: CPPlan, rank: int, chunk: int) -> slice:
 class _Layout:
     """Every rank's view of who needs which chunk and how chunks travel (same on all ranks)."""
 
-    def __init__(self, mask: ColumnMask, plan: CPPlan, config: CPConfig, rank: int):
-        self.plan, self.config = plan, config
+    def __init__(self, mask: ColumnMask, plan: CPPlan, config: CPConfig, rank: int | None):
+        self.mask, self.plan, self.config = mask, plan, config
+        self._union_masks: dict[tuple, ColumnMask] = {}
         world = plan.world_size
-        self.local_masks = {}  # (this rank, chunk) -> localized mask, where needed
+        self.local_masks = {}  # (rank, chunk) -> localized mask where needed; every rank's if rank is None
         self.needs = [[False] * plan.num_chunks for _ in range(world)]
         for r in range(world):
             for c in range(plan.num_chunks):
                 local = localize(mask, plan.assignment[r], [c], plan.chunk_size)
                 if visible_pairs(local) > 0 or not config.prune:
                     self.needs[r][c] = True
-                    if r == rank:
+                    if rank is None or r == rank:
                         self.local_masks[r, c] = local
         self.phases = self._routes()
+
+    def needed(self, rank: int, chunks) -> list[int]:
+        """The chunks among `chunks` that rank's queries need, sorted."""
+        return [c for c in sorted(chunks) if self.needs[rank][c]]
+
+    def union_mask(self, rank: int, chunks: list[int]) -> ColumnMask:
+        """Localized mask of rank's queries against the sorted `chunks` concatenated."""
+        key = (rank, tuple(chunks))
+        if key not in self._union_masks:
+            self._union_masks[key] = localize(self.mask, self.plan.assignment[rank], chunks, self.plan.chunk_size)
+        return self._union_masks[key]
 
     def _routes(self) -> list[dict[tuple[int, int], list[int]]]:
         """Messages per phase: (src, dst) -> chunk ids, in order."""
@@ -228,12 +240,14 @@ class _CPFunction(torch.autograd.Function):
 
 
 def _attend(q, chunks, held, layout, rank, scale, acc):
-    for c in chunks:
-        if layout.needs[rank][c]:
-            kv = held[c]
-            part = _block_forward(q, kv[0], kv[1], layout.local_masks[rank, c], scale, layout.config.backend)
-            acc = _merge(acc, part)
-    return acc
+    """Merge into `acc` the attention of rank's queries to the needed chunks among `chunks`: one
+    call over their concatenated keys (one localized mask), not one per chunk."""
+    needed = layout.needed(rank, chunks)
+    if not needed:
+        return acc
+    kv = torch.cat([held[c] for c in needed], dim=2)
+    part = _block_forward(q, kv[0], kv[1], layout.union_mask(rank, needed), scale, layout.config.backend)
+    return _merge(acc, part)
 
 
 def _finish(acc, q):
@@ -321,19 +335,18 @@ def _forward_allgather(q, held, layout, rank, group, scale, stats):
 
 
 # -- backward ------------------------------------------------------------------------------------
-def _backward_on(dout, q, out, lse, held, chunks, layout, rank, scale, grads=None):
-    """dQ and per-chunk [dK; dV] of the rank's queries against `chunks` (zeros where unseen)."""
+def _backward_on(dout, q, out, lse, held, chunks, layout, rank, scale):
+    """dQ and per-chunk [dK; dV] of rank's queries against `chunks` (zeros where unseen), from
+    one backward call over the needed chunks concatenated."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = torch.zeros(q.shape, dtype=compute, device=q.device)
-    grads = {} if grads is None else grads
-    for c in chunks:
-        kv = held[c]
-        if layout.needs[rank][c]:
-            dq_c, dk, dv = reference.backward(dout, q, kv[0], kv[1], out, lse, layout.local_masks[rank, c], scale, compute)
-            dq += dq_c
-            grads[c] = torch.stack([dk, dv])
-        else:
-            grads[c] = torch.zeros(kv.shape, dtype=compute, device=kv.device)
+    needed = layout.needed(rank, chunks)
+    grads = {c: torch.zeros(held[c].shape, dtype=compute, device=held[c].device) for c in chunks if c not in needed}
+    if not needed:
+        return torch.zeros(q.shape, dtype=compute, device=q.device), grads
+    kv = torch.cat([held[c] for c in needed], dim=2)
+    mask = layout.union_mask(rank, needed)
+    dq, dk, dv = reference.backward(dout, q, kv[0], kv[1], out, lse, mask, scale, compute)
+    grads.update(_split(torch.stack([dk, dv]), needed, layout.plan.chunk_size))
     return dq, grads
 
 

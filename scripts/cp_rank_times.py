@@ -1,0 +1,98 @@
+"""Per-rank compute of mask-aware CP, emulated rank by rank on one GPU (no communication).
+
+    python scripts/cp_rank_times.py --ranks 4,8 --masks causal,causal_document,document,share_question
+
+For each mask, CP size R and assignment (zigzag, balanced), every rank's local attention (its
+queries against every KV chunk it needs, localized masks, LSE merge) runs in turn on the one GPU
+and is timed with CUDA events; the spread max/mean of the rank times is the load imbalance a real
+run would see. 8K tokens per rank, hidden 4096 (32 query heads x 128, 8 kv heads), bf16.
+Writes JSON to $OUT (or bench/results/) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashmask3.bench import progress  # noqa: E402
+from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan  # noqa: E402
+from flashmask3.distributed.context_parallel import _attend, _Layout  # noqa: E402
+from flashmask3.reference import masks  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def rank_seconds(q, held, layout, rank, scale, repeats: int) -> float:
+    """Median seconds of one rank's local attention over all the chunks it needs."""
+    chunks = sorted(held)
+    _attend(q, chunks, held, layout, rank, scale, None)  # warm-up (compiles on first use)
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _attend(q, chunks, held, layout, rank, scale, None)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="4,8")
+    parser.add_argument("--tokens-per-rank", type=int, default=8192)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--masks", default="causal,causal_document,document,share_question")
+    parser.add_argument("--backend", default="cute")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = "cuda"
+    scale = 1 / math.sqrt(HEAD_DIM)
+    rows = []
+    for world in (int(r) for r in args.ranks.split(",")):
+        seqlen = world * args.tokens_per_rank
+        per_rank = args.tokens_per_rank // args.chunk
+        gen = torch.Generator(device=device).manual_seed(0)
+        q_all = torch.randn(1, seqlen, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+        kv_all = torch.randn(2, 1, seqlen, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+        for name in progress(args.masks.split(","), f"CP {world}"):
+            mask = masks.build(name, seqlen, seed=0, device=device)
+            loads = chunk_loads(mask, args.chunk)
+            for assignment in ("zigzag", "balanced"):
+                plan = make_plan(seqlen, world, per_rank, assignment, loads)
+                start = time.perf_counter()
+                layout = _Layout(mask, plan, CPConfig(backend=args.backend), rank=None)  # every rank's masks
+                layout_s = time.perf_counter() - start
+                times = []
+                for rank in range(world):
+                    q = plan.shard(q_all, rank)
+                    held = {c: kv_all[:, :, c * args.chunk:(c + 1) * args.chunk]
+                            for c in range(plan.num_chunks) if layout.needs[rank][c]}
+                    times.append(rank_seconds(q, held, layout, rank, scale, args.repeats))
+                mean = sum(times) / world
+                row = {"mask": name, "ranks": world, "assignment": assignment, "rank_ms": [t * 1e3 for t in times],
+                       "measured_imbalance": max(times) / mean, "modeled_imbalance": imbalance(loads, plan.assignment),
+                       "layout_s": layout_s}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(), "rows": rows}
+    (out_dir / "cp_rank_times.json").write_text(json.dumps(result, indent=1))
+    print(f"{'mask':20s} {'R':>3s} {'assignment':>10s} {'max ms':>8s} {'mean ms':>8s} {'measured':>8s} {'modeled':>8s}")
+    for r in rows:
+        print(f"{r['mask']:20s} {r['ranks']:3d} {r['assignment']:>10s} {max(r['rank_ms']):8.2f} "
+              f"{sum(r['rank_ms']) / len(r['rank_ms']):8.2f} {r['measured_imbalance']:8.3f} {r['modeled_imbalance']:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
