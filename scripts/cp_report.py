@@ -1,13 +1,16 @@
 """Load balance and communication of the CP schemes for the 12 masks (CPU, no GPU needed).
 
-    python scripts/cp_report.py --tokens-per-rank 8192 --ranks 4,8,16,32 --chunk 2048
+    python scripts/cp_report.py --tokens-per-rank 8192 --ranks 4,8,16,32 --chunk 2048 [--model]
 
 For every mask and CP size R (sequence = R x tokens-per-rank): the imbalance (max / mean rank
 workload, workload = non-skipped 128 x 128 tiles, partial tiles weighted) of the contiguous,
 zigzag and balanced assignments; the balancer's run time; and the KV bytes each scheme sends per
 layer (bf16, 8 KV heads x 128 = one GQA layer of hidden 4096), counted from the actual routes:
 plain all-gather and ring send every chunk to every other rank, the mask-aware all-gather only
-the chunks a receiver's queries can see. Writes JSON to bench/results/ (or $OUT), prints a table.
+the chunks a receiver's queries can see. With --model, also the cost model's predicted forward
+TFLOP/s per GPU of each scheme (distributed/cost_model.py: a model, not a measurement; 32 query
+heads, balanced plan for mask_aware, zigzag for ring and all-gather). Writes JSON to
+bench/results/ (or $OUT), prints a table.
 """
 
 from __future__ import annotations
@@ -23,10 +26,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3.distributed import CPConfig, balance, chunk_loads, imbalance, make_plan  # noqa: E402
 from flashmask3.distributed.context_parallel import _Layout  # noqa: E402
+from flashmask3.distributed.cost_model import Hardware, predict  # noqa: E402
 from flashmask3.bench import progress  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
+
+
+def modeled(mask, seqlen: int, world: int, per_rank: int, loads) -> dict:
+    """Cost-model TFLOP/s per GPU (unmasked work) and overlap efficiency of each scheme."""
+    heads, kv_heads, head_dim = 32, 8, 128
+    flops = 4.0 * seqlen * seqlen * mask.density() * heads * head_dim
+    out = {}
+    for scheme, assignment in (("mask_aware", "balanced"), ("ring", "zigzag"), ("allgather", "zigzag")):
+        plan = make_plan(seqlen, world, per_rank, assignment, loads)
+        pred = predict(mask, plan, scheme, heads, kv_heads, head_dim, Hardware())
+        out[f"{scheme}_tflops_per_gpu"] = flops / world / pred["slowest_rank_s"] / 1e12
+        out[f"{scheme}_overlap"] = pred["overlap_efficiency"]
+    return out
 
 
 def main() -> None:
@@ -35,6 +52,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="4,8,16,32")
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
+    parser.add_argument("--model", action="store_true", help="add the cost model's predictions")
     args = parser.parse_args()
     rows = []
     for world in (int(r) for r in args.ranks.split(",")):
@@ -56,17 +74,26 @@ def main() -> None:
             full_chunks = plan.num_chunks * (world - 1)
             row["kv_mb_allgather"] = full_chunks * args.chunk * KV_BYTES_PER_TOKEN / 2**20
             row["kv_mb_mask_aware"] = sent_chunks * args.chunk * KV_BYTES_PER_TOKEN / 2**20
+            if args.model:
+                row.update(modeled(mask, seqlen, world, per_rank, loads))
             rows.append(row)
             print(json.dumps(row), flush=True)
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join(["python", *sys.argv]), "rows": rows}
+    if args.model:
+        result["model"] = {"kind": "cost model, not a measurement", "hardware": Hardware().__dict__}
     (out_dir / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json").write_text(json.dumps(result, indent=1))
-    print(f"{'mask':24s} {'R':>3s} {'contig':>7s} {'zigzag':>7s} {'balanced':>8s} {'bal ms':>7s} {'AG MB':>8s} {'MA MB':>8s}")
+    model = " model TFLOP/s/GPU: mask-aware ring allgather" if args.model else ""
+    print(f"{'mask':24s} {'R':>3s} {'contig':>7s} {'zigzag':>7s} {'balanced':>8s} {'bal ms':>7s} {'AG MB':>8s} "
+          f"{'MA MB':>8s}{model}")
     for r in rows:
-        print(f"{r['mask']:24s} {r['ranks']:3d} {r['imbalance_contiguous']:7.2f} {r['imbalance_zigzag']:7.2f} "
-              f"{r['imbalance_balanced']:8.3f} {r['balance_s'] * 1e3:7.1f} {r['kv_mb_allgather']:8.0f} "
-              f"{r['kv_mb_mask_aware']:8.0f}")
+        line = (f"{r['mask']:24s} {r['ranks']:3d} {r['imbalance_contiguous']:7.2f} {r['imbalance_zigzag']:7.2f} "
+                f"{r['imbalance_balanced']:8.3f} {r['balance_s'] * 1e3:7.1f} {r['kv_mb_allgather']:8.0f} "
+                f"{r['kv_mb_mask_aware']:8.0f}")
+        if args.model:
+            line += "".join(f" {r[f'{s}_tflops_per_gpu']:6.0f}" for s in ("mask_aware", "ring", "allgather"))
+        print(line)
 
 
 if __name__ == "__main__":
