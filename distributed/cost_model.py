@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..reference import PARTIAL, SKIP, ColumnMask
+from ..reference import PARTIAL, ColumnMask
 from .balance import PARTIAL_TILE_COST
 from .context_parallel import CPConfig, _Layout
 from .plan import CPPlan

@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import flashmask3 as fm  # noqa: E402
 from flashmask3 import peers  # noqa: E402
 from flashmask3.bench import attention_flops, progress  # noqa: E402
 from flashmask3.optimized import compile_seconds  # noqa: E402

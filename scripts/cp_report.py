@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashmask3.distributed import CPConfig, balance, chunk_loads, imbalance, make_plan  # noqa: E402
+from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan  # noqa: E402
 from flashmask3.distributed.context_parallel import _Layout  # noqa: E402
 from flashmask3.distributed.cost_model import Hardware, predict  # noqa: E402
 from flashmask3.bench import progress  # noqa: E402
@@ -62,13 +62,12 @@ def main() -> None:
             mask = masks.build(name, seqlen, seed=0)
             loads = chunk_loads(mask, args.chunk)
             start = time.perf_counter()
-            balanced = balance(loads, world)
+            plan = make_plan(seqlen, world, per_rank, "balanced", loads)
             balance_s = time.perf_counter() - start
             row = {"mask": name, "ranks": world, "seqlen": seqlen, "chunk": args.chunk, "balance_s": balance_s}
-            for scheme in ("contiguous", "zigzag", "balanced"):
-                plan = make_plan(seqlen, world, per_rank, scheme, loads)
-                row[f"imbalance_{scheme}"] = imbalance(loads, plan.assignment)
-            plan = make_plan(seqlen, world, per_rank, "balanced", loads)
+            for scheme in ("contiguous", "zigzag"):
+                row[f"imbalance_{scheme}"] = imbalance(loads, make_plan(seqlen, world, per_rank, scheme).assignment)
+            row["imbalance_balanced"] = imbalance(loads, plan.assignment)
             layout = _Layout(mask, plan, CPConfig(), rank=0)
             sent_chunks = sum(len(c) for phase in layout.phases for c in phase.values())
             full_chunks = plan.num_chunks * (world - 1)
