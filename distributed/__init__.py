@@ -2,7 +2,7 @@
 balancer and mask-aware all-gather / ring / all-gather CP attention on torch.distributed."""
 
 from .balance import balance, chunk_loads, imbalance
-from .context_parallel import SCHEMES, CPConfig, CPStats, cp_attention
+from .context_parallel import SCHEMES, ContextParallelAttention, CPConfig, CPStats, cp_attention
 from .localize import local_rows_below, localize
 from .plan import CPPlan, contiguous_assignment, make_plan, zigzag_assignment
 
@@ -10,5 +10,5 @@ __all__ = [
     "CPPlan", "make_plan", "contiguous_assignment", "zigzag_assignment",
     "localize", "local_rows_below",
     "balance", "chunk_loads", "imbalance",
-    "CPConfig", "CPStats", "SCHEMES", "cp_attention",
+    "CPConfig", "CPStats", "SCHEMES", "cp_attention", "ContextParallelAttention",
 ]

@@ -433,3 +433,16 @@ def cp_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
     out, lse = _CPFunction.apply(q_local, k_local, v_local, mask, plan, group, config, scale)
     return (out, lse) if return_lse else out
+
+
+class ContextParallelAttention(torch.nn.Module):
+    """`cp_attention` as a module for a model's attention layers: holds the group and config;
+    each call takes the batch's global mask and plan (both change with the packing)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, config: CPConfig = CPConfig(),
+                 softmax_scale: float | None = None):
+        super().__init__()
+        self.group, self.config, self.softmax_scale = group, config, softmax_scale
+
+    def forward(self, q_local, k_local, v_local, mask: ColumnMask, plan: CPPlan) -> torch.Tensor:
+        return cp_attention(q_local, k_local, v_local, mask, plan, self.group, self.config, self.softmax_scale)

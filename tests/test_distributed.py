@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 import flashmask3 as fm
 from conftest import random_column_mask
 from flashmask3.distributed import (
+    ContextParallelAttention,
     context_parallel,
     CPConfig,
     CPPlan,
@@ -215,8 +216,11 @@ def _pruning_worker(rank, world, port, result_dir):
                          ("hierarchical", CPConfig(ranks_per_node=2, prune=False))]:
         cp_attention(*(plan.shard(x, rank) for x in (q, k, v)), mask, plan, config=config)
         sent[name] = cp.last_stats.bytes_sent
+    layer = ContextParallelAttention(config=CPConfig(scheme="ring"))
+    local = [plan.shard(x, rank) for x in (q, k, v)]
+    same = torch.equal(layer(*local, mask, plan), cp_attention(*local, mask, plan, config=CPConfig(scheme="ring")))
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(" ".join(f"{k}={v}" for k, v in sent.items()))
+        f.write(" ".join(f"{k}={v}" for k, v in sent.items()) + f" module_matches={int(same)}")
     dist.destroy_process_group()
 
 
@@ -228,6 +232,7 @@ def test_pruning_sends_fewer_bytes(tmp_path):
             key, value = item.split("=")
             totals[key] = totals.get(key, 0) + int(value)
     chunk_bytes = 2 * 64 * 2 * 16 * 4  # k and v of one 64-token chunk, 2 heads x 16, fp32
+    assert totals["module_matches"] == 4  # the module is the function on every rank
     assert totals["unpruned"] == totals["allgather"] == 4 * 3 * 2 * chunk_bytes
     # Pruned: exactly the chunks a receiver's queries see some of (from the dense mask).
     mask, plan = masks.build("document", 512, num_docs=4, seed=0), make_plan(512, 4, 2, "contiguous")
