@@ -167,3 +167,11 @@ def test_mask_and_backend_errors():
 def test_random_masks_match_dense(variant, sq, sk, seed):
     mask = random_column_mask(torch.Generator().manual_seed(seed), 1, 2, sq, sk, *variant)
     check_against_dense(mask, 1, sq, sk, 2, 1, 8, seed=seed % 1000)
+
+
+def test_cute_backend_refuses_unsupported_inputs_by_name():
+    q, k, v, _ = random_inputs(1, 32, 32, 2, 2, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="backend='cute' needs CUDA tensors"):
+        fm.attention(q, k, v, backend="cute")
+    # "auto" falls back instead of failing.
+    torch.testing.assert_close(fm.attention(q, k, v), fm.attention(q, k, v, backend="reference"))
