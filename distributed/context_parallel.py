@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..reference import ColumnMask
 from ..reference import attention as reference
-from .localize import localize, visible_pairs
+from .localize import localize
 from .plan import CPPlan
 
 SCHEMES = ("mask_aware", "ring", "allgather")
@@ -108,19 +108,19 @@ def _chunk_slice(plan: CPPlan, rank: int, chunk: int) -> slice:
 class _Layout:
     """Every rank's view of who needs which chunk and how chunks travel (same on all ranks)."""
 
-    def __init__(self, mask: ColumnMask, plan: CPPlan, config: CPConfig, rank: int | None):
+    def __init__(self, mask: ColumnMask, plan: CPPlan, config: CPConfig):
         self.mask, self.plan, self.config = mask, plan, config
         self._union_masks: dict[tuple, ColumnMask] = {}
-        world = plan.world_size
-        self.local_masks = {}  # (rank, chunk) -> localized mask where needed; every rank's if rank is None
-        self.needs = [[False] * plan.num_chunks for _ in range(world)]
-        for r in range(world):
-            for c in range(plan.num_chunks):
-                local = localize(mask, plan.assignment[r], [c], plan.chunk_size)
-                if visible_pairs(local) > 0 or not config.prune:
-                    self.needs[r][c] = True
-                    if rank is None or r == rank:
-                        self.local_masks[r, c] = local
+        chunks = range(plan.num_chunks)
+        self.needs = []
+        for r in range(plan.world_size):
+            if not config.prune:
+                self.needs.append([True] * plan.num_chunks)
+                continue
+            # One localization against every key: visible rows per key column, summed per chunk.
+            visible = localize(mask, plan.assignment[r], chunks, plan.chunk_size).visible_counts()
+            per_chunk = visible.view(*visible.shape[:-1], plan.num_chunks, plan.chunk_size).sum(dim=(0, 1, 3))
+            self.needs.append((per_chunk > 0).tolist())
         self.phases = self._routes()
 
     def needed(self, rank: int, chunks) -> list[int]:
@@ -168,6 +168,18 @@ class _Layout:
         return [inter, intra]
 
 
+_last_layout: tuple | None = None
+
+
+def _layout_for(mask: ColumnMask, plan: CPPlan, config: CPConfig) -> _Layout:
+    """The layout of (mask, plan, config), reused while the same objects come back (every
+    attention layer of a training step shares them)."""
+    global _last_layout
+    if _last_layout is None or _last_layout[0] is not mask or _last_layout[1] is not plan or _last_layout[2] != config:
+        _last_layout = (mask, plan, config, _Layout(mask, plan, config))
+    return _last_layout[3]
+
+
 def _exchange(messages: dict[tuple[int, int], list[int]], blocks: dict[int, torch.Tensor], template, rank, group):
     """Post one phase of point-to-point messages. Each message is its chunks' blocks
     ([2, B, C, H, D]: k and v, or dk and dv) concatenated along the token dim.
@@ -208,7 +220,7 @@ class _CPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, plan, group, config, scale):
         rank = dist.get_rank(group)
-        layout = _Layout(mask, plan, config, rank)
+        layout = _layout_for(mask, plan, config)
         stats = CPStats()
         held = {c: torch.stack([k[:, _chunk_slice(plan, rank, c)], v[:, _chunk_slice(plan, rank, c)]])
                 for c in plan.assignment[rank]}

@@ -45,7 +45,7 @@ def predict(mask: ColumnMask, plan: CPPlan, scheme: str, heads: int, kv_heads: i
     """Modeled per-rank forward seconds, the slowest rank, and the overlap efficiency."""
     world, chunk = plan.world_size, plan.chunk_size
     chunk_bytes = 2 * chunk * kv_heads * head_dim * bytes_per_elem
-    layout = _Layout(mask, plan, CPConfig(scheme="mask_aware", ranks_per_node=hw.ranks_per_node), rank=None)
+    layout = _Layout(mask, plan, CPConfig(scheme="mask_aware", ranks_per_node=hw.ranks_per_node))
 
     def node(r):
         return r // hw.ranks_per_node
@@ -53,7 +53,7 @@ def predict(mask: ColumnMask, plan: CPPlan, scheme: str, heads: int, kv_heads: i
     per_rank = []
     for r in range(world):
         own = plan.assignment[r]
-        compute = {c: _tile_seconds(layout.local_masks[r, c], heads, head_dim, hw)
+        compute = {c: _tile_seconds(layout.union_mask(r, [c]), heads, head_dim, hw)
                    for c in range(plan.num_chunks) if layout.needs[r][c]}
         local_s = sum(v for c, v in compute.items() if c in own)
         remote_s = sum(v for c, v in compute.items() if c not in own)

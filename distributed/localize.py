@@ -55,7 +55,3 @@ def localize(mask: ColumnMask, q_chunks: Sequence[int], k_chunks: Sequence[int],
     idx = torch.stack(vectors, dim=-1).to(torch.int32).contiguous()
     return ColumnMask(idx, False, len(q_chunks) * chunk_size)
 
-
-def visible_pairs(mask: ColumnMask) -> int:
-    """Number of attended (query, key) pairs, summed over batch and mask heads."""
-    return int(mask.visible_counts().sum())

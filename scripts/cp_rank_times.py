@@ -70,7 +70,7 @@ def main() -> None:
             for assignment in ("zigzag", "balanced"):
                 plan = make_plan(seqlen, world, per_rank, assignment, loads)
                 start = time.perf_counter()
-                layout = _Layout(mask, plan, CPConfig(backend=args.backend), rank=None)  # every rank's masks
+                layout = _Layout(mask, plan, CPConfig(backend=args.backend))
                 layout_s = time.perf_counter() - start
                 times = []
                 for rank in range(world):

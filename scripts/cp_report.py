@@ -68,7 +68,7 @@ def main() -> None:
             for scheme in ("contiguous", "zigzag"):
                 row[f"imbalance_{scheme}"] = imbalance(loads, make_plan(seqlen, world, per_rank, scheme).assignment)
             row["imbalance_balanced"] = imbalance(loads, plan.assignment)
-            layout = _Layout(mask, plan, CPConfig(), rank=0)
+            layout = _Layout(mask, plan, CPConfig())
             sent_chunks = sum(len(c) for phase in layout.phases for c in phase.values())
             full_chunks = plan.num_chunks * (world - 1)
             row["kv_mb_allgather"] = full_chunks * args.chunk * KV_BYTES_PER_TOKEN / 2**20

@@ -253,7 +253,7 @@ def test_hierarchical_routes_cross_nodes_once_per_chunk():
     node = lambda r: r // 4  # noqa: E731
 
     def crossings(config):
-        layout = cp._Layout(mask, plan, config, rank=0)
+        layout = cp._Layout(mask, plan, config)
         return sum(len(chunks) for phase in layout.phases for (src, dst), chunks in phase.items()
                    if node(src) != node(dst))
 
