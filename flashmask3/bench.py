@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+
+def git_commit() -> str:
+    """The commit measured: $FLASHMASK3_COMMIT if set (the device copy has no .git), else git's HEAD
+    with '+dirty' for uncommitted changes, else 'unknown'."""
+    if os.environ.get("FLASHMASK3_COMMIT"):
+        return os.environ["FLASHMASK3_COMMIT"]
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, density: float) -> float:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,21 +13,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .api import attention
-from .bench import attention_flops, time_fn
+from .bench import attention_flops, git_commit, time_fn
 from .reference import masks
 from .verify.compare import random_inputs
 from .verify.suite import DTYPES
-
-
-def git_commit() -> str:
-    """The checkout's commit (with '+dirty' for uncommitted changes), or 'unknown'."""
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True)
-        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def environment(device: str) -> dict:

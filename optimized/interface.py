@@ -78,18 +78,22 @@ def _to_cute(t: torch.Tensor):
     return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
+def _make_kernel(dtype: str, head_dim: int, causal: bool, width: int, opts: KernelOptions):
+    import cutlass
+
+    from .flash_fwd_sm90 import FlashMaskForwardSm90
+
+    cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
+    return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg)
+
+
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list):
     key = (dtype, head_dim, causal, width, options)
     if key not in _compiled:
-        import cutlass
         import cutlass.cute as cute
 
-        from .flash_fwd_sm90 import FlashMaskForwardSm90
-
-        cute_dtype = cutlass.BFloat16 if dtype == torch.bfloat16 else cutlass.Float16
+        kernel = _make_kernel("bf16" if dtype == torch.bfloat16 else "fp16", head_dim, causal, width, options)
         start = time.perf_counter()
-        kernel = FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, options.num_stages, options.pingpong,
-                                      options.setmaxnreg)
         _compiled[key] = cute.compile(kernel, *args)
         compile_seconds[key] = time.perf_counter() - start
     return _compiled[key]
@@ -166,8 +170,6 @@ def compile_check(
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from .flash_fwd_sm90 import FlashMaskForwardSm90
-
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
     b, sq, sk, hq, hkv = (cute.sym_int32() for _ in range(5))
     bm, hm, tm, tn = (cute.sym_int32() for _ in range(4))
@@ -188,6 +190,5 @@ def compile_check(
         cute.runtime.make_fake_stream(),
     ]
     start = time.perf_counter()
-    cute.compile(FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong,
-                                      opts.setmaxnreg), *args)
+    cute.compile(_make_kernel(dtype, head_dim, causal, width, opts), *args)
     return time.perf_counter() - start

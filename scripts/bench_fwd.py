@@ -18,7 +18,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,22 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3 import peers  # noqa: E402
-from flashmask3.bench import attention_flops, progress  # noqa: E402
+from flashmask3.bench import attention_flops, git_commit, progress  # noqa: E402
 from flashmask3.optimized import compile_seconds  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
 from flashmask3.reference import ColumnMask, masks  # noqa: E402
 from flashmask3.verify import compare, random_inputs  # noqa: E402
-
-
-def commit() -> str:
-    """The commit measured: $FLASHMASK3_COMMIT (the device copy has no .git), else git's HEAD."""
-    if os.environ.get("FLASHMASK3_COMMIT"):
-        return os.environ["FLASHMASK3_COMMIT"]
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        return result.stdout.strip() if result.returncode == 0 else "unknown"
-    except OSError:
-        return "unknown"
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -154,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"commit": commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+    result = {"commit": git_commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__}
     if args.what in ("check", "all"):
         result["check"] = run_check()
