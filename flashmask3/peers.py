@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .optimized.tile_plan import compact
 from .reference import PARTIAL, UNMASKED, ColumnMask
 
 
@@ -94,12 +95,8 @@ def flex_block_mask(
     if heads != mask.heads:
         classes = classes.repeat_interleave(heads // mask.heads, dim=1)
 
-    def listed(selected):
-        order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-        return selected.sum(-1, dtype=torch.int32), order.contiguous()
-
-    partial_num, partial_idx = listed(classes == PARTIAL)
-    full_num, full_idx = listed(classes == UNMASKED)
+    partial_num, partial_idx = compact(classes == PARTIAL)
+    full_num, full_idx = compact(classes == UNMASKED)
     return BlockMask.from_kv_blocks(
         partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=128, mask_mod=mask_mod, seq_lengths=(seqlen_q, seqlen_k)
     )

@@ -27,6 +27,13 @@ def full_mask(batch: int, seqlen_q: int, seqlen_k: int, device) -> ColumnMask:
     return ColumnMask(idx, False, seqlen_q)
 
 
+def compact(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of the last dim: how many are selected (int32), and their indices listed first, in
+    order (int32; the unselected follow)."""
+    order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return selected.sum(-1, dtype=torch.int32).contiguous(), order.contiguous()
+
+
 def make_tile_plan(mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool = True) -> TilePlan:
     """`skip_tiles=False` (an ablation) lists fully masked tiles too, as PARTIAL."""
     classes = mask.block_classes(tile_m, tile_n).classes
@@ -36,11 +43,6 @@ def make_tile_plan(mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool 
         # The ragged last key tile always needs the bounds check.
         last = classes[..., -1]
         classes[..., -1] = torch.where(last == SKIP, last, torch.full_like(last, PARTIAL))
-    keep = classes != SKIP
-    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
-    tile_ids = order.to(torch.int32)
-    flags = (torch.gather(classes, -1, order) == PARTIAL).to(torch.int32)
-    return TilePlan(
-        tiles=((tile_ids << 1) | flags).contiguous(),
-        counts=keep.sum(-1, dtype=torch.int32).contiguous(),
-    )
+    counts, tile_ids = compact(classes != SKIP)
+    flags = (torch.gather(classes, -1, tile_ids.long()) == PARTIAL).to(torch.int32)
+    return TilePlan(tiles=((tile_ids << 1) | flags).contiguous(), counts=counts)
