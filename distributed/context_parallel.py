@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -70,7 +70,6 @@ class CPStats:
     compute_local_s: float = 0.0
     wait_s: float = 0.0
     compute_remote_s: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 last_stats = CPStats()
@@ -172,12 +171,15 @@ _last_layout: tuple | None = None
 
 
 def _layout_for(mask: ColumnMask, plan: CPPlan, config: CPConfig) -> _Layout:
-    """The layout of (mask, plan, config), reused while the same objects come back (every
-    attention layer of a training step shares them)."""
+    """The layout of (mask, plan, config), reused while the same objects come back unchanged
+    (every attention layer of a training step shares them); an in-place edit of the mask's
+    tensor bumps its version and rebuilds the layout."""
     global _last_layout
-    if _last_layout is None or _last_layout[0] is not mask or _last_layout[1] is not plan or _last_layout[2] != config:
-        _last_layout = (mask, plan, config, _Layout(mask, plan, config))
-    return _last_layout[3]
+    version = mask.startend_row_indices._version
+    if _last_layout is None or _last_layout[:4] != (id(mask), id(plan), version, config):
+        # The objects are kept in the entry, so their ids cannot be reused while it lives.
+        _last_layout = (id(mask), id(plan), version, config, (mask, plan), _Layout(mask, plan, config))
+    return _last_layout[5]
 
 
 def _exchange(messages: dict[tuple[int, int], list[int]], blocks: dict[int, torch.Tensor], template, rank, group):

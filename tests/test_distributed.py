@@ -277,3 +277,13 @@ def test_cost_model_orders_the_schemes():
     assert results["mask_aware"]["slowest_rank_s"] < results["allgather"]["slowest_rank_s"]
     assert results["mask_aware"]["slowest_rank_s"] < results["ring"]["slowest_rank_s"]
     assert results["allgather"]["overlap_efficiency"] == 0.0
+
+
+def test_layout_is_reused_and_rebuilt_after_an_in_place_mask_edit():
+    mask = masks.build("document", 512, num_docs=4, seed=0)
+    plan = make_plan(512, 4, 2, "contiguous")
+    first = context_parallel._layout_for(mask, plan, CPConfig())
+    assert context_parallel._layout_for(mask, plan, CPConfig()) is first
+    mask.startend_row_indices[..., 1] = 0  # every key now visible to all earlier rows
+    rebuilt = context_parallel._layout_for(mask, plan, CPConfig())
+    assert rebuilt is not first and rebuilt.needs != first.needs
