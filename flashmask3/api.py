@@ -26,6 +26,7 @@ def attention(
     backend: Backend = "auto",
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mask-aware scaled dot-product attention.
 
@@ -41,6 +42,8 @@ def attention(
             flex on CUDA, else reference.
         softmax_scale: scale of q.k; default 1/sqrt(D).
         return_lse: also return the log-sum-exp of the scaled scores, fp32 [B, Hq, Sq].
+        deterministic: the cute backward adds dQ in a fixed order, so gradients are bitwise
+            identical run to run (slightly slower); the reference is deterministic anyway.
 
     Returns:
         out [B, Sq, Hq, D] in q's dtype (and lse if asked). Softmax runs in fp32. A query row that
@@ -65,7 +68,7 @@ def attention(
     elif backend == "sdpa":
         out, lse = peers.sdpa_attention(q, k, v, mask, softmax_scale, return_lse)
     elif backend == "cute":
-        out, lse = cute_attention(q, k, v, mask, softmax_scale)
+        out, lse = cute_attention(q, k, v, mask, softmax_scale, deterministic)
     elif backend == "flex":
         out, lse = peers.flex_attention(q, k, v, mask, softmax_scale)
     else:

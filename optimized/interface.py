@@ -1,8 +1,8 @@
 """Torch-facing side of the CuTe DSL kernels: support checks, compile cache, launch, autograd.
 
-`cute_attention(q, k, v, mask, softmax_scale)` runs the Hopper forward kernel. Its backward is the
-reference's explicit backward from the kernel's LSE until the CuTe backward lands (issue 4), so the
-backend is already usable in training, just not fast there.
+`cute_attention(q, k, v, mask, softmax_scale, deterministic)` runs the Hopper forward kernel and,
+under autograd, the Hopper backward kernel (`backward`): Delta = rowsum(dO * O) and the padded LSE
+before it, the dQ conversion after it, all on the GPU and counted in the timings.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from ..reference import ColumnMask
-from ..reference import attention as reference
 from .tile_plan import full_mask, make_tile_plan
 
 @dataclass(frozen=True)
@@ -52,7 +51,8 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128)
 _compiled: dict[tuple, object] = {}
 compile_seconds: dict[tuple, float] = {}
-"""Wall time of each compilation, keyed like the cache: (dtype, head_dim, causal, mask width, options)."""
+"""Wall time of each compilation, keyed like the cache:
+(direction, dtype, head_dim, causal, mask width, options, deterministic)."""
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -78,21 +78,30 @@ def _to_cute(t: torch.Tensor):
     return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def _make_kernel(dtype: str, head_dim: int, causal: bool, width: int, opts: KernelOptions):
+def _make_kernel(
+    dtype: str, head_dim: int, causal: bool, width: int, opts: KernelOptions, direction: str = "fwd",
+    deterministic: bool = False,
+):
     import cutlass
 
+    cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
+    if direction == "bwd":
+        from .flash_bwd_sm90 import FlashMaskBackwardSm90
+
+        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic)
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
-    cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
     return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg)
 
 
-def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list):
-    key = (dtype, head_dim, causal, width, options)
+def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",
+            deterministic: bool = False):
+    key = (direction, dtype, head_dim, causal, width, options, deterministic)
     if key not in _compiled:
         import cutlass.cute as cute
 
-        kernel = _make_kernel("bf16" if dtype == torch.bfloat16 else "fp16", head_dim, causal, width, options)
+        name = "bf16" if dtype == torch.bfloat16 else "fp16"
+        kernel = _make_kernel(name, head_dim, causal, width, options, direction, deterministic)
         start = time.perf_counter()
         _compiled[key] = cute.compile(kernel, *args)
         compile_seconds[key] = time.perf_counter() - start
@@ -134,38 +143,101 @@ def forward(
     return out, lse
 
 
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: ColumnMask | None,
+    softmax_scale: float,
+    deterministic: bool = False,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the Hopper backward kernel, in q's dtype; dk, dv summed over each GQA group.
+
+    `deterministic=True` makes the key tiles add into dQ in a fixed order: bitwise identical
+    gradients run to run. `dk` / `dv` may be given (contiguous, k's shape) to write into.
+    """
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32
+
+    from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
+
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if mask is None:
+        mask = full_mask(b, sq, sk, q.device)
+    tiles_m = -(-sq // Kernel.tile_m)
+    if tiles_m >= 1 << 15:
+        raise ValueError(f"backend='cute' backward takes at most {(1 << 15) * Kernel.tile_m - 1} queries, got {sq}")
+    plan = make_tile_plan(mask, Kernel.tile_m, Kernel.tile_n, options.skip_tiles, by_key=True)
+    q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
+    sq_pad = tiles_m * Kernel.tile_m
+    # LSE in base 2, +inf where a row sees nothing (its P is then 0, not NaN); rows padded to the tile.
+    lse2 = torch.full((b, hq, sq_pad), float("inf"), dtype=torch.float32, device=q.device)
+    lse2[..., :sq] = torch.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
+    delta = torch.zeros(b, hq, sq_pad, dtype=torch.float32, device=q.device)
+    delta[..., :sq] = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
+    dq_accum = torch.zeros(b, sq_pad, hq, d, dtype=torch.float32, device=q.device)
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
+    row_indices = mask.startend_row_indices.contiguous()
+    tensors = [_to_cute(t) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, plan.tiles,
+                                     plan.counts, semaphore)]
+    scalars = [Float32(softmax_scale), Int32(hq // hkv), Int32(hq // mask.heads), Int32(mask.batch // b)]
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    kernel = _kernel(q.dtype, d, mask.causal, row_indices.shape[-1], [*tensors, *scalars, stream], "bwd",
+                     deterministic)
+    kernel(*tensors, *scalars, stream)
+    dq = (dq_accum[:, :sq] * softmax_scale).to(q.dtype)
+    return dq, dk, dv
+
+
 class CuteAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, softmax_scale):
+    def forward(ctx, q, k, v, mask, softmax_scale, deterministic):
         out, lse = forward(q, k, v, mask, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.softmax_scale = mask, softmax_scale
+        ctx.mask, ctx.softmax_scale, ctx.deterministic = mask, softmax_scale, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = reference.backward(dout, q, k, v, out, lse, ctx.mask, ctx.softmax_scale, q.dtype)
-        return (*(g.to(q.dtype) for g in grads), None, None)
+        grads = backward(dout, q, k, v, out, lse, ctx.mask, ctx.softmax_scale, ctx.deterministic)
+        return (*grads, None, None, None)
 
 
 def cute_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ColumnMask | None, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: ColumnMask | None,
+    softmax_scale: float,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     reason = unsupported_reason(q, k)
     if reason:
         raise ValueError(reason)
-    return CuteAttention.apply(q, k, v, mask, softmax_scale)
+    return CuteAttention.apply(q, k, v, mask, softmax_scale, deterministic)
 
 
 def compile_check(
-    dtype: str = "bf16", head_dim: int = 128, causal: bool = True, width: int = 1, opts: KernelOptions = KernelOptions()
+    dtype: str = "bf16",
+    head_dim: int = 128,
+    causal: bool = True,
+    width: int = 1,
+    opts: KernelOptions = KernelOptions(),
+    direction: str = "fwd",
+    deterministic: bool = False,
 ) -> float:
-    """Compile the forward kernel for sm_90a without a GPU (fake tensors); return seconds taken.
-
-    Set CUTE_DSL_ARCH=sm_90a first when no GPU is present.
-    """
+    """Compile the forward (or, `direction="bwd"`, backward) kernel for sm_90a without a GPU (fake
+    tensors); return the seconds taken. Set CUTE_DSL_ARCH=sm_90a first when no GPU is present."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -177,18 +249,21 @@ def compile_check(
     def fake(dt, shape):
         return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
 
-    args = [
-        fake(cute_dtype, (b, sq, hq, head_dim)),
-        fake(cute_dtype, (b, sk, hkv, head_dim)),
-        fake(cute_dtype, (b, sk, hkv, head_dim)),
-        fake(cute_dtype, (b, sq, hq, head_dim)),
-        fake(cutlass.Float32, (b, hq, sq)),
-        fake(cutlass.Int32, (bm, hm, sk, width)),
-        fake(cutlass.Int32, (bm, hm, tm, tn)),
-        fake(cutlass.Int32, (bm, hm, tm)),
-        Float32(0.1), Int32(1), Int32(1), Int32(1),
-        cute.runtime.make_fake_stream(),
-    ]
+    q_like, kv_like = fake(cute_dtype, (b, sq, hq, head_dim)), fake(cute_dtype, (b, sk, hkv, head_dim))
+    row_indices = fake(cutlass.Int32, (bm, hm, sk, width))
+    if direction == "bwd":
+        tensors = [
+            q_like, kv_like, kv_like, q_like,
+            fake(cutlass.Float32, (b, hq, sq)), fake(cutlass.Float32, (b, hq, sq)),
+            fake(cutlass.Float32, (b, sq, hq, head_dim)), kv_like, kv_like, row_indices,
+            fake(cutlass.Int32, (bm, hm, tn, tm)), fake(cutlass.Int32, (bm, hm, tn)), fake(cutlass.Int32, (b, hq, tm)),
+        ]
+    else:
+        tensors = [
+            q_like, kv_like, kv_like, q_like, fake(cutlass.Float32, (b, hq, sq)), row_indices,
+            fake(cutlass.Int32, (bm, hm, tm, tn)), fake(cutlass.Int32, (bm, hm, tm)),
+        ]
+    args = [*tensors, Float32(0.1), Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream()]
     start = time.perf_counter()
-    cute.compile(_make_kernel(dtype, head_dim, causal, width, opts), *args)
+    cute.compile(_make_kernel(dtype, head_dim, causal, width, opts, direction, deterministic), *args)
     return time.perf_counter() - start

@@ -19,44 +19,55 @@ from .layout import acc_rows_view
 
 
 @cute.jit
+def _hidden(query, key, first, second, third, fourth, causal_offset, causal: cutlass.Constexpr[bool],
+            width: cutlass.Constexpr[int]):
+    """Whether (query, key) is masked, given the key's 1, 2 or 4 boundaries (unused ones repeat)."""
+    if cutlass.const_expr(causal and width == 1):
+        hidden = query >= first or key > query + causal_offset
+    elif cutlass.const_expr(causal):
+        hidden = (query >= first and query < second) or key > query + causal_offset
+    elif cutlass.const_expr(width == 2):
+        hidden = query >= first or query < second
+    else:
+        hidden = (query >= first and query < second) or (query >= third and query < fourth)
+    return hidden
+
+
+@cute.jit
 def apply_column_mask(
     acc_S: cute.Tensor,
     coords: cute.Tensor,
     mRowIndices: cute.Tensor,
     mask_batch: Int32,
     mask_head: Int32,
-    row_start: Int32,
-    col_start: Int32,
+    query_start: Int32,
+    key_start: Int32,
     seqlen_k: Int32,
     causal_offset: Int32,
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
+    keys_on_rows: cutlass.Constexpr[bool] = False,
 ) -> None:
     """Set hidden scores of the thread's fragment to -inf.
 
-    `coords` is the identity tensor of the tile partitioned like the accumulator;
-    `mRowIndices` is the mask's int32 [Bm, Hm, Sk, width] `startend_row_indices`.
+    `coords` is the identity tensor of the tile partitioned like the accumulator: (query, key)
+    coordinates, or (key, query) with `keys_on_rows` (the backward's transposed scores);
+    `mRowIndices` is the mask's int32 [Bm, Hm, Sk, width] `startend_row_indices`. The bounds of
+    each of the thread's keys are loaded once.
     """
     s_rows = acc_rows_view(acc_S)
     c_rows = acc_rows_view(coords)
-    for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
-        col = col_start + c_rows[0, c][1]
-        in_range = col < seqlen_k
-        key = col if in_range else seqlen_k - 1
-        bounds = mRowIndices[mask_batch, mask_head, key, None]
+    key_mode = 0 if cutlass.const_expr(keys_on_rows) else 1
+    for k in cutlass.range_constexpr(cute.size(s_rows, mode=[key_mode])):
+        key = key_start + (c_rows[k, 0][0] if cutlass.const_expr(keys_on_rows) else c_rows[0, k][1])
+        in_range = key < seqlen_k
+        bounds = mRowIndices[mask_batch, mask_head, key if in_range else seqlen_k - 1, None]
         first = bounds[0]
         second = bounds[1] if cutlass.const_expr(width >= 2) else first
         third = bounds[2] if cutlass.const_expr(width == 4) else first
         fourth = bounds[3] if cutlass.const_expr(width == 4) else first
-        for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
-            row = row_start + c_rows[r, 0][0]
-            hidden = not in_range
-            if cutlass.const_expr(causal and width == 1):
-                hidden = hidden or row >= first or col > row + causal_offset
-            elif cutlass.const_expr(causal):
-                hidden = hidden or (row >= first and row < second) or col > row + causal_offset
-            elif cutlass.const_expr(width == 2):
-                hidden = hidden or row >= first or row < second
-            else:
-                hidden = hidden or (row >= first and row < second) or (row >= third and row < fourth)
+        for q in cutlass.range_constexpr(cute.size(s_rows, mode=[1 - key_mode])):
+            r, c = (k, q) if cutlass.const_expr(keys_on_rows) else (q, k)
+            query = query_start + (c_rows[r, c][1] if cutlass.const_expr(keys_on_rows) else c_rows[r, c][0])
+            hidden = not in_range or _hidden(query, key, first, second, third, fourth, causal_offset, causal, width)
             s_rows[r, c] = -Float32.inf if hidden else s_rows[r, c]

@@ -34,8 +34,15 @@ def compact(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return selected.sum(-1, dtype=torch.int32).contiguous(), order.contiguous()
 
 
-def make_tile_plan(mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool = True) -> TilePlan:
-    """`skip_tiles=False` (an ablation) lists fully masked tiles too, as PARTIAL."""
+def make_tile_plan(
+    mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool = True, by_key: bool = False
+) -> TilePlan:
+    """Per query tile, its key tiles (the forward); with `by_key`, per key tile, its query tiles
+    (the backward), each entry also carrying in bits 16+ the key tile's rank among the key tiles
+    its query tile lists (the order of the deterministic dQ sum).
+
+    `skip_tiles=False` (an ablation) lists fully masked tiles too, as PARTIAL.
+    """
     classes = mask.block_classes(tile_m, tile_n).classes
     if not skip_tiles:
         classes = torch.where(classes == SKIP, torch.full_like(classes, PARTIAL), classes)
@@ -43,6 +50,13 @@ def make_tile_plan(mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool 
         # The ragged last key tile always needs the bounds check.
         last = classes[..., -1]
         classes[..., -1] = torch.where(last == SKIP, last, torch.full_like(last, PARTIAL))
-    counts, tile_ids = compact(classes != SKIP)
+    listed = classes != SKIP
+    if by_key:
+        rank = (torch.cumsum(listed, dim=-1, dtype=torch.int32) - 1).transpose(-1, -2)
+        classes, listed = classes.transpose(-1, -2), listed.transpose(-1, -2)
+    counts, tile_ids = compact(listed)
     flags = (torch.gather(classes, -1, tile_ids.long()) == PARTIAL).to(torch.int32)
-    return TilePlan(tiles=((tile_ids << 1) | flags).contiguous(), counts=counts)
+    tiles = (tile_ids << 1) | flags
+    if by_key:
+        tiles |= torch.gather(rank, -1, tile_ids.long()).clamp_(min=0) << 16
+    return TilePlan(tiles=tiles.contiguous(), counts=counts)

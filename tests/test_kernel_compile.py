@@ -1,4 +1,4 @@
-"""The CuTe DSL forward kernel compiles for sm_90a without a GPU (fake tensors), every config."""
+"""The CuTe DSL forward and backward kernels compile for sm_90a without a GPU (fake tensors), every config."""
 
 import pytest
 
@@ -40,3 +40,18 @@ def test_kernel_options_are_validated_and_restored():
     with pytest.raises(ValueError, match="num_stages must be 2 or 3"):
         with kernel_options(num_stages=5):
             pass
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal, width", [(True, 1), (True, 2), (False, 2), (False, 4)])
+def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, width):
+    from flashmask3.optimized import compile_check
+
+    assert 0 < compile_check(dtype, head_dim, causal, width, direction="bwd") < 120
+
+
+def test_deterministic_backward_compiles_for_sm90a():
+    from flashmask3.optimized import compile_check
+
+    assert compile_check("bf16", 128, False, 4, direction="bwd", deterministic=True) > 0

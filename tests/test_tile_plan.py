@@ -42,3 +42,27 @@ def test_full_mask_has_no_partial_tile_but_the_ragged_one():
     plan = make_tile_plan(full_mask(1, 300, 300, "cpu"), 128, 128)
     assert plan.counts.flatten().tolist() == [3, 3, 3]
     assert (plan.tiles[0, 0, 0, :3] & 1).tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize("name", ["causal", "share_question", "random_eviction"])
+@pytest.mark.parametrize("seqlen", [1024, 1000])
+def test_by_key_lists_query_tiles_with_flag_and_dq_rank(name, seqlen):
+    """The backward's plan: per key tile its query tiles in order, and in bits 16+ the key tile's
+    position among the key tiles of that query tile (the deterministic dQ order)."""
+    mask = masks.build(name, seqlen, batch=1, heads=2)
+    classes = mask.block_classes(64, 128).classes
+    plan = make_tile_plan(mask, 64, 128, by_key=True)
+    forward = make_tile_plan(mask, 64, 128)
+    tn = classes.shape[-1]
+    for h in range(classes.shape[1]):
+        for n in range(tn):
+            count = int(plan.counts[0, h, n])
+            listed = plan.tiles[0, h, n, :count]
+            kept = (classes[0, h, :, n] != SKIP).nonzero().flatten()
+            assert torch.equal((listed & 0xFFFF) >> 1, kept.to(torch.int32))
+            partial = classes[0, h, kept, n] == PARTIAL
+            if seqlen % 128 and n == tn - 1:
+                partial[:] = True
+            assert torch.equal((listed & 1).bool(), partial)
+            for m, rank in zip(kept.tolist(), (listed >> 16).tolist()):
+                assert int(forward.tiles[0, h, m, rank]) >> 1 == n

@@ -1,0 +1,401 @@
+"""Mask-aware attention backward for Hopper (sm_90a) in the CuTe DSL.
+
+Column-parallel, FlashAttention-2/3 style: one CTA per (key tile of 128, KV head, batch) keeps
+K, V and the dK, dV accumulators on chip and walks the query tiles (64 rows) that can see it:
+the compacted list of the key tile's non-skipped query tiles (tile_plan.py, by key), for every
+query head of its KV group (so GQA sums dK/dV in registers, no extra pass).
+
+Warpgroup 0, warp 0 is the producer (TMA: K and V once, then Q and dO of each listed query tile
+through `num_stages`-deep mbarrier pipelines). Warpgroups 1-2 are consumers, 64 keys each. They
+work on the transposed scores, so the rows of a thread's fragment are keys and each thread loads
+the mask bounds of only its own two keys:
+    S^T = K Q^T, dP^T = V dO^T                      (SS-WGMMA)
+    P^T = exp2(S^T * scale * log2 e - LSE * log2 e)  (element mask only on PARTIAL tiles)
+    dV += P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q   (RS-WGMMA: P^T, dS^T stay in registers)
+    dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
+                                                     warpgroups each take half of the head dim)
+and add dQ_tile into an fp32 dQ accumulator in global memory (atomics). In deterministic mode the
+key tiles of one query tile add in key order (a per-query-tile semaphore), so dQ is bitwise
+reproducible. The caller computes Delta = rowsum(dO * O) and converts dQ (interface.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Type
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from .flash_fwd_sm90 import _assume_aligned, _select, _wgmma
+from .layout import acc_as_operand_a, acc_rows_view, transpose_view
+from .mask import apply_column_mask
+
+LOG2_E = math.log2(math.e)
+_DS_READY = 1  # named barrier: both consumer warpgroups wrote their half of dS (0 is sync_threads)
+_DQ_TURN = 2  # named barrier: deterministic mode, this CTA's turn to add into a dQ tile
+
+
+class FlashMaskBackwardSm90:
+    """Compile-time configuration and kernel of the backward pass."""
+
+    tile_m = 64  # query rows per step
+    tile_n = 128  # keys per CTA, 64 per consumer warpgroup
+    producer_regs = 24
+    consumer_regs = 240
+
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        causal: bool,
+        mask_width: int,
+        deterministic: bool = False,
+        num_stages: int = 2,
+    ):
+        if head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.mask_width = mask_width
+        self.deterministic = deterministic
+        self.num_stages = num_stages
+        self.num_consumer_wgs = self.tile_n // 64
+        self.num_threads = 128 * (self.num_consumer_wgs + 1)
+
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
+        atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, Sq, Hq, D]
+        mK: cute.Tensor,  # [B, Sk, Hkv, D]
+        mV: cute.Tensor,  # [B, Sk, Hkv, D]
+        mdO: cute.Tensor,  # [B, Sq, Hq, D]
+        mLSE: cute.Tensor,  # [B, Hq, Sq_pad] fp32: LSE * log2(e), +inf for rows that see nothing
+        mDelta: cute.Tensor,  # [B, Hq, Sq_pad] fp32: rowsum(dO * O)
+        mdQaccum: cute.Tensor,  # [B, Sq_pad, Hq, D] fp32, zeroed
+        mdK: cute.Tensor,  # [B, Sk, Hkv, D]
+        mdV: cute.Tensor,  # [B, Sk, Hkv, D]
+        mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
+        mTileList: cute.Tensor,  # [Bm, Hm, Tn, Tm] int32: query tile << 1 | partial (| rank << 16)
+        mTileCount: cute.Tensor,  # [Bm, Hm, Tn] int32
+        mSemaphore: cute.Tensor,  # [B, Hq, Tm] int32, zeroed (used in deterministic mode)
+        softmax_scale: Float32,
+        qheads_per_kvhead: Int32,
+        qheads_per_maskhead: Int32,
+        mask_batch_stride: Int32,
+        stream: cuda.CUstream,
+    ):
+        mQ, mK, mV, mdO = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO))
+        mdQaccum, mdK, mdV = (_select(t, [1, 3, 2, 0]) for t in (mdQaccum, mdK, mdV))
+        mLSE, mDelta = (_select(t, [2, 1, 0]) for t in (mLSE, mDelta))  # (Sq, Hq, B)
+        sQ_layout = self._smem_layout(self.tile_m, self.head_dim, self.num_stages)
+        sKV_layout = self._smem_layout(self.tile_n, self.head_dim)
+        sdS_layout = self._smem_layout(self.tile_m, self.tile_n, 2)
+        q_tile = cute.select(sQ_layout, mode=[0, 1])
+        wgs = self.num_consumer_wgs
+        # S^T, dP^T: keys x queries, the warpgroups split the keys.
+        tiled_mma_sdp = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, self.tile_m),
+        )
+        # dV, dK: keys x head dim, A (P^T, dS^T) from registers.
+        tiled_mma_dkv = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, self.head_dim), a_source=warpgroup.OperandSource.RMEM,
+        )
+        # dQ: queries x head dim, the warpgroups split the head dim.
+        tiled_mma_dq = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, self.head_dim // wgs),
+        )
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, self.head_dim), 1)
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load_op, mdO, q_tile, (self.tile_m, self.head_dim), 1)
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, sKV_layout, (self.tile_n, self.head_dim))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (self.tile_n, self.head_dim))
+        q_bytes = cute.size_in_bytes(self.dtype, q_tile)
+        kv_bytes = cute.size_in_bytes(self.dtype, sKV_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        self.kernel(
+            tma_mQ, tma_mK, tma_mV, tma_mdO, mLSE, mDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount,
+            mSemaphore, tma_q, tma_k, tma_v, tma_do, q_bytes, kv_bytes,
+            Float32(softmax_scale * LOG2_E), softmax_scale, qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
+            sQ_layout, sKV_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mRowIndices: cute.Tensor,
+        mTileList: cute.Tensor,
+        mTileCount: cute.Tensor,
+        mSemaphore: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_do: cute.CopyAtom,
+        q_bytes: cutlass.Constexpr[int],
+        kv_bytes: cutlass.Constexpr[int],
+        scale_log2: Float32,
+        softmax_scale: Float32,
+        qheads_per_kvhead: Int32,
+        qheads_per_maskhead: Int32,
+        mask_batch_stride: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head_kv, batch = cute.arch.block_idx()
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=2 * kv_bytes, defer_sync=True,
+        )
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=q_bytes, defer_sync=True,
+        )
+        pipe_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=q_bytes, defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        mask_batch = batch * mask_batch_stride
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_q, pipe_do,
+                          n_block, head_kv, batch, mask_batch, mTileList, mTileCount,
+                          qheads_per_kvhead, qheads_per_maskhead)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(mLSE, mDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+                         sQ, sK, sV, sdO, sdS, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+                         tidx - 128, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
+                         qheads_per_kvhead, qheads_per_maskhead, mQ.shape[0], mK.shape[0])
+
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_q, pipe_do,
+             n_block, head_kv, batch, mask_batch, mTileList, mTileCount, qheads_per_kvhead, qheads_per_maskhead):
+        """Producer warp: K and V once, then Q and dO of every listed query tile of every query head."""
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for g in cutlass.range(qheads_per_kvhead, unroll=1):
+            head = head_kv * qheads_per_kvhead + g
+            mask_head = head // qheads_per_maskhead
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+            tiles = mTileList[mask_batch, mask_head, n_block, None]
+            for i in cutlass.range(mTileCount[mask_batch, mask_head, n_block], unroll=1):
+                m_block = (tiles[i] & 0xFFFF) >> 1
+                pipe_q.producer_acquire(state)
+                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index],
+                          tma_bar_ptr=pipe_q.producer_get_barrier(state))
+                pipe_do.producer_acquire(state)
+                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index],
+                          tma_bar_ptr=pipe_do.producer_get_barrier(state))
+                state.advance()
+
+    @cute.jit
+    def consume(self, mLSE, mDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+                sQ, sK, sV, sdO, sdS, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+                tidx, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
+                qheads_per_kvhead, qheads_per_maskhead, seqlen_q, seqlen_k):
+        """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T, the dV/dK/dQ products."""
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
+        wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
+        wg_dq = tiled_mma_dq.get_slice(wg * 128)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        tdSsdS = thr_sdp.partition_C(transpose_view(sdS))  # dS^T written where dQ's A reads dS
+        st_shape = wg_sdp.partition_shape_C((self.tile_n, self.tile_m))
+        pt_shape = wg_dkv.partition_shape_A((self.tile_n, self.tile_m))
+        st_coords = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        dq_coords = thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        acc_dV = cute.make_rmem_tensor_like(acc_dK, Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        key_start = n_block * self.tile_n
+        causal_offset = seqlen_k - seqlen_q
+        st_cols = acc_rows_view(st_coords)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        step = Int32(0)
+        for g in cutlass.range(qheads_per_kvhead, unroll=1):
+            head = head_kv * qheads_per_kvhead + g
+            mask_head = head // qheads_per_maskhead
+            tiles = mTileList[mask_batch, mask_head, n_block, None]
+            gdQ = mdQaccum[None, None, head, batch]
+            for i in cutlass.range(mTileCount[mask_batch, mask_head, n_block], unroll=1):
+                entry = tiles[i]
+                m_block = (entry & 0xFFFF) >> 1
+                query_start = m_block * self.tile_m
+                acc_S = cute.make_rmem_tensor(st_shape, Float32)
+                acc_dP = cute.make_rmem_tensor(st_shape, Float32)
+                pipe_q.consumer_wait(state)
+                _wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
+                pipe_do.consumer_wait(state)
+                _wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
+                # LSE and Delta of the thread's query columns, loaded while the GEMMs run.
+                lse = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
+                delta = cute.make_rmem_tensor_like(lse, Float32)
+                for c in cutlass.range_constexpr(cute.size(lse)):
+                    q_row = query_start + st_cols[0, c][1]
+                    lse[c] = mLSE[q_row, head, batch]
+                    delta[c] = mDelta[q_row, head, batch]
+                warpgroup.wait_group(1)
+                if (entry & 1) != 0:
+                    apply_column_mask(acc_S, st_coords, mRowIndices, mask_batch, mask_head, query_start, key_start,
+                                      seqlen_k, causal_offset, self.causal, self.mask_width, keys_on_rows=True)
+                p_rows = acc_rows_view(acc_S)
+                for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
+                        p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse[c], fastmath=True)
+                tdVrP = cute.make_rmem_tensor(pt_shape, self.dtype)
+                tdVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+                warpgroup.wait_group(0)
+                _wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, state.index], zero_init=False)
+                ds_rows = acc_rows_view(acc_dP)
+                for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
+                        ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - delta[c])
+                tdKrdS = cute.make_rmem_tensor(pt_shape, self.dtype)
+                tdKrdS.store(acc_as_operand_a(acc_dP).load().to(self.dtype))
+                _wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, state.index], zero_init=False)
+                # dS to smem (double-buffered: the barrier of this step also proves both
+                # warpgroups finished reading the other buffer in the previous step).
+                buf = step % 2
+                rdS = cute.make_rmem_tensor(st_shape, self.dtype)
+                rdS.store(acc_dP.load().to(self.dtype))
+                cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
+                acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+                _wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
+                warpgroup.wait_group(0)
+                pipe_q.consumer_release(state)
+                pipe_do.consumer_release(state)
+                state.advance()
+                self.add_dq(acc_dQ, dq_coords, gdQ, mSemaphore, query_start, m_block, head, batch, entry >> 16, tidx)
+                step += 1
+
+        self.store_dkv(acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, key_start, head_kv, batch, seqlen_k)
+
+    @cute.jit
+    def add_dq(self, acc_dQ, dq_coords, gdQ, mSemaphore, query_start, m_block, head, batch, rank, tidx):
+        """Add this key tile's dQ contribution into the fp32 accumulator.
+
+        Deterministic mode: wait until the key tiles before this one (in key order) have added
+        into this query tile, add, then pass the turn on.
+        """
+        if const_expr(self.deterministic):
+            lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
+            if tidx == 0:
+                while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != rank:
+                    pass
+            cute.arch.barrier(barrier_id=_DQ_TURN, number_of_threads=128 * self.num_consumer_wgs)
+        for k in cutlass.range_constexpr(cute.size(acc_dQ)):
+            row, col = dq_coords[k]
+            cute.arch.atomic_add(gdQ.iterator + cute.crd2idx((query_start + row, col), gdQ.layout), acc_dQ[k])
+        if const_expr(self.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=_DQ_TURN, number_of_threads=128 * self.num_consumer_wgs)
+            if tidx == 0:
+                cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def store_dkv(self, acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, key_start, head_kv, batch, seqlen_k):
+        """Epilogue: dK (times the softmax scale) and dV in the output dtype, rows past seqlen_k left out."""
+        coords = acc_rows_view(thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim))))
+        gdK = mdK[None, None, head_kv, batch]
+        gdV = mdV[None, None, head_kv, batch]
+        for acc, out, scale in ((acc_dK, gdK, softmax_scale), (acc_dV, gdV, Float32(1.0))):
+            r_out = cute.make_rmem_tensor_like(acc, out.element_type)
+            r_out.store((acc.load() * scale).to(out.element_type))
+            rows = acc_rows_view(r_out)
+            for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
+                key = key_start + coords[r, 0][0]
+                if key < seqlen_k:
+                    for c in cutlass.range_constexpr(cute.size(rows, mode=[1])):
+                        out[key, coords[r, c][1]] = rows[r, c]

@@ -1,0 +1,175 @@
+"""Backward kernel on the H200: gradients against the reference, determinism, then fwd+bwd speed.
+
+    python scripts/bench_bwd.py check                 # dQ/dK/dV, every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
+    python scripts/bench_bwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
+
+Correctness: out, LSE, dQ, dK, dV through `attention(..., backend="cute")` and autograd vs the fp64
+reference within the verify/ tolerance (2x the error of the same computation in the input
+precision), dK/dV written into NaN-poisoned buffers; `deterministic=True` run twice must agree
+bit for bit. Speed: fwd+bwd (loss.backward through autograd, tile plans and the dQ/Delta passes
+included), CUDA events, median over input sets; TFLOP/s on unmasked work, 3.5x the forward FLOPs.
+Peers in the same run: FlexAttention (compiled, BlockMask built once), FA4 and cuDNN SDPA on
+full/causal. Writes JSON to $OUT (or bench/results/) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flashmask3 as fm  # noqa: E402
+from flashmask3 import peers  # noqa: E402
+from flashmask3.bench import attention_flops, git_commit, progress  # noqa: E402
+from flashmask3.optimized import compile_seconds  # noqa: E402
+from flashmask3.optimized.interface import backward as cute_backward  # noqa: E402
+from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
+from flashmask3.reference import ColumnMask, masks  # noqa: E402
+from flashmask3.verify import compare, random_inputs  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fwd import bench_ms, fa4_fn  # noqa: E402
+
+
+def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
+    q, k, v, dout = random_inputs(b, sq, sk, hq, hkv, d, dtype, "cuda", seed=seed)
+    report = compare("cute", q, k, v, mask, dout)
+    scale = 1 / math.sqrt(d)
+    out, lse = cute_forward(q, k, v, mask, scale)
+    dk, dv = torch.full_like(k, math.nan), torch.full_like(v, math.nan)
+    cute_backward(dout, q, k, v, out, lse, mask, scale, dk=dk, dv=dv)
+    torch.cuda.synchronize()
+    unwritten = int(dk.isnan().sum() + dv.isnan().sum())
+    row = {"mask": name, "b": b, "sq": sq, "sk": sk, "hq": hq, "hkv": hkv, "d": d, "dtype": str(dtype)[6:],
+           "unwritten": unwritten, "notes": report.notes, "passed": report.passed and unwritten == 0}
+    for t in ("out", "lse", "dq", "dk", "dv"):
+        row[f"err_{t}"], row[f"tol_{t}"] = report.errors[t], report.tolerance(t)
+    return row
+
+
+def run_check() -> list[dict]:
+    rows, seed = [], 100
+    for name in progress(masks.MASK_NAMES, "check"):
+        for sq, d, dtype in ((1024, 128, torch.bfloat16), (1531, 64, torch.float16), (2048, 128, torch.float16)):
+            seed += 1
+            mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device="cuda")
+            rows.append(check_case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed))
+    for sq, sk in ((700, 1300), (1300, 700)):
+        mask = ColumnMask(torch.full((1, 1, sk, 1), sq, dtype=torch.int32, device="cuda"), True, sq)
+        rows.append(check_case("causal_sq!=sk", mask, 1, sq, sk, 8, 1, 128, torch.bfloat16, seed + sq))
+        rows.append(check_case("none_sq!=sk", None, 1, sq, sk, 8, 1, 64, torch.bfloat16, seed + sk))
+    return rows
+
+
+def run_determinism() -> dict:
+    """Gradients of two deterministic runs must be bitwise equal (many key tiles per query tile)."""
+    q, k, v, dout = random_inputs(2, 4096, 4096, 8, 2, 128, torch.bfloat16, "cuda", seed=7)
+    mask = masks.build("document", 4096, batch=2, heads=8, seed=7, device="cuda")
+    scale = 1 / math.sqrt(128)
+    out, lse = cute_forward(q, k, v, mask, scale)
+    result = {}
+    for deterministic in (True, False):
+        runs = [cute_backward(dout, q, k, v, out, lse, mask, scale, deterministic) for _ in range(5)]
+        result["deterministic" if deterministic else "atomic"] = all(
+            all(torch.equal(a, b) for a, b in zip(runs[0], r)) for r in runs[1:])
+    return result
+
+
+def fwd_bwd(fn):
+    """q, k, v, dout -> one forward and backward through `fn(q, k, v)` (leaf copies made outside)."""
+    def run(q, k, v, dout):
+        out = fn(q, k, v)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(dout)
+    return run
+
+
+def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], deterministic: bool) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    heads = 4096 // head_dim
+    for seqlen in seqlens:
+        batch = max(1, 131072 // seqlen)
+        sets, repeats = (2, 5) if seqlen <= 8192 else (2, 3)
+        inputs = []
+        for s in range(sets):
+            q, k, v, dout = random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)
+            inputs.append((q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout))
+        scale = 1 / math.sqrt(head_dim)
+        for name in progress(mask_names, f"bench {seqlen}"):
+            mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
+            density = mask.density()
+            flops = 3.5 * attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
+            row = {"mask": name, "seqlen": seqlen, "batch": batch, "heads": heads, "head_dim": head_dim,
+                   "density": density, "deterministic": deterministic}
+            row["cute_ms"] = bench_ms(fwd_bwd(lambda q, k, v: fm.attention(
+                q, k, v, mask, backend="cute", deterministic=deterministic)), inputs, 2, repeats)
+            block_mask = peers.flex_block_mask(mask, batch, heads, seqlen, seqlen, "cuda")
+            row["flex_ms"] = bench_ms(fwd_bwd(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask)),
+                                      inputs, 2, repeats)
+            if name in ("full", "causal"):
+                causal = name == "causal"
+                fa4 = fa4_fn(causal)
+                if fa4 is not None:
+                    row["fa4_ms"] = bench_ms(fwd_bwd(fa4), inputs, 2, repeats)
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    row["cudnn_ms"] = bench_ms(fwd_bwd(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)),
+                        inputs, 2, repeats)
+            for key in [k for k in row if k.endswith("_ms")]:
+                row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for q, k, v, _ in inputs:
+                q.grad = k.grad = v.grad = None
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["check", "bench", "all"])
+    parser.add_argument("--seqlens", default="8192")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
+    parser.add_argument("--deterministic", action="store_true", help="bench the deterministic backward")
+    args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"commit": git_commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__}
+    if args.what in ("check", "all"):
+        result["check"] = run_check()
+        result["determinism"] = run_determinism()
+        result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
+        print(f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} {'tol':>8s} "
+              f"{'err_dv':>8s} {'tol':>8s} ok")
+        for r in result["check"]:
+            print(f"{r['mask']:22s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} "
+                  + " ".join(f"{r['err_' + t]:8.1e} {r['tol_' + t]:8.1e}" for t in ("dq", "dk", "dv"))
+                  + (" ok" if r["passed"] else f" FAIL {r['notes']} unwritten={r['unwritten']} "
+                     f"out={r['err_out']:.1e} lse={r['err_lse']:.1e}"))
+        print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
+              f"{sum(not r['passed'] for r in result['check'])} failed; determinism {result['determinism']}")
+    if args.what in ("bench", "all"):
+        result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","),
+                                    args.deterministic)
+        print(f"{'mask':24s} {'S':>6s} {'dens':>5s} {'cute':>6s} {'flex':>6s} {'x flex':>6s} {'fa4':>6s} {'cudnn':>6s}")
+        for r in result["bench"]:
+            print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
+                  f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_tflops', float('nan')):6.0f} "
+                  f"{r.get('cudnn_tflops', float('nan')):6.0f}")
+    name = f"bwd_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    (out_dir / name).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
