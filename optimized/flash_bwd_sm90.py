@@ -14,7 +14,7 @@ the mask bounds of only its own two keys:
     dV += P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q   (RS-WGMMA: P^T, dS^T stay in registers)
     dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
                                                      warpgroups each take half of the head dim)
-and add dQ_tile into an fp32 dQ accumulator in global memory (atomics). In deterministic mode the
+and add dQ_tile into an fp32 dQ accumulator in global memory (TMA reduce-add from smem). In deterministic mode the
 key tiles of one query tile add in key order (a per-query-tile semaphore), so dQ is bitwise
 reproducible. The caller computes Delta = rowsum(dO * O) and converts dQ (interface.py).
 """
@@ -39,7 +39,7 @@ from .mask import apply_column_mask
 
 LOG2_E = math.log2(math.e)
 _DS_READY = 1  # named barrier: both consumer warpgroups wrote their half of dS (0 is sync_threads)
-_DQ_TURN = 2  # named barrier: deterministic mode, this CTA's turn to add into a dQ tile
+_DQ_FULL = 2  # named barrier: the dQ tile is in smem, ready for the TMA reduce-add
 
 
 class FlashMaskBackwardSm90:
@@ -70,8 +70,9 @@ class FlashMaskBackwardSm90:
         self.num_consumer_wgs = self.tile_n // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
-    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
-        atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None, dtype=None):
+        dtype = dtype or self.dtype
+        atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
         if stages is None:
             return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
         return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
@@ -98,12 +99,13 @@ class FlashMaskBackwardSm90:
         mask_batch_stride: Int32,
         stream: cuda.CUstream,
     ):
-        mQ, mK, mV, mdO = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO))
-        mdQaccum, mdK, mdV = (_select(t, [1, 3, 2, 0]) for t in (mdQaccum, mdK, mdV))
-        mLSE, mDelta = (_select(t, [2, 1, 0]) for t in (mLSE, mDelta))  # (Sq, Hq, B)
+        mQ, mK, mV, mdO, mdQaccum = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdQaccum))
+        mdK, mdV = (_select(t, [1, 3, 2, 0]) for t in (mdK, mdV))
+        mLSE, mDelta = (_select(_assume_aligned(t), [2, 1, 0]) for t in (mLSE, mDelta))  # (Sq, Hq, B)
         sQ_layout = self._smem_layout(self.tile_m, self.head_dim, self.num_stages)
         sKV_layout = self._smem_layout(self.tile_n, self.head_dim)
         sdS_layout = self._smem_layout(self.tile_m, self.tile_n, 2)
+        sdQ_layout = self._smem_layout(self.tile_m, self.head_dim, dtype=Float32)
         q_tile = cute.select(sQ_layout, mode=[0, 1])
         wgs = self.num_consumer_wgs
         # S^T, dP^T: keys x queries, the warpgroups split the keys.
@@ -126,7 +128,15 @@ class FlashMaskBackwardSm90:
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load_op, mdO, q_tile, (self.tile_m, self.head_dim), 1)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, sKV_layout, (self.tile_n, self.head_dim))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (self.tile_n, self.head_dim))
-        q_bytes = cute.size_in_bytes(self.dtype, q_tile)
+        # dQ is added into the fp32 accumulator by a TMA reduce-add from smem.
+        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_layout, (self.tile_m, self.head_dim))
+        # LSE and Delta of a query tile ride on Q's and dO's barriers.
+        s_row_layout = cute.make_layout((self.tile_m, self.num_stages))
+        tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(load_op, mLSE, cute.make_layout(self.tile_m), (self.tile_m,))
+        tma_delta, tma_mDelta = cpasync.make_tiled_tma_atom(
+            load_op, mDelta, cute.make_layout(self.tile_m), (self.tile_m,))
+        q_bytes = cute.size_in_bytes(self.dtype, q_tile) + self.tile_m * 4
         kv_bytes = cute.size_in_bytes(self.dtype, sKV_layout)
 
         @cute.struct
@@ -139,13 +149,16 @@ class FlashMaskBackwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mdO, mLSE, mDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount,
-            mSemaphore, tma_q, tma_k, tma_v, tma_do, q_bytes, kv_bytes,
+            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdQ, mdK, mdV, mRowIndices, mTileList, mTileCount,
+            mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), softmax_scale, qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
-            sQ_layout, sKV_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
+            sQ_layout, sKV_layout, sdS_layout, sdQ_layout, s_row_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -168,6 +181,9 @@ class FlashMaskBackwardSm90:
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
         tma_do: cute.CopyAtom,
+        tma_lse: cute.CopyAtom,
+        tma_delta: cute.CopyAtom,
+        tma_dq: cute.CopyAtom,
         q_bytes: cutlass.Constexpr[int],
         kv_bytes: cutlass.Constexpr[int],
         scale_log2: Float32,
@@ -178,6 +194,8 @@ class FlashMaskBackwardSm90:
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout,
+        s_row_layout: cute.Layout,
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -187,7 +205,7 @@ class FlashMaskBackwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_do):
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq):
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
@@ -213,25 +231,31 @@ class FlashMaskBackwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sLSE = storage.sLSE.get_tensor(s_row_layout)
+        sDelta = storage.sDelta.get_tensor(s_row_layout)
         mask_batch = batch * mask_batch_stride
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_q, pipe_do,
+                self.load(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                          tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_kv, pipe_q, pipe_do,
                           n_block, head_kv, batch, mask_batch, mTileList, mTileCount,
                           qheads_per_kvhead, qheads_per_maskhead)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mLSE, mDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
-                         sQ, sK, sV, sdO, sdS, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+            self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+                         sQ, sK, sV, sdO, sdS, sdQ, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
                          tidx - 128, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                          qheads_per_kvhead, qheads_per_maskhead, mQ.shape[0], mK.shape[0])
 
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_q, pipe_do,
+    def load(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_kv, pipe_q, pipe_do,
              n_block, head_kv, batch, mask_batch, mTileList, mTileCount, qheads_per_kvhead, qheads_per_maskhead):
-        """Producer warp: K and V once, then Q and dO of every listed query tile of every query head."""
+        """Producer warp: K and V once, then Q (+ LSE) and dO (+ Delta) of every listed query tile of
+        every query head."""
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(
@@ -253,20 +277,28 @@ class FlashMaskBackwardSm90:
                 tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
             tdOsdO, tdOgdO = cpasync.tma_partition(
                 tma_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+            gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (None,))
+            gDelta = cute.local_tile(mDelta[None, head, batch], (self.tile_m,), (None,))
+            tLsL, tLgL = cpasync.tma_partition(
+                tma_lse, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(
+                tma_delta, 0, cute.make_layout(1), cute.group_modes(sDelta, 0, 1), cute.group_modes(gDelta, 0, 1))
             tiles = mTileList[mask_batch, mask_head, n_block, None]
             for i in cutlass.range(mTileCount[mask_batch, mask_head, n_block], unroll=1):
                 m_block = (tiles[i] & 0xFFFF) >> 1
                 pipe_q.producer_acquire(state)
-                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index],
-                          tma_bar_ptr=pipe_q.producer_get_barrier(state))
+                q_bar = pipe_q.producer_get_barrier(state)
+                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
+                cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=q_bar)
                 pipe_do.producer_acquire(state)
-                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                          tma_bar_ptr=pipe_do.producer_get_barrier(state))
+                do_bar = pipe_do.producer_get_barrier(state)
+                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=do_bar)
+                cute.copy(tma_delta, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=do_bar)
                 state.advance()
 
     @cute.jit
-    def consume(self, mLSE, mDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
-                sQ, sK, sV, sdO, sdS, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+    def consume(self, sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+                sQ, sK, sV, sdO, sdS, sdQ, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
                 tidx, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                 qheads_per_kvhead, qheads_per_maskhead, seqlen_q, seqlen_k):
         """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T, the dV/dK/dQ products."""
@@ -287,9 +319,8 @@ class FlashMaskBackwardSm90:
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         tdSsdS = thr_sdp.partition_C(transpose_view(sdS))  # dS^T written where dQ's A reads dS
         st_shape = wg_sdp.partition_shape_C((self.tile_n, self.tile_m))
-        pt_shape = wg_dkv.partition_shape_A((self.tile_n, self.tile_m))
         st_coords = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
-        dq_coords = thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        tdQsdQ = thr_dq.partition_C(sdQ)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         acc_dV = cute.make_rmem_tensor_like(acc_dK, Float32)
         acc_dK.fill(0.0)
@@ -306,7 +337,9 @@ class FlashMaskBackwardSm90:
             head = head_kv * qheads_per_kvhead + g
             mask_head = head // qheads_per_maskhead
             tiles = mTileList[mask_batch, mask_head, n_block, None]
-            gdQ = mdQaccum[None, None, head, batch]
+            gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            tma_sdQ, tma_gdQ = cpasync.tma_partition(  # the reduce-add's views (consumer thread 0 issues it)
+                tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
             for i in cutlass.range(mTileCount[mask_batch, mask_head, n_block], unroll=1):
                 entry = tiles[i]
                 m_block = (entry & 0xFFFF) >> 1
@@ -317,13 +350,6 @@ class FlashMaskBackwardSm90:
                 _wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
                 pipe_do.consumer_wait(state)
                 _wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
-                # LSE and Delta of the thread's query columns, loaded while the GEMMs run.
-                lse = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
-                delta = cute.make_rmem_tensor_like(lse, Float32)
-                for c in cutlass.range_constexpr(cute.size(lse)):
-                    q_row = query_start + st_cols[0, c][1]
-                    lse[c] = mLSE[q_row, head, batch]
-                    delta[c] = mDelta[q_row, head, batch]
                 warpgroup.wait_group(1)
                 if (entry & 1) != 0:
                     apply_column_mask(acc_S, st_coords, mRowIndices, mask_batch, mask_head, query_start, key_start,
@@ -331,25 +357,26 @@ class FlashMaskBackwardSm90:
                 p_rows = acc_rows_view(acc_S)
                 for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
-                        p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse[c], fastmath=True)
-                tdVrP = cute.make_rmem_tensor(pt_shape, self.dtype)
-                tdVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+                        lse = sLSE[st_cols[0, c][1], state.index]
+                        p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse, fastmath=True)
+                rP = cute.make_rmem_tensor(st_shape, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
                 warpgroup.wait_group(0)
-                _wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, state.index], zero_init=False)
+                _wgmma(tiled_mma_dkv, acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index], zero_init=False)
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
-                        ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - delta[c])
-                tdKrdS = cute.make_rmem_tensor(pt_shape, self.dtype)
-                tdKrdS.store(acc_as_operand_a(acc_dP).load().to(self.dtype))
-                _wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, state.index], zero_init=False)
+                        ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
+                rdS = cute.make_rmem_tensor(st_shape, self.dtype)
+                rdS.store(acc_dP.load().to(self.dtype))
+                _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index], zero_init=False)
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2
-                rdS = cute.make_rmem_tensor(st_shape, self.dtype)
-                rdS.store(acc_dP.load().to(self.dtype))
                 cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()
+                if tidx == 0:  # sdQ is free again once the previous dQ reduce-add has read it
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 _wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
@@ -357,31 +384,32 @@ class FlashMaskBackwardSm90:
                 pipe_q.consumer_release(state)
                 pipe_do.consumer_release(state)
                 state.advance()
-                self.add_dq(acc_dQ, dq_coords, gdQ, mSemaphore, query_start, m_block, head, batch, entry >> 16, tidx)
+                self.add_dq(acc_dQ, tdQsdQ, tma_dq, tma_sdQ, tma_gdQ, mSemaphore, m_block, head, batch, entry >> 16, tidx)
                 step += 1
 
         self.store_dkv(acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, key_start, head_kv, batch, seqlen_k)
 
     @cute.jit
-    def add_dq(self, acc_dQ, dq_coords, gdQ, mSemaphore, query_start, m_block, head, batch, rank, tidx):
-        """Add this key tile's dQ contribution into the fp32 accumulator.
+    def add_dq(self, acc_dQ, tdQsdQ, tma_dq, tma_sdQ, tma_gdQ, mSemaphore, m_block, head, batch, rank, tidx):
+        """Add this key tile's dQ contribution into the fp32 accumulator: registers to smem, then
+        one TMA reduce-add of the whole tile.
 
         Deterministic mode: wait until the key tiles before this one (in key order) have added
-        into this query tile, add, then pass the turn on.
+        into this query tile, add, wait for the add to land, then pass the turn on.
         """
-        if const_expr(self.deterministic):
-            lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
-            if tidx == 0:
+        cute.autovec_copy(acc_dQ, tdQsdQ)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_DQ_FULL, number_of_threads=128 * self.num_consumer_wgs)
+        if tidx == 0:
+            if const_expr(self.deterministic):
+                lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
                 while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != rank:
                     pass
-            cute.arch.barrier(barrier_id=_DQ_TURN, number_of_threads=128 * self.num_consumer_wgs)
-        for k in cutlass.range_constexpr(cute.size(acc_dQ)):
-            row, col = dq_coords[k]
-            cute.arch.atomic_add(gdQ.iterator + cute.crd2idx((query_start + row, col), gdQ.layout), acc_dQ[k])
-        if const_expr(self.deterministic):
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=_DQ_TURN, number_of_threads=128 * self.num_consumer_wgs)
-            if tidx == 0:
+            cute.copy(tma_dq, tma_sdQ, tma_gdQ[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)
+                cute.arch.fence_acq_rel_gpu()
                 cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
