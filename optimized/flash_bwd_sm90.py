@@ -14,7 +14,9 @@ the mask bounds of only its own two keys:
     dV += P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q   (RS-WGMMA: P^T, dS^T stay in registers)
     dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
                                                      warpgroups each take half of the head dim)
-and add dQ_tile into an fp32 dQ accumulator in global memory (TMA reduce-add from smem). In deterministic mode the
+and add dQ_tile into an fp32 dQ accumulator in global memory: each thread writes its fragment to smem
+as is, and one bulk reduce-add per warpgroup moves it (the accumulator keeps the fragment order;
+the caller puts it back in place with the slot map the kernel writes). In deterministic mode the
 key tiles of one query tile add in key order (a per-query-tile semaphore), so dQ is bitwise
 reproducible. The caller computes Delta = rowsum(dO * O) and converts dQ (interface.py).
 """
@@ -29,7 +31,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -39,7 +42,20 @@ from .mask import apply_column_mask
 
 LOG2_E = math.log2(math.e)
 _DS_READY = 1  # named barrier: both consumer warpgroups wrote their half of dS (0 is sync_threads)
-_DQ_FULL = 2  # named barrier: the dQ tile is in smem, ready for the TMA reduce-add
+_DQ_FULL = 2  # named barriers 2, 3: a warpgroup's dQ half is in smem, ready for the bulk reduce-add
+
+
+def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int) -> None:
+    """global[0:n] += shared[0:n] (fp32), one bulk asynchronous copy in the current bulk group."""
+    llvm.inline_asm(
+        None,
+        [gmem.llvm_ptr, smem.toint().ir_value(), Int32(num_bytes).ir_value()],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 class FlashMaskBackwardSm90:
@@ -86,7 +102,8 @@ class FlashMaskBackwardSm90:
         mdO: cute.Tensor,  # [B, Sq, Hq, D]
         mLSE: cute.Tensor,  # [B, Hq, Sq_pad] fp32: LSE * log2(e), +inf for rows that see nothing
         mDelta: cute.Tensor,  # [B, Hq, Sq_pad] fp32: rowsum(dO * O)
-        mdQaccum: cute.Tensor,  # [B, Sq_pad, Hq, D] fp32, zeroed
+        mdQaccum: cute.Tensor,  # [B, Hq, Tm, tile_m * D] fp32, zeroed: dQ tiles in register-fragment order
+        mdQmap: cute.Tensor,  # [tile_m * D] int32: row * D + col of each fragment-order slot (written here)
         mdK: cute.Tensor,  # [B, Sk, Hkv, D]
         mdV: cute.Tensor,  # [B, Sk, Hkv, D]
         mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
@@ -99,13 +116,18 @@ class FlashMaskBackwardSm90:
         mask_batch_stride: Int32,
         stream: cuda.CUstream,
     ):
-        mQ, mK, mV, mdO, mdQaccum = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdQaccum))
+        mQ, mK, mV, mdO = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO))
         mdK, mdV = (_select(t, [1, 3, 2, 0]) for t in (mdK, mdV))
         mLSE, mDelta = (_select(_assume_aligned(t), [2, 1, 0]) for t in (mLSE, mDelta))  # (Sq, Hq, B)
         sQ_layout = self._smem_layout(self.tile_m, self.head_dim, self.num_stages)
         sKV_layout = self._smem_layout(self.tile_n, self.head_dim)
         sdS_layout = self._smem_layout(self.tile_m, self.tile_n, 2)
-        sdQ_layout = self._smem_layout(self.tile_m, self.head_dim, dtype=Float32)
+        # dQ tile in smem in register-fragment order: 4 consecutive floats per thread (one 16-byte
+        # store), threads next to each other, so the writes are conflict-free and each warpgroup's
+        # half is one contiguous block for a 1-D bulk reduce-add.
+        values = self.tile_m * self.head_dim // (128 * self.num_consumer_wgs)
+        sdQ_layout = cute.make_layout((4, 128, values // 4, self.num_consumer_wgs),
+                                      stride=(1, 4, 512, 128 * values))
         q_tile = cute.select(sQ_layout, mode=[0, 1])
         wgs = self.num_consumer_wgs
         # S^T, dP^T: keys x queries, the warpgroups split the keys.
@@ -128,9 +150,6 @@ class FlashMaskBackwardSm90:
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load_op, mdO, q_tile, (self.tile_m, self.head_dim), 1)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, sKV_layout, (self.tile_n, self.head_dim))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (self.tile_n, self.head_dim))
-        # dQ is added into the fp32 accumulator by a TMA reduce-add from smem.
-        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_layout, (self.tile_m, self.head_dim))
         # LSE and Delta of a query tile ride on Q's and dO's barriers.
         s_row_layout = cute.make_layout((self.tile_m, self.num_stages))
         tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(load_op, mLSE, cute.make_layout(self.tile_m), (self.tile_m,))
@@ -155,8 +174,8 @@ class FlashMaskBackwardSm90:
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdQ, mdK, mdV, mRowIndices, mTileList, mTileCount,
-            mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, q_bytes, kv_bytes,
+            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, mdQmap, mdK, mdV, mRowIndices, mTileList, mTileCount,
+            mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), softmax_scale, qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
             sQ_layout, sKV_layout, sdS_layout, sdQ_layout, s_row_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -171,6 +190,7 @@ class FlashMaskBackwardSm90:
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mdQmap: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mRowIndices: cute.Tensor,
@@ -183,7 +203,6 @@ class FlashMaskBackwardSm90:
         tma_do: cute.CopyAtom,
         tma_lse: cute.CopyAtom,
         tma_delta: cute.CopyAtom,
-        tma_dq: cute.CopyAtom,
         q_bytes: cutlass.Constexpr[int],
         kv_bytes: cutlass.Constexpr[int],
         scale_log2: Float32,
@@ -194,7 +213,7 @@ class FlashMaskBackwardSm90:
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
-        sdQ_layout: cute.ComposedLayout,
+        sdQ_layout: cute.Layout,
         s_row_layout: cute.Layout,
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
@@ -205,7 +224,7 @@ class FlashMaskBackwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq):
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
@@ -231,7 +250,7 @@ class FlashMaskBackwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
         sLSE = storage.sLSE.get_tensor(s_row_layout)
         sDelta = storage.sDelta.get_tensor(s_row_layout)
         mask_batch = batch * mask_batch_stride
@@ -245,8 +264,8 @@ class FlashMaskBackwardSm90:
                           qheads_per_kvhead, qheads_per_maskhead)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
-                         sQ, sK, sV, sdO, sdS, sdQ, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+            self.consume(sLSE, sDelta, mdQaccum, mdQmap, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+                         sQ, sK, sV, sdO, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
                          tidx - 128, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                          qheads_per_kvhead, qheads_per_maskhead, mQ.shape[0], mK.shape[0])
 
@@ -297,8 +316,8 @@ class FlashMaskBackwardSm90:
                 state.advance()
 
     @cute.jit
-    def consume(self, sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
-                sQ, sK, sV, sdO, sdS, sdQ, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+    def consume(self, sLSE, sDelta, mdQaccum, mdQmap, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+                sQ, sK, sV, sdO, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
                 tidx, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                 qheads_per_kvhead, qheads_per_maskhead, seqlen_q, seqlen_k):
         """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T, the dV/dK/dQ products."""
@@ -317,10 +336,17 @@ class FlashMaskBackwardSm90:
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
-        tdSsdS = thr_sdp.partition_C(transpose_view(sdS))  # dS^T written where dQ's A reads dS
+        # dS^T from registers into sdS (where dQ's A operand reads dS), by transposing stmatrix.
+        ds_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), tiled_mma_sdp)
+        thr_ds_copy = ds_copy.get_slice(tidx)
+        tdSsdS = thr_ds_copy.partition_D(transpose_view(sdS))
         st_shape = wg_sdp.partition_shape_C((self.tile_n, self.tile_m))
         st_coords = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
-        tdQsdQ = thr_dq.partition_C(sdQ)
+        lane_in_wg = tidx % 128
+        sdQ_thread = sdQ[None, lane_in_wg, None, wg]  # (4, values / 4): the thread's 16-byte slots
+        if n_block == 0 and head_kv == 0 and batch == 0:
+            self.write_dq_map(mdQmap, thr_dq, lane_in_wg, wg)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         acc_dV = cute.make_rmem_tensor_like(acc_dK, Float32)
         acc_dK.fill(0.0)
@@ -337,9 +363,6 @@ class FlashMaskBackwardSm90:
             head = head_kv * qheads_per_kvhead + g
             mask_head = head // qheads_per_maskhead
             tiles = mTileList[mask_batch, mask_head, n_block, None]
-            gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            tma_sdQ, tma_gdQ = cpasync.tma_partition(  # the reduce-add's views (consumer thread 0 issues it)
-                tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
             for i in cutlass.range(mTileCount[mask_batch, mask_head, n_block], unroll=1):
                 entry = tiles[i]
                 m_block = (entry & 0xFFFF) >> 1
@@ -373,9 +396,9 @@ class FlashMaskBackwardSm90:
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2
-                cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
+                cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()
-                if tidx == 0:  # sdQ is free again once the previous dQ reduce-add has read it
+                if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
@@ -384,33 +407,47 @@ class FlashMaskBackwardSm90:
                 pipe_q.consumer_release(state)
                 pipe_do.consumer_release(state)
                 state.advance()
-                self.add_dq(acc_dQ, tdQsdQ, tma_dq, tma_sdQ, tma_gdQ, mSemaphore, m_block, head, batch, entry >> 16, tidx)
+                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, entry >> 16,
+                            lane_in_wg, wg)
                 step += 1
 
         self.store_dkv(acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, key_start, head_kv, batch, seqlen_k)
 
     @cute.jit
-    def add_dq(self, acc_dQ, tdQsdQ, tma_dq, tma_sdQ, tma_gdQ, mSemaphore, m_block, head, batch, rank, tidx):
+    def add_dq(self, acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg):
         """Add this key tile's dQ contribution into the fp32 accumulator: registers to smem, then
-        one TMA reduce-add of the whole tile.
+        one bulk reduce-add per warpgroup (its half of the tile, contiguous in fragment order).
 
-        Deterministic mode: wait until the key tiles before this one (in key order) have added
-        into this query tile, add, wait for the add to land, then pass the turn on.
+        Deterministic mode: a warpgroup waits until both warpgroups of every key tile before this
+        one (in key order) have added into this query tile, adds, waits for the add to land, then
+        counts itself done.
         """
-        cute.autovec_copy(acc_dQ, tdQsdQ)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_DQ_FULL, number_of_threads=128 * self.num_consumer_wgs)
-        if tidx == 0:
+        cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128)
+        if lane_in_wg == 0:
+            chunk = cute.cosize(sdQ.layout) // self.num_consumer_wgs
             if const_expr(self.deterministic):
                 lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
-                while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != rank:
+                while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") < rank * self.num_consumer_wgs:
                     pass
-            cute.copy(tma_dq, tma_sdQ, tma_gdQ[None, m_block])
+            target = mdQaccum.iterator + cute.crd2idx((batch, head, m_block, wg * chunk), mdQaccum.layout)
+            _bulk_reduce_add_f32(sdQ.iterator + wg * chunk, target, chunk * 4)
             cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0)
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def write_dq_map(self, mdQmap, thr_dq, lane_in_wg, wg):
+        """Where each fragment-order slot of a dQ tile lands in the (tile_m, D) tile: row * D + col."""
+        coords = thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        values = cute.size(coords)
+        for k in cutlass.range_constexpr(values):
+            row, col = coords[k]
+            slot = wg * 128 * values + (k // 4) * 512 + lane_in_wg * 4 + k % 4
+            mdQmap[slot] = row * self.head_dim + col
 
     @cute.jit
     def store_dkv(self, acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, key_start, head_kv, batch, seqlen_k):

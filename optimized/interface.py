@@ -181,19 +181,23 @@ def backward(
     lse2[..., :sq] = torch.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
     delta = torch.zeros(b, hq, sq_pad, dtype=torch.float32, device=q.device)
     delta[..., :sq] = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
-    dq_accum = torch.zeros(b, sq_pad, hq, d, dtype=torch.float32, device=q.device)
+    dq_accum = torch.zeros(b, hq, tiles_m, Kernel.tile_m * d, dtype=torch.float32, device=q.device)
+    dq_map = torch.empty(Kernel.tile_m * d, dtype=torch.int32, device=q.device)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     row_indices = mask.startend_row_indices.contiguous()
-    tensors = [_to_cute(t) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, plan.tiles,
+    tensors = [_to_cute(t) for t in (q, k, v, dout, lse2, delta, dq_accum, dq_map, dk, dv, row_indices, plan.tiles,
                                      plan.counts, semaphore)]
     scalars = [Float32(softmax_scale), Int32(hq // hkv), Int32(hq // mask.heads), Int32(mask.batch // b)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel = _kernel(q.dtype, d, mask.causal, row_indices.shape[-1], [*tensors, *scalars, stream], "bwd",
                      deterministic)
     kernel(*tensors, *scalars, stream)
-    dq = (dq_accum[:, :sq] * softmax_scale).to(q.dtype)
+    # dQ tiles come back in the kernel's register-fragment order: put each slot in place.
+    dq = torch.empty_like(dq_accum)
+    dq[..., dq_map.long()] = dq_accum
+    dq = (dq.view(b, hq, sq_pad, d)[:, :, :sq] * softmax_scale).transpose(1, 2).to(q.dtype)
     return dq, dk, dv
 
 
@@ -255,7 +259,8 @@ def compile_check(
         tensors = [
             q_like, kv_like, kv_like, q_like,
             fake(cutlass.Float32, (b, hq, sq)), fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, sq, hq, head_dim)), kv_like, kv_like, row_indices,
+            fake(cutlass.Float32, (b, hq, tm, 64 * head_dim)), fake(cutlass.Int32, (64 * head_dim,)),
+            kv_like, kv_like, row_indices,
             fake(cutlass.Int32, (bm, hm, tn, tm)), fake(cutlass.Int32, (bm, hm, tn)), fake(cutlass.Int32, (b, hq, tm)),
         ]
     else:
