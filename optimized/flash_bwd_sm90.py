@@ -16,7 +16,7 @@ the mask bounds of only its own two keys:
                                                      warpgroups each take half of the head dim)
 and add dQ_tile into an fp32 dQ accumulator in global memory: each thread writes its fragment to smem
 as is, and one bulk reduce-add per warpgroup moves it (the accumulator keeps the fragment order;
-the caller puts it back in place with the slot map the kernel writes). In deterministic mode the
+the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
 key tiles of one query tile add in key order (a per-query-tile semaphore), so dQ is bitwise
 reproducible. The caller computes Delta = rowsum(dO * O) and converts dQ (interface.py).
 """
@@ -93,6 +93,21 @@ class FlashMaskBackwardSm90:
             return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
         return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
+    def dq_tiled_mma(self) -> cute.TiledMma:
+        """dQ = dS K: queries x head dim, the warpgroups split the head dim."""
+        return sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, self.num_consumer_wgs, 1), tiler_mn=(64, self.head_dim // self.num_consumer_wgs),
+        )
+
+    def dq_slot_layout(self) -> cute.Layout:
+        """(4, thread in warpgroup, value / 4, warpgroup) -> slot of a dQ tile kept in register-fragment
+        order: 4 consecutive floats per thread (one 16-byte store), threads side by side, so smem
+        writes are conflict-free and each warpgroup's half is one contiguous block for a 1-D bulk
+        reduce-add. The accumulator in global memory keeps this order; the postprocess undoes it."""
+        values = self.tile_m * self.head_dim // (128 * self.num_consumer_wgs)
+        return cute.make_layout((4, 128, values // 4, self.num_consumer_wgs), stride=(1, 4, 512, 128 * values))
+
     @cute.jit
     def __call__(
         self,
@@ -102,8 +117,7 @@ class FlashMaskBackwardSm90:
         mdO: cute.Tensor,  # [B, Sq, Hq, D]
         mLSE: cute.Tensor,  # [B, Hq, Sq_pad] fp32: LSE * log2(e), +inf for rows that see nothing
         mDelta: cute.Tensor,  # [B, Hq, Sq_pad] fp32: rowsum(dO * O)
-        mdQaccum: cute.Tensor,  # [B, Hq, Tm, tile_m * D] fp32, zeroed: dQ tiles in register-fragment order
-        mdQmap: cute.Tensor,  # [tile_m * D] int32: row * D + col of each fragment-order slot (written here)
+        mdQaccum: cute.Tensor,  # [B, Hq, Tm, tile_m * D] fp32, zeroed: dQ tiles in `dq_slot_layout` order
         mdK: cute.Tensor,  # [B, Sk, Hkv, D]
         mdV: cute.Tensor,  # [B, Sk, Hkv, D]
         mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
@@ -122,12 +136,7 @@ class FlashMaskBackwardSm90:
         sQ_layout = self._smem_layout(self.tile_m, self.head_dim, self.num_stages)
         sKV_layout = self._smem_layout(self.tile_n, self.head_dim)
         sdS_layout = self._smem_layout(self.tile_m, self.tile_n, 2)
-        # dQ tile in smem in register-fragment order: 4 consecutive floats per thread (one 16-byte
-        # store), threads next to each other, so the writes are conflict-free and each warpgroup's
-        # half is one contiguous block for a 1-D bulk reduce-add.
-        values = self.tile_m * self.head_dim // (128 * self.num_consumer_wgs)
-        sdQ_layout = cute.make_layout((4, 128, values // 4, self.num_consumer_wgs),
-                                      stride=(1, 4, 512, 128 * values))
+        sdQ_layout = self.dq_slot_layout()
         q_tile = cute.select(sQ_layout, mode=[0, 1])
         wgs = self.num_consumer_wgs
         # S^T, dP^T: keys x queries, the warpgroups split the keys.
@@ -140,11 +149,7 @@ class FlashMaskBackwardSm90:
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, self.head_dim), a_source=warpgroup.OperandSource.RMEM,
         )
-        # dQ: queries x head dim, the warpgroups split the head dim.
-        tiled_mma_dq = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, self.head_dim // wgs),
-        )
+        tiled_mma_dq = self.dq_tiled_mma()
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, self.head_dim), 1)
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load_op, mdO, q_tile, (self.tile_m, self.head_dim), 1)
@@ -174,7 +179,7 @@ class FlashMaskBackwardSm90:
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, mdQmap, mdK, mdV, mRowIndices, mTileList, mTileCount,
+            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount,
             mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), softmax_scale, qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
             sQ_layout, sKV_layout, sdS_layout, sdQ_layout, s_row_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
@@ -190,7 +195,6 @@ class FlashMaskBackwardSm90:
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
         mdQaccum: cute.Tensor,
-        mdQmap: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mRowIndices: cute.Tensor,
@@ -264,7 +268,7 @@ class FlashMaskBackwardSm90:
                           qheads_per_kvhead, qheads_per_maskhead)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(sLSE, sDelta, mdQaccum, mdQmap, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+            self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
                          sQ, sK, sV, sdO, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
                          tidx - 128, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                          qheads_per_kvhead, qheads_per_maskhead, mQ.shape[0], mK.shape[0])
@@ -316,7 +320,7 @@ class FlashMaskBackwardSm90:
                 state.advance()
 
     @cute.jit
-    def consume(self, sLSE, sDelta, mdQaccum, mdQmap, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+    def consume(self, sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
                 sQ, sK, sV, sdO, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
                 tidx, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                 qheads_per_kvhead, qheads_per_maskhead, seqlen_q, seqlen_k):
@@ -324,7 +328,6 @@ class FlashMaskBackwardSm90:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         thr_dkv = tiled_mma_dkv.get_slice(tidx)
-        thr_dq = tiled_mma_dq.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
         wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
@@ -345,8 +348,6 @@ class FlashMaskBackwardSm90:
         st_coords = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
         lane_in_wg = tidx % 128
         sdQ_thread = sdQ[None, lane_in_wg, None, wg]  # (4, values / 4): the thread's 16-byte slots
-        if n_block == 0 and head_kv == 0 and batch == 0:
-            self.write_dq_map(mdQmap, thr_dq, lane_in_wg, wg)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         acc_dV = cute.make_rmem_tensor_like(acc_dK, Float32)
         acc_dK.fill(0.0)
@@ -438,16 +439,6 @@ class FlashMaskBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0)
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
-
-    @cute.jit
-    def write_dq_map(self, mdQmap, thr_dq, lane_in_wg, wg):
-        """Where each fragment-order slot of a dQ tile lands in the (tile_m, D) tile: row * D + col."""
-        coords = thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        values = cute.size(coords)
-        for k in cutlass.range_constexpr(values):
-            row, col = coords[k]
-            slot = wg * 128 * values + (k // 4) * 512 + lane_in_wg * 4 + k % 4
-            mdQmap[slot] = row * self.head_dim + col
 
     @cute.jit
     def store_dkv(self, acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, key_start, head_kv, batch, seqlen_k):

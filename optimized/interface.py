@@ -1,8 +1,9 @@
 """Torch-facing side of the CuTe DSL kernels: support checks, compile cache, launch, autograd.
 
 `cute_attention(q, k, v, mask, softmax_scale, deterministic)` runs the Hopper forward kernel and,
-under autograd, the Hopper backward kernel (`backward`): Delta = rowsum(dO * O) and the padded LSE
-before it, the dQ conversion after it, all on the GPU and counted in the timings.
+under autograd, the Hopper backward (`backward`): a preprocess kernel (Delta = rowsum(dO * O), the
+base-2 LSE, the zeroed dQ accumulator), the main kernel, and a postprocess kernel (dQ in place and in
+the input dtype), all counted in the timings.
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def _make_kernel(
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
         return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic)
+    if direction in ("bwd_pre", "bwd_post"):
+        from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
+
+        return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(cute_dtype, head_dim)
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
     return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg)
@@ -176,28 +181,25 @@ def backward(
     plan = make_tile_plan(mask, Kernel.tile_m, Kernel.tile_n, options.skip_tiles, by_key=True)
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
     sq_pad = tiles_m * Kernel.tile_m
-    # LSE in base 2, +inf where a row sees nothing (its P is then 0, not NaN); rows padded to the tile.
-    lse2 = torch.full((b, hq, sq_pad), float("inf"), dtype=torch.float32, device=q.device)
-    lse2[..., :sq] = torch.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
-    delta = torch.zeros(b, hq, sq_pad, dtype=torch.float32, device=q.device)
-    delta[..., :sq] = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
-    dq_accum = torch.zeros(b, hq, tiles_m, Kernel.tile_m * d, dtype=torch.float32, device=q.device)
-    dq_map = torch.empty(Kernel.tile_m * d, dtype=torch.int32, device=q.device)
+    lse2 = torch.empty(b, hq, sq_pad, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse2)
+    dq_accum = torch.empty(b, hq, tiles_m, Kernel.tile_m * d, dtype=torch.float32, device=q.device)
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    pre_args = [*(_to_cute(t) for t in (out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum)), stream]
+    _kernel(q.dtype, d, False, 2, pre_args, "bwd_pre")(*pre_args)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     row_indices = mask.startend_row_indices.contiguous()
-    tensors = [_to_cute(t) for t in (q, k, v, dout, lse2, delta, dq_accum, dq_map, dk, dv, row_indices, plan.tiles,
+    tensors = [_to_cute(t) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, plan.tiles,
                                      plan.counts, semaphore)]
     scalars = [Float32(softmax_scale), Int32(hq // hkv), Int32(hq // mask.heads), Int32(mask.batch // b)]
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel = _kernel(q.dtype, d, mask.causal, row_indices.shape[-1], [*tensors, *scalars, stream], "bwd",
                      deterministic)
     kernel(*tensors, *scalars, stream)
-    # dQ tiles come back in the kernel's register-fragment order: put each slot in place.
-    dq = torch.empty_like(dq_accum)
-    dq[..., dq_map.long()] = dq_accum
-    dq = (dq.view(b, hq, sq_pad, d)[:, :, :sq] * softmax_scale).transpose(1, 2).to(q.dtype)
+    dq = torch.empty_like(q)
+    post_args = [_to_cute(dq_accum), _to_cute(dq), Float32(softmax_scale), stream]
+    _kernel(q.dtype, d, False, 2, post_args, "bwd_post")(*post_args)
     return dq, dk, dv
 
 
@@ -240,8 +242,9 @@ def compile_check(
     direction: str = "fwd",
     deterministic: bool = False,
 ) -> float:
-    """Compile the forward (or, `direction="bwd"`, backward) kernel for sm_90a without a GPU (fake
-    tensors); return the seconds taken. Set CUTE_DSL_ARCH=sm_90a first when no GPU is present."""
+    """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
+    without a GPU (fake tensors); return the seconds taken. Set CUTE_DSL_ARCH=sm_90a first when no
+    GPU is present."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -259,8 +262,7 @@ def compile_check(
         tensors = [
             q_like, kv_like, kv_like, q_like,
             fake(cutlass.Float32, (b, hq, sq)), fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, hq, tm, 64 * head_dim)), fake(cutlass.Int32, (64 * head_dim,)),
-            kv_like, kv_like, row_indices,
+            fake(cutlass.Float32, (b, hq, tm, 64 * head_dim)), kv_like, kv_like, row_indices,
             fake(cutlass.Int32, (bm, hm, tn, tm)), fake(cutlass.Int32, (bm, hm, tn)), fake(cutlass.Int32, (b, hq, tm)),
         ]
     else:
@@ -271,4 +273,10 @@ def compile_check(
     args = [*tensors, Float32(0.1), Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream()]
     start = time.perf_counter()
     cute.compile(_make_kernel(dtype, head_dim, causal, width, opts, direction, deterministic), *args)
+    if direction == "bwd":
+        from .flash_bwd_pre_post import prepost_compile_args
+
+        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim)
+        cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_pre"), *pre_args)
+        cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_post"), *post_args)
     return time.perf_counter() - start

@@ -2,6 +2,7 @@
 
     python scripts/bench_bwd.py check                 # dQ/dK/dV, every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
     python scripts/bench_bwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
+    python scripts/bench_bwd.py profile --masks causal,sliding_window   # GPU time per kernel
 
 Correctness: out, LSE, dQ, dK, dV through `attention(..., backend="cute")` and autograd vs the fp64
 reference within the verify/ tolerance (2x the error of the same computation in the input
@@ -134,9 +135,33 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
     return rows
 
 
+def run_profile(seqlen: int, head_dim: int, mask_names: list[str]) -> dict:
+    """GPU time per kernel of one fwd+bwd (torch.profiler), to see where the time goes per mask."""
+    from torch.profiler import ProfilerActivity, profile
+
+    heads, batch = 4096 // head_dim, max(1, 131072 // seqlen)
+    q, k, v, dout = random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=0)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    result = {}
+    for name in mask_names:
+        mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
+        step = fwd_bwd(lambda q, k, v: fm.attention(q, k, v, mask, backend="cute"))
+        step(q, k, v, dout)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(q, k, v, dout)
+            torch.cuda.synchronize()
+        rows = sorted(((e.key[:60], e.device_time_total / 1e3) for e in prof.key_averages()), key=lambda r: -r[1])
+        result[name] = rows[:10]
+        print(f"--- {name}: total {sum(t for _, t in rows):.2f} ms")
+        for key, ms in rows[:10]:
+            print(f"  {ms:8.3f} ms  {key}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["check", "bench", "all"])
+    parser.add_argument("what", choices=["check", "bench", "all", "profile"])
     parser.add_argument("--seqlens", default="8192")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
@@ -167,6 +192,8 @@ def main() -> None:
             print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
                   f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_tflops', float('nan')):6.0f} "
                   f"{r.get('cudnn_tflops', float('nan')):6.0f}")
+    if args.what == "profile":
+        result["profile"] = run_profile(int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","))
     name = f"bwd_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     (out_dir / name).write_text(json.dumps(result, indent=1))
 
