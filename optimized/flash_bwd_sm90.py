@@ -131,7 +131,7 @@ class FlashMaskBackwardSm90:
         stream: cuda.CUstream,
     ):
         mQ, mK, mV, mdO = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO))
-        mdK, mdV = (_select(t, [1, 3, 2, 0]) for t in (mdK, mdV))
+        mdK, mdV = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mdK, mdV))
         mLSE, mDelta = (_select(_assume_aligned(t), [2, 1, 0]) for t in (mLSE, mDelta))  # (Sq, Hq, B)
         sQ_layout = self._smem_layout(self.tile_m, self.head_dim, self.num_stages)
         sKV_layout = self._smem_layout(self.tile_n, self.head_dim)
@@ -161,6 +161,10 @@ class FlashMaskBackwardSm90:
         tma_delta, tma_mDelta = cpasync.make_tiled_tma_atom(
             load_op, mDelta, cute.make_layout(self.tile_m), (self.tile_m,))
         q_bytes = cute.size_in_bytes(self.dtype, q_tile) + self.tile_m * 4
+        # dK and dV leave through smem (the K and V buffers, free by then) by TMA stores.
+        store_op = cpasync.CopyBulkTensorTileS2GOp()
+        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (self.tile_n, self.head_dim))
+        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (self.tile_n, self.head_dim))
         kv_bytes = cute.size_in_bytes(self.dtype, sKV_layout)
 
         @cute.struct
@@ -179,8 +183,8 @@ class FlashMaskBackwardSm90:
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount,
-            mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, q_bytes, kv_bytes,
+            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, tma_mdK, tma_mdV, mRowIndices, mTileList, mTileCount,
+            mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), softmax_scale, qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
             sQ_layout, sKV_layout, sdS_layout, sdQ_layout, s_row_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -207,6 +211,8 @@ class FlashMaskBackwardSm90:
         tma_do: cute.CopyAtom,
         tma_lse: cute.CopyAtom,
         tma_delta: cute.CopyAtom,
+        tma_dk: cute.CopyAtom,
+        tma_dv: cute.CopyAtom,
         q_bytes: cutlass.Constexpr[int],
         kv_bytes: cutlass.Constexpr[int],
         scale_log2: Float32,
@@ -228,7 +234,7 @@ class FlashMaskBackwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
@@ -269,7 +275,7 @@ class FlashMaskBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
-                         sQ, sK, sV, sdO, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+                         sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
                          tidx - 128, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                          qheads_per_kvhead, qheads_per_maskhead, mQ.shape[0], mK.shape[0])
 
@@ -321,13 +327,12 @@ class FlashMaskBackwardSm90:
 
     @cute.jit
     def consume(self, sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
-                sQ, sK, sV, sdO, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+                sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
                 tidx, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                 qheads_per_kvhead, qheads_per_maskhead, seqlen_q, seqlen_k):
         """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T, the dV/dK/dQ products."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        thr_dkv = tiled_mma_dkv.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
         wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
@@ -412,7 +417,10 @@ class FlashMaskBackwardSm90:
                             lane_in_wg, wg)
                 step += 1
 
-        self.store_dkv(acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, key_start, head_kv, batch, seqlen_k)
+        if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self.store_dkv(acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,
+                       head_kv, batch, tidx)
 
     @cute.jit
     def add_dq(self, acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg):
@@ -441,17 +449,26 @@ class FlashMaskBackwardSm90:
                 cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def store_dkv(self, acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, key_start, head_kv, batch, seqlen_k):
-        """Epilogue: dK (times the softmax scale) and dV in the output dtype, rows past seqlen_k left out."""
-        coords = acc_rows_view(thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim))))
-        gdK = mdK[None, None, head_kv, batch]
-        gdV = mdV[None, None, head_kv, batch]
-        for acc, out, scale in ((acc_dK, gdK, softmax_scale), (acc_dV, gdV, Float32(1.0))):
-            r_out = cute.make_rmem_tensor_like(acc, out.element_type)
-            r_out.store((acc.load() * scale).to(out.element_type))
-            rows = acc_rows_view(r_out)
-            for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
-                key = key_start + coords[r, 0][0]
-                if key < seqlen_k:
-                    for c in cutlass.range_constexpr(cute.size(rows, mode=[1])):
-                        out[key, coords[r, c][1]] = rows[r, c]
+    def store_dkv(self, acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,
+                  head_kv, batch, tidx):
+        """Epilogue: dK (times the softmax scale) and dV in the output dtype, through the K and V smem
+        buffers (stmatrix) and TMA stores, which leave out rows past seqlen_k."""
+        # Every warpgroup's last MMAs (dQ reads all of sK) are done before sK, sV are overwritten.
+        cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
+        st_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_dkv)
+        thr_copy = st_copy.get_slice(tidx)
+        for acc, smem, scale in ((acc_dK, sK, softmax_scale), (acc_dV, sV, Float32(1.0))):
+            r_out = cute.make_rmem_tensor_like(acc, self.dtype)
+            r_out.store((acc.load() * scale).to(self.dtype))
+            cute.copy(st_copy, thr_copy.retile(r_out), thr_copy.partition_D(smem))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
+        if tidx == 0:
+            for atom, out, smem in ((tma_dk, mdK, sK), (tma_dv, mdV, sV)):
+                g = cute.local_tile(out[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+                t_s, t_g = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(g, 0, 2))
+                cute.copy(atom, t_s, t_g)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
