@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashmask3.bench import progress  # noqa: E402
+from flashmask3.bench import git_commit, progress  # noqa: E402
 from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan  # noqa: E402
 from flashmask3.distributed.context_parallel import _attend, _Layout  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
@@ -86,7 +86,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(), "rows": rows}
+    result = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
+              "rows": rows}
     (out_dir / "cp_rank_times.json").write_text(json.dumps(result, indent=1))
     print(f"{'mask':20s} {'R':>3s} {'assignment':>10s} {'max ms':>8s} {'mean ms':>8s} {'measured':>8s} {'modeled':>8s}")
     for r in rows:
