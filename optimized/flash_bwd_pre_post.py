@@ -5,7 +5,8 @@ kernel over (query tile, head, batch):
   rows that see no key (so their P is 0, not NaN), rows padded to the tile, and the zeroed fp32
   dQ accumulator tile;
 - postprocess: dQ = scale * accumulator in the input dtype, each thread reading back the slots its
-  twin thread of the main kernel wrote (register-fragment order) and storing them in place.
+  twin thread of the main kernel wrote (register-fragment order, 16-byte loads) and storing them in
+  place through smem (stmatrix) and one TMA store per tile.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.memory import SmemAllocator
 
-from .flash_bwd_sm90 import FlashMaskBackwardSm90, _assume_aligned
+from .flash_bwd_sm90 import FlashMaskBackwardSm90, _assume_aligned, _select
 
 LOG2_E = math.log2(math.e)
 
@@ -55,23 +58,30 @@ class BackwardPreprocess:
         part = tidx % self.threads_per_row
         row = m_block * self.tile_m + tidx // self.threads_per_row
         seqlen_q = mO.shape[1]
-        elems = self.head_dim // self.threads_per_row
+        # The threads of a row take interleaved 16-byte chunks, so each load instruction of the
+        # 4 threads covers 64 contiguous bytes of the row.
+        vec = 8
+        chunks = self.head_dim // (vec * self.threads_per_row)
         dot = Float32(0.0)
         if row < seqlen_q:
-            rO = cute.make_rmem_tensor((elems,), self.dtype)
-            rdO = cute.make_rmem_tensor((elems,), self.dtype)
-            cute.autovec_copy(cute.local_tile(mO[batch, row, head, None], (elems,), (part,)), rO)
-            cute.autovec_copy(cute.local_tile(mdO[batch, row, head, None], (elems,), (part,)), rdO)
-            dot = (rO.load().to(Float32) * rdO.load().to(Float32)).reduce(cute.ReductionOp.ADD, 0.0, 0)
+            for j in cutlass.range_constexpr(chunks):
+                col = (j * self.threads_per_row + part) * vec
+                rO = cute.make_rmem_tensor((vec,), self.dtype)
+                rdO = cute.make_rmem_tensor((vec,), self.dtype)
+                cute.autovec_copy(cute.local_tile(mO[batch, row, head, None], (vec,), (col // vec,)), rO)
+                cute.autovec_copy(cute.local_tile(mdO[batch, row, head, None], (vec,), (col // vec,)), rdO)
+                dot += (rO.load().to(Float32) * rdO.load().to(Float32)).reduce(cute.ReductionOp.ADD, 0.0, 0)
         dot = cute.arch.warp_reduction_sum(dot, threads_in_group=self.threads_per_row)
         if part == 0:
             lse = mLSE[batch, head, row] if row < seqlen_q else -Float32.inf
             mLSE2[batch, head, row] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
             mDelta[batch, head, row] = dot
-        per_thread = self.tile_m * self.head_dim // self.num_threads
-        zeros = cute.make_rmem_tensor((per_thread,), Float32)
+        # Zero the accumulator tile with 16-byte stores, consecutive threads on consecutive chunks.
+        zeros = cute.make_rmem_tensor((4,), Float32)
         zeros.fill(0.0)
-        cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, head, m_block, None], (per_thread,), (tidx,)))
+        tile = mdQaccum[batch, head, m_block, None]
+        for j in cutlass.range_constexpr(self.tile_m * self.head_dim // (4 * self.num_threads)):
+            cute.autovec_copy(zeros, cute.local_tile(tile, (4,), (j * self.num_threads + tidx,)))
 
 
 class BackwardPostprocess:
@@ -89,26 +99,49 @@ class BackwardPostprocess:
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
+        mdQ = _select(_assume_aligned(mdQ), [1, 3, 2, 0])  # (Sq, D, Hq, B)
+        s_layout = self.main._smem_layout(self.main.tile_m, self.head_dim)
+        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.main.tile_m, self.head_dim))
+
+        @cute.struct
+        class SharedStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_layout)], 1024]
+
         grid = (cute.size(mdQaccum.shape[2]), cute.size(mdQaccum.shape[1]), cute.size(mdQaccum.shape[0]))
-        self.kernel(mdQaccum, mdQ, softmax_scale, self.main.dq_tiled_mma(), self.main.dq_slot_layout()).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        self.kernel(mdQaccum, tma_mdQ, tma_dq, softmax_scale, self.main.dq_tiled_mma(), self.main.dq_slot_layout(),
+                    s_layout, SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mdQaccum, mdQ, softmax_scale: Float32, tiled_mma_dq: cute.TiledMma, slot_layout: cute.Layout):
+    def kernel(self, mdQaccum, mdQ, tma_dq: cute.CopyAtom, softmax_scale: Float32, tiled_mma_dq: cute.TiledMma,
+               slot_layout: cute.Layout, s_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        coords = tiled_mma_dq.get_slice(tidx).partition_C(
-            cute.make_identity_tensor((self.main.tile_m, self.head_dim)))
+        storage = SmemAllocator().allocate(SharedStorage)
+        sdQ = storage.sdQ.get_tensor(s_layout.outer, swizzle=s_layout.inner)
         tile = cute.make_tensor(mdQaccum[batch, head, m_block, None].iterator, slot_layout)
         slots = tile[None, tidx % 128, None, tidx // 128]
         values = cute.make_rmem_tensor(slots.shape, Float32)
         cute.autovec_copy(slots, values)
-        seqlen_q = mdQ.shape[1]
-        for k in cutlass.range_constexpr(cute.size(values)):
-            row, col = coords[k]
-            q_row = m_block * self.main.tile_m + row
-            if q_row < seqlen_q:
-                mdQ[batch, q_row, head, col] = (values[k] * softmax_scale).to(self.dtype)
+        # The thread holds the fragment its twin thread of the main kernel computed: view it as
+        # that accumulator, scale, convert, and store it in place through smem (stmatrix + TMA,
+        # which leaves out rows past seqlen_q).
+        acc = cute.make_rmem_tensor(tiled_mma_dq.get_slice(tidx).partition_shape_C((self.main.tile_m, self.head_dim)),
+                                    self.dtype)
+        acc.store((cute.make_tensor(values.iterator, acc.layout).load() * softmax_scale).to(self.dtype))
+        st_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_dq)
+        thr_copy = st_copy.get_slice(tidx)
+        cute.copy(st_copy, thr_copy.retile(acc), thr_copy.partition_D(sdQ))
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            g = cute.local_tile(mdQ[None, None, head, batch], (self.main.tile_m, self.head_dim), (m_block, 0))
+            t_s, t_g = cpasync.tma_partition(
+                tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(g, 0, 2))
+            cute.copy(tma_dq, t_s, t_g)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int) -> tuple[list, list]:
