@@ -10,6 +10,12 @@ a rank's transfer time is its larger direction on its slowest link in use.
 - ring: R steps, each max(compute of the block, one block transfer); the first step has no wait.
 - allgather: all-gather first (every chunk to every rank), then all compute.
 Overlap efficiency = the part of the transfer time hidden under compute.
+
+`RankTimeFit`: the mask-aware rank's measured compute time is not tiles / rate alone. Fitted on the
+H200 rank-by-rank timings (scripts/cp_calibrate.py, bench/results/cp_calibration.json), it is
+    seconds = fixed + per_load * (its chunks' workload) + per_needed_chunk * (KV chunks it needs),
+the last term being the cost of each extra KV chunk in the union call (gathering it, its mask
+and tile plan). `predict(..., fit=RankTimeFit())` uses it for the mask-aware compute.
 """
 
 from __future__ import annotations
@@ -33,6 +39,19 @@ class Hardware:
     inter_node_bps: float = INTER_NODE_BPS
 
 
+@dataclass(frozen=True)
+class RankTimeFit:
+    """A rank's local attention time (forward, 8K queries, 32 x 128 query heads, 8 KV heads, bf16)
+    fitted to the H200 rank-by-rank measurements; defaults from bench/results/cp_calibration.json."""
+
+    fixed_s: float = 1.70e-3
+    per_load_s: float = 0.363e-6  # per unit of `chunk_loads` (one 128 x 128 tile, partial x 1.3)
+    per_needed_chunk_s: float = 27.1e-6
+
+    def seconds(self, load: float, needed_chunks: int) -> float:
+        return self.fixed_s + self.per_load_s * load + self.per_needed_chunk_s * needed_chunks
+
+
 def _tile_seconds(local: ColumnMask, heads: int, head_dim: int, hw: Hardware) -> float:
     classes = local.block_classes(128, 128).classes
     weight = ((classes == PARTIAL) * PARTIAL_TILE_COST + (classes > PARTIAL)).sum().item()
@@ -41,8 +60,14 @@ def _tile_seconds(local: ColumnMask, heads: int, head_dim: int, hw: Hardware) ->
 
 
 def predict(mask: ColumnMask, plan: CPPlan, scheme: str, heads: int, kv_heads: int, head_dim: int,
-            hw: Hardware = Hardware(), bytes_per_elem: int = 2) -> dict:
-    """Modeled per-rank forward seconds, the slowest rank, and the overlap efficiency."""
+            hw: Hardware = Hardware(), bytes_per_elem: int = 2, fit: RankTimeFit | None = None,
+            loads=None) -> dict:
+    """Modeled per-rank forward seconds, the slowest rank, and the overlap efficiency.
+
+    With `fit` (and the plan's `chunk_loads` as `loads`), the mask-aware compute of a rank comes
+    from the fitted rank-time model instead of tiles at the kernel rate, split between local and
+    remote chunks in proportion to their tile time.
+    """
     world, chunk = plan.world_size, plan.chunk_size
     chunk_bytes = 2 * chunk * kv_heads * head_dim * bytes_per_elem
     layout = _Layout(mask, plan, CPConfig(scheme="mask_aware", ranks_per_node=hw.ranks_per_node))
@@ -57,6 +82,10 @@ def predict(mask: ColumnMask, plan: CPPlan, scheme: str, heads: int, kv_heads: i
                    for c in range(plan.num_chunks) if layout.needs[r][c]}
         local_s = sum(v for c, v in compute.items() if c in own)
         remote_s = sum(v for c, v in compute.items() if c not in own)
+        if fit is not None and scheme == "mask_aware":
+            fitted = fit.seconds(float(sum(loads[c] for c in own)), len(compute))
+            share = local_s / (local_s + remote_s) if local_s + remote_s else 1.0
+            local_s, remote_s = fitted * share, fitted * (1 - share)
         if scheme == "mask_aware":
             out_b = {"nv": 0, "ib": 0}
             in_b = {"nv": 0, "ib": 0}

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan  # noqa: E402
 from flashmask3.distributed.context_parallel import _Layout  # noqa: E402
-from flashmask3.distributed.cost_model import Hardware, predict  # noqa: E402
+from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict  # noqa: E402
 from flashmask3.bench import progress  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
 
@@ -40,7 +40,7 @@ def modeled(mask, seqlen: int, world: int, per_rank: int, loads) -> dict:
     out = {}
     for scheme, assignment in (("mask_aware", "balanced"), ("ring", "zigzag"), ("allgather", "zigzag")):
         plan = make_plan(seqlen, world, per_rank, assignment, loads)
-        pred = predict(mask, plan, scheme, heads, kv_heads, head_dim, Hardware())
+        pred = predict(mask, plan, scheme, heads, kv_heads, head_dim, Hardware(), fit=RankTimeFit(), loads=loads)
         out[f"{scheme}_tflops_per_gpu"] = flops / world / pred["slowest_rank_s"] / 1e12
         out[f"{scheme}_overlap"] = pred["overlap_efficiency"]
     return out

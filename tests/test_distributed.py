@@ -279,6 +279,20 @@ def test_cost_model_orders_the_schemes():
     assert results["allgather"]["overlap_efficiency"] == 0.0
 
 
+def test_fitted_rank_time_replaces_the_tile_rate_for_mask_aware_compute():
+    from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
+
+    mask = masks.build("share_question", 8192, seed=2)
+    loads = chunk_loads(mask, 1024)
+    plan = make_plan(8192, 4, 2, "balanced", loads)
+    layout = context_parallel._Layout(mask, plan, CPConfig())
+    fit = RankTimeFit(fixed_s=1e-3, per_load_s=2e-6, per_needed_chunk_s=5e-5)
+    result = predict(mask, plan, "mask_aware", 32, 8, 128, Hardware(), fit=fit, loads=loads)
+    for rank, per_rank in enumerate(result["per_rank"]):
+        expected = 1e-3 + 2e-6 * loads[list(plan.assignment[rank])].sum() + 5e-5 * sum(layout.needs[rank])
+        assert per_rank["compute_s"] == pytest.approx(expected, rel=1e-9)
+
+
 def test_layout_is_reused_and_rebuilt_after_an_in_place_mask_edit():
     mask = masks.build("document", 512, num_docs=4, seed=0)
     plan = make_plan(512, 4, 2, "contiguous")
