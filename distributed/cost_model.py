@@ -15,7 +15,7 @@ Overlap efficiency = the part of the transfer time hidden under compute.
 H200 rank-by-rank timings (scripts/cp_calibrate.py, bench/results/cp_calibration.json), it is
     seconds = fixed + per_load * (its chunks' workload) + per_needed_chunk * (KV chunks it needs),
 the last term being the cost of each extra KV chunk in the union call (gathering it, its mask
-and tile plan). `predict(..., fit=RankTimeFit())` uses it for the mask-aware compute.
+and tile plan); the fixed part (~1.8 ms per rank call) is the robust finding. `predict(..., fit=RankTimeFit())` uses it for the mask-aware compute.
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ class Hardware:
 @dataclass(frozen=True)
 class RankTimeFit:
     """A rank's local attention time (forward, 8K queries, 32 x 128 query heads, 8 KV heads, bf16)
-    fitted to the H200 rank-by-rank measurements; defaults from bench/results/cp_calibration.json."""
+    fitted to the H200 rank-by-rank measurements; defaults from bench/results/cp_calibration.json
+    ("kernel_rate_slope": the per-load slope pinned to the kernel's rate; a free slope fits a little
+    better, R^2 0.974 vs 0.959, but implies a rate beyond the kernel's and so over-predicts dense masks)."""
 
-    fixed_s: float = 1.70e-3
-    per_load_s: float = 0.363e-6  # per unit of `chunk_loads` (one 128 x 128 tile, partial x 1.3)
-    per_needed_chunk_s: float = 27.1e-6
+    fixed_s: float = 1.77e-3
+    per_load_s: float = 0.465e-6  # per unit of `chunk_loads` (a 128 x 128 tile x 32 heads at 577 TFLOP/s)
+    per_needed_chunk_s: float = 2.5e-6
 
     def seconds(self, load: float, needed_chunks: int) -> float:
         return self.fixed_s + self.per_load_s * load + self.per_needed_chunk_s * needed_chunks
