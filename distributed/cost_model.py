@@ -15,7 +15,8 @@ Overlap efficiency = the part of the transfer time hidden under compute.
 H200 rank-by-rank timings (scripts/cp_calibrate.py, bench/results/cp_calibration.json), it is
     seconds = fixed + per_load * (its chunks' workload) + per_needed_chunk * (KV chunks it needs),
 the last term being the cost of each extra KV chunk in the union call (gathering it, its mask
-and tile plan); the fixed part (~1.8 ms per rank call) is the robust finding. `predict(..., fit=RankTimeFit())` uses it for the mask-aware compute.
+and tile plan); the fixed part (~1.8 ms per rank call) is the robust finding.
+`predict(..., fit=RankTimeFit())` uses it for the mask-aware compute.
 """
 
 from __future__ import annotations

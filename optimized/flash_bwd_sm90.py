@@ -18,7 +18,8 @@ and add dQ_tile into an fp32 dQ accumulator in global memory: each thread writes
 as is, and one bulk reduce-add per warpgroup moves it (the accumulator keeps the fragment order;
 the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
 key tiles of one query tile add in key order (a per-query-tile semaphore), so dQ is bitwise
-reproducible. The caller computes Delta = rowsum(dO * O) and converts dQ (interface.py).
+reproducible. Delta = rowsum(dO * O), the base-2 LSE and the final dQ come from the pre/post
+kernels (flash_bwd_pre_post.py).
 """
 
 from __future__ import annotations
@@ -183,10 +184,12 @@ class FlashMaskBackwardSm90:
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, tma_mdK, tma_mdV, mRowIndices, mTileList, mTileCount,
+            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, tma_mdK, tma_mdV,
+            mRowIndices, mTileList, mTileCount,
             mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), softmax_scale, qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
-            sQ_layout, sKV_layout, sdS_layout, sdQ_layout, s_row_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
+            sQ_layout, sKV_layout, sdS_layout, sdQ_layout, s_row_layout,
+            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -275,7 +278,8 @@ class FlashMaskBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
-                         sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
+                         sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                         pipe_kv, pipe_q, pipe_do,
                          tidx - 128, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                          qheads_per_kvhead, qheads_per_maskhead, mQ.shape[0], mK.shape[0])
 
@@ -327,8 +331,8 @@ class FlashMaskBackwardSm90:
 
     @cute.jit
     def consume(self, sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
-                sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_q, pipe_do,
-                tidx, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
+                sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                pipe_kv, pipe_q, pipe_do, tidx, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                 qheads_per_kvhead, qheads_per_maskhead, seqlen_q, seqlen_k):
         """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T, the dV/dK/dQ products."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -391,14 +395,16 @@ class FlashMaskBackwardSm90:
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
                 warpgroup.wait_group(0)
-                _wgmma(tiled_mma_dkv, acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index], zero_init=False)
+                _wgmma(tiled_mma_dkv, acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index],
+                       zero_init=False)
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
                         ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index], zero_init=False)
+                _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
+                       zero_init=False)
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2

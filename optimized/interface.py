@@ -254,7 +254,8 @@ def compile_check(
     bm, hm, tm, tn = (cute.sym_int32() for _ in range(4))
 
     def fake(dt, shape):
-        return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
+        order = tuple(reversed(range(len(shape))))
+        return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=16)
 
     q_like, kv_like = fake(cute_dtype, (b, sq, hq, head_dim)), fake(cute_dtype, (b, sk, hkv, head_dim))
     row_indices = fake(cutlass.Int32, (bm, hm, sk, width))
