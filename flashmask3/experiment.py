@@ -51,7 +51,7 @@ def run_experiment(cfg: DictConfig) -> dict:
             return attention(q, k, v, mask, backend=cfg.backend)
 
     def fwd_bwd():
-        out = attention(q, k, v, mask, backend=cfg.backend)
+        out = attention(q, k, v, mask, backend=cfg.backend, deterministic=bool(cfg.bench.deterministic))
         return torch.autograd.grad(out, (q, k, v), dout)
 
     flops = attention_flops(cfg.batch, cfg.heads, cfg.seqlen, cfg.seqlen, cfg.head_dim, density)
