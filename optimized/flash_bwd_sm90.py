@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .flash_fwd_sm90 import _assume_aligned, _select, _wgmma
+from .flash_fwd_sm90 import _assume_aligned, _select, _tma_pipeline, _wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
 
@@ -241,20 +241,10 @@ class FlashMaskBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=2 * kv_bytes, defer_sync=True,
-        )
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=q_bytes, defer_sync=True,
-        )
-        pipe_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=q_bytes, defer_sync=True,
-        )
+        pipe_kv = _tma_pipeline(storage.mbar_kv, 1, 2 * kv_bytes, consumer_warps)
+        pipe_q = _tma_pipeline(storage.mbar_q, self.num_stages, q_bytes, consumer_warps)
+        pipe_do = _tma_pipeline(storage.mbar_do, self.num_stages, q_bytes, consumer_warps)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

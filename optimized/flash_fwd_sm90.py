@@ -42,6 +42,15 @@ def _assume_aligned(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=(*strides, t.stride[-1])))
 
 
+def _tma_pipeline(barriers, num_stages: int, tx_count: int, consumers) -> pipeline.PipelineTmaAsync:
+    """A `num_stages`-deep pipeline one producer thread fills by TMA (`tx_count` bytes per stage)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers.data_ptr(), num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1), consumer_group=consumers,
+        tx_count=tx_count, defer_sync=True,
+    )
+
+
 def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, zero_init: bool) -> None:
     """Issue acc (+)= a @ b over the k-blocks of one warpgroup and commit the group."""
     warpgroup.fence()
@@ -180,20 +189,10 @@ class FlashMaskForwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=q_bytes, defer_sync=True,
-        )
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=kv_bytes, defer_sync=True,
-        )
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=kv_bytes, defer_sync=True,
-        )
+        pipe_q = _tma_pipeline(storage.mbar_q, 1, q_bytes, consumer_warps)
+        pipe_k = _tma_pipeline(storage.mbar_k, self.num_stages, kv_bytes, consumer_warps)
+        pipe_v = _tma_pipeline(storage.mbar_v, self.num_stages, kv_bytes, consumer_warps)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

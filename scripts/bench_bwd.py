@@ -37,7 +37,7 @@ from flashmask3.reference import ColumnMask, masks  # noqa: E402
 from flashmask3.verify import compare, random_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd import bench_ms, fa4_fn  # noqa: E402
+from bench_fwd import bench_ms, fa4_fn, run_check  # noqa: E402
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -54,20 +54,6 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
     for t in ("out", "lse", "dq", "dk", "dv"):
         row[f"err_{t}"], row[f"tol_{t}"] = report.errors[t], report.tolerance(t)
     return row
-
-
-def run_check() -> list[dict]:
-    rows, seed = [], 100
-    for name in progress(masks.MASK_NAMES, "check"):
-        for sq, d, dtype in ((1024, 128, torch.bfloat16), (1531, 64, torch.float16), (2048, 128, torch.float16)):
-            seed += 1
-            mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device="cuda")
-            rows.append(check_case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed))
-    for sq, sk in ((700, 1300), (1300, 700)):
-        mask = ColumnMask(torch.full((1, 1, sk, 1), sq, dtype=torch.int32, device="cuda"), True, sq)
-        rows.append(check_case("causal_sq!=sk", mask, 1, sq, sk, 8, 1, 128, torch.bfloat16, seed + sq))
-        rows.append(check_case("none_sq!=sk", None, 1, sq, sk, 8, 1, 64, torch.bfloat16, seed + sk))
-    return rows
 
 
 def run_determinism() -> dict:
@@ -172,7 +158,7 @@ def main() -> None:
     result = {"commit": git_commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__}
     if args.what in ("check", "all"):
-        result["check"] = run_check()
+        result["check"] = run_check(check_case, first_seed=100)
         result["determinism"] = run_determinism()
         result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
         print(f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} {'tol':>8s} "

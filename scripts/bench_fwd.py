@@ -51,18 +51,20 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
     }
 
 
-def run_check() -> list[dict]:
-    rows, seed = [], 0
+def run_check(case=check_case, first_seed: int = 0) -> list[dict]:
+    """`case` (this script's forward check, or bench_bwd's gradient check) over every mask at three
+    dtype / head dim / length combinations, plus Sq != Sk, MQA and no mask."""
+    rows, seed = [], first_seed
     for name in progress(masks.MASK_NAMES, "check"):
         for sq, d, dtype in ((1024, 128, torch.bfloat16), (1531, 64, torch.float16), (2048, 128, torch.float16)):
             seed += 1
             mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device="cuda")
-            rows.append(check_case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed))
+            rows.append(case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed))
     # Sq != Sk (causal bottom-right), MQA, and no mask.
     for sq, sk in ((700, 1300), (1300, 700)):
         mask = ColumnMask(torch.full((1, 1, sk, 1), sq, dtype=torch.int32, device="cuda"), True, sq)
-        rows.append(check_case("causal_sq!=sk", mask, 1, sq, sk, 8, 1, 128, torch.bfloat16, seed + sq))
-        rows.append(check_case("none_sq!=sk", None, 1, sq, sk, 8, 1, 64, torch.bfloat16, seed + sk))
+        rows.append(case("causal_sq!=sk", mask, 1, sq, sk, 8, 1, 128, torch.bfloat16, seed + sq))
+        rows.append(case("none_sq!=sk", None, 1, sq, sk, 8, 1, 64, torch.bfloat16, seed + sk))
     return rows
 
 
