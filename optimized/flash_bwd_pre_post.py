@@ -21,7 +21,8 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
-from .flash_bwd_sm90 import FlashMaskBackwardSm90, _assume_aligned, _select
+from .flash_bwd_sm90 import FlashMaskBackwardSm90
+from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout
 
 LOG2_E = math.log2(math.e)
 
@@ -100,7 +101,7 @@ class BackwardPostprocess:
         stream: cuda.CUstream,
     ):
         mdQ = _select(_assume_aligned(mdQ), [1, 3, 2, 0])  # (Sq, D, Hq, B)
-        s_layout = self.main._smem_layout(self.main.tile_m, self.head_dim)
+        s_layout = _smem_layout(self.dtype, self.main.tile_m, self.head_dim)
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.main.tile_m, self.head_dim))
 

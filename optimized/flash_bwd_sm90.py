@@ -35,9 +35,8 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
-from .flash_fwd_sm90 import _assume_aligned, _select, _tma_pipeline, _wgmma
+from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout, _tma_pipeline, _wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
 
@@ -87,13 +86,6 @@ class FlashMaskBackwardSm90:
         self.num_consumer_wgs = self.tile_n // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
-    def _smem_layout(self, rows: int, cols: int, stages: int | None = None, dtype=None):
-        dtype = dtype or self.dtype
-        atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-        if stages is None:
-            return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
     def dq_tiled_mma(self) -> cute.TiledMma:
         """dQ = dS K: queries x head dim, the warpgroups split the head dim."""
         return sm90.make_trivial_tiled_mma(
@@ -134,9 +126,9 @@ class FlashMaskBackwardSm90:
         mQ, mK, mV, mdO = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO))
         mdK, mdV = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mdK, mdV))
         mLSE, mDelta = (_select(_assume_aligned(t), [2, 1, 0]) for t in (mLSE, mDelta))  # (Sq, Hq, B)
-        sQ_layout = self._smem_layout(self.tile_m, self.head_dim, self.num_stages)
-        sKV_layout = self._smem_layout(self.tile_n, self.head_dim)
-        sdS_layout = self._smem_layout(self.tile_m, self.tile_n, 2)
+        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages)
+        sKV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim)
+        sdS_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
         sdQ_layout = self.dq_slot_layout()
         q_tile = cute.select(sQ_layout, mode=[0, 1])
         wgs = self.num_consumer_wgs

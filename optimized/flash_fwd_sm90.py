@@ -42,6 +42,14 @@ def _assume_aligned(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=(*strides, t.stride[-1])))
 
 
+def _smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int | None = None):
+    """Swizzled row-major (rows, cols[, stages]) smem layout, as WGMMA operands and TMA want it."""
+    atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
 def _tma_pipeline(barriers, num_stages: int, tx_count: int, consumers) -> pipeline.PipelineTmaAsync:
     """A `num_stages`-deep pipeline one producer thread fills by TMA (`tx_count` bytes per stage)."""
     return pipeline.PipelineTmaAsync.create(
@@ -92,14 +100,6 @@ class FlashMaskForwardSm90:
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
-    def _smem_layout(self, rows: int, stages: int | None):
-        atom = warpgroup.make_smem_layout_atom(
-            sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim), self.dtype
-        )
-        if stages is None:
-            return cute.tile_to_shape(atom, (rows, self.head_dim), order=(0, 1))
-        return cute.tile_to_shape(atom, (rows, self.head_dim, stages), order=(0, 1, 2))
-
     @cute.jit
     def __call__(
         self,
@@ -119,8 +119,8 @@ class FlashMaskForwardSm90:
     ):
         mQ, mK, mV, mO = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mO))
         mLSE = _select(mLSE, [2, 1, 0])  # (Sq, Hq, B)
-        sQ_layout = self._smem_layout(self.tile_m, None)
-        sKV_layout = self._smem_layout(self.tile_n, self.num_stages)
+        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
+        sKV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
         kv_tile = cute.select(sKV_layout, mode=[0, 1])
         tiled_mma_qk = sm90.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
