@@ -1,9 +1,7 @@
-"""CuTe DSL kernels for Hopper (sm_90a): the mask-aware forward and its tile plan."""
+"""CuTe DSL kernels for Hopper (sm_90a): the mask-aware forward and backward."""
 
 from .interface import KernelOptions, compile_check, compile_seconds, cute_attention, kernel_options, unsupported_reason
-from .tile_plan import TilePlan, make_tile_plan
 
 __all__ = [
     "cute_attention", "unsupported_reason", "compile_check", "compile_seconds", "KernelOptions", "kernel_options",
-    "TilePlan", "make_tile_plan",
 ]

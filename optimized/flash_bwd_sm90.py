@@ -1,12 +1,13 @@
 """Mask-aware attention backward for Hopper (sm_90a) in the CuTe DSL.
 
 Column-parallel, FlashAttention-2/3 style: one CTA per (key tile of 128, KV head, batch) keeps
-K, V and the dK, dV accumulators on chip and walks the query tiles (64 rows) that can see it:
-the compacted list of the key tile's non-skipped query tiles (tile_plan.py, by key), for every
-query head of its KV group (so GQA sums dK/dV in registers, no extra pass).
+K, V and the dK, dV accumulators on chip and walks the query tiles (64 rows) that can see it, for
+every query head of its KV group (so GQA sums dK/dV in registers, no extra pass).
 
-Warpgroup 0, warp 0 is the producer (TMA: K and V once, then Q and dO of each listed query tile
-through `num_stages`-deep mbarrier pipelines). Warpgroups 1-2 are consumers, 64 keys each. They
+Warpgroup 0, warp 1 is the mask role (mask_role.py): per query head, it classifies the query tiles
+against the key tile from the key block's min/max and publishes the ones not fully masked, flagged
+PARTIAL or not, into a smem ring. Warp 0 is the producer (TMA: K and V once, then Q and dO of each
+listed query tile through `num_stages`-deep mbarrier pipelines). Warpgroups 1-2 are consumers, 64 keys each. They
 work on the transposed scores, so the rows of a thread's fragment are keys and each thread loads
 the mask bounds of only its own two keys:
     S^T = K Q^T, dP^T = V dO^T                      (SS-WGMMA)
@@ -39,6 +40,7 @@ from cutlass.memory import SmemAllocator
 from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout, _tma_pipeline, _wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
+from .mask_role import END_OF_LIST, TileList, list_query_tiles
 
 LOG2_E = math.log2(math.e)
 _DS_READY = 1  # named barrier: both consumer warpgroups wrote their half of dS (0 is sync_threads)
@@ -74,6 +76,7 @@ class FlashMaskBackwardSm90:
         mask_width: int,
         deterministic: bool = False,
         num_stages: int = 2,
+        skip_tiles: bool = True,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -83,6 +86,7 @@ class FlashMaskBackwardSm90:
         self.mask_width = mask_width
         self.deterministic = deterministic
         self.num_stages = num_stages
+        self.skip_tiles = skip_tiles
         self.num_consumer_wgs = self.tile_n // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -114,8 +118,8 @@ class FlashMaskBackwardSm90:
         mdK: cute.Tensor,  # [B, Sk, Hkv, D]
         mdV: cute.Tensor,  # [B, Sk, Hkv, D]
         mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
-        mTileList: cute.Tensor,  # [Bm, Hm, Tn, Tm] int32: query tile << 1 | partial (| rank << 16)
-        mTileCount: cute.Tensor,  # [Bm, Hm, Tn] int32
+        mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
+        mDqRanks: cute.Tensor,  # [Bm, Hm, Tn, Tm] int32, deterministic mode: the key tile's place in dQ's sum
         mSemaphore: cute.Tensor,  # [B, Hq, Tm] int32, zeroed (used in deterministic mode)
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
@@ -165,6 +169,8 @@ class FlashMaskBackwardSm90:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
+            tile_ring: cute.struct.MemRange[Int32, TileList.slots]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -177,8 +183,7 @@ class FlashMaskBackwardSm90:
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, tma_mdK, tma_mdV,
-            mRowIndices, mTileList, mTileCount,
-            mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, q_bytes, kv_bytes,
+            mRowIndices, mBlockBounds, mDqRanks, mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), softmax_scale, qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
             sQ_layout, sKV_layout, sdS_layout, sdQ_layout, s_row_layout,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
@@ -197,8 +202,8 @@ class FlashMaskBackwardSm90:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mRowIndices: cute.Tensor,
-        mTileList: cute.Tensor,
-        mTileCount: cute.Tensor,
+        mBlockBounds: cute.Tensor,
+        mDqRanks: cute.Tensor,
         mSemaphore: cute.Tensor,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -237,6 +242,10 @@ class FlashMaskBackwardSm90:
         pipe_kv = _tma_pipeline(storage.mbar_kv, 1, 2 * kv_bytes, consumer_warps)
         pipe_q = _tma_pipeline(storage.mbar_q, self.num_stages, q_bytes, consumer_warps)
         pipe_do = _tma_pipeline(storage.mbar_do, self.num_stages, q_bytes, consumer_warps)
+        tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
+                             storage.mbar_tiles.data_ptr())
+        if tidx == 0:
+            tile_list.init(readers=1 + 4 * self.num_consumer_wgs)  # the producer and consumer warps
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -255,11 +264,18 @@ class FlashMaskBackwardSm90:
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                           tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_kv, pipe_q, pipe_do,
-                          n_block, head_kv, batch, mask_batch, mTileList, mTileCount,
-                          qheads_per_kvhead, qheads_per_maskhead)
+                          n_block, head_kv, batch, tile_list, qheads_per_kvhead)
+            if warp_idx == 1:
+                position = Int32(0)
+                for g in cutlass.range(qheads_per_kvhead, unroll=1):
+                    mask_head = (head_kv * qheads_per_kvhead + g) // qheads_per_maskhead
+                    position = list_query_tiles(
+                        tile_list, position, mBlockBounds[mask_batch, mask_head, n_block, None], n_block * self.tile_n,
+                        mQ.shape[0], mK.shape[0], mK.shape[0] - mQ.shape[0], self.tile_m, self.tile_n, self.causal,
+                        self.mask_width, self.skip_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+            self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, tile_list, mDqRanks, mSemaphore,
                          sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                          pipe_kv, pipe_q, pipe_do,
                          tidx - 128, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
@@ -268,7 +284,7 @@ class FlashMaskBackwardSm90:
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
              tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_kv, pipe_q, pipe_do,
-             n_block, head_kv, batch, mask_batch, mTileList, mTileCount, qheads_per_kvhead, qheads_per_maskhead):
+             n_block, head_kv, batch, tile_list, qheads_per_kvhead):
         """Producer warp: K and V once, then Q (+ LSE) and dO (+ Delta) of every listed query tile of
         every query head."""
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
@@ -283,9 +299,9 @@ class FlashMaskBackwardSm90:
         cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        position = Int32(0)
         for g in cutlass.range(qheads_per_kvhead, unroll=1):
             head = head_kv * qheads_per_kvhead + g
-            mask_head = head // qheads_per_maskhead
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
@@ -298,9 +314,10 @@ class FlashMaskBackwardSm90:
                 tma_lse, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
             tDsD, tDgD = cpasync.tma_partition(
                 tma_delta, 0, cute.make_layout(1), cute.group_modes(sDelta, 0, 1), cute.group_modes(gDelta, 0, 1))
-            tiles = mTileList[mask_batch, mask_head, n_block, None]
-            for i in cutlass.range(mTileCount[mask_batch, mask_head, n_block], unroll=1):
-                m_block = (tiles[i] & 0xFFFF) >> 1
+            entry = tile_list.read(position)
+            position += 1
+            while entry != END_OF_LIST:
+                m_block = entry >> 1
                 pipe_q.producer_acquire(state)
                 q_bar = pipe_q.producer_get_barrier(state)
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
@@ -310,9 +327,11 @@ class FlashMaskBackwardSm90:
                 cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=do_bar)
                 cute.copy(tma_delta, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=do_bar)
                 state.advance()
+                entry = tile_list.read(position)
+                position += 1
 
     @cute.jit
-    def consume(self, sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, mTileList, mTileCount, mSemaphore,
+    def consume(self, sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, tile_list, mDqRanks, mSemaphore,
                 sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                 pipe_kv, pipe_q, pipe_do, tidx, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
                 qheads_per_kvhead, qheads_per_maskhead, seqlen_q, seqlen_k):
@@ -351,13 +370,14 @@ class FlashMaskBackwardSm90:
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         step = Int32(0)
+        position = Int32(0)
         for g in cutlass.range(qheads_per_kvhead, unroll=1):
             head = head_kv * qheads_per_kvhead + g
             mask_head = head // qheads_per_maskhead
-            tiles = mTileList[mask_batch, mask_head, n_block, None]
-            for i in cutlass.range(mTileCount[mask_batch, mask_head, n_block], unroll=1):
-                entry = tiles[i]
-                m_block = (entry & 0xFFFF) >> 1
+            entry = tile_list.read(position)
+            position += 1
+            while entry != END_OF_LIST:
+                m_block = entry >> 1
                 query_start = m_block * self.tile_m
                 acc_S = cute.make_rmem_tensor(st_shape, Float32)
                 acc_dP = cute.make_rmem_tensor(st_shape, Float32)
@@ -401,9 +421,13 @@ class FlashMaskBackwardSm90:
                 pipe_q.consumer_release(state)
                 pipe_do.consumer_release(state)
                 state.advance()
-                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, entry >> 16,
-                            lane_in_wg, wg)
+                rank = Int32(0)
+                if const_expr(self.deterministic):
+                    rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
+                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg)
                 step += 1
+                entry = tile_list.read(position)
+                position += 1
 
         if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=True)

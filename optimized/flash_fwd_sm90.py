@@ -1,12 +1,15 @@
 """Mask-aware attention forward for Hopper (sm_90a) in the CuTe DSL.
 
 One CTA per (query tile, query head, batch); 3 warpgroups:
-  - warpgroup 0, warp 0: producer. TMA-loads the Q tile once, then K and V tiles into a
-    `num_stages`-deep mbarrier pipeline, walking the CTA's compacted list of key tiles.
+  - warpgroup 0, warp 1: the mask role (mask_role.py). Classifies the key tiles for the CTA's query
+    tile from the per-key-block min/max of the mask and publishes the ones not fully masked, each
+    flagged PARTIAL or not, into a smem ring the other warps read.
+  - warpgroup 0, warp 0: producer. TMA-loads the Q tile once, then K and V of each listed key tile
+    into a `num_stages`-deep mbarrier pipeline.
   - warpgroups 1-2: consumers, 64 query rows each. S = Q K^T (SS-WGMMA), the element mask only on
     tiles listed PARTIAL, online softmax in fp32, O += P V (RS-WGMMA, P stays in registers).
-The compacted list (tile_plan.py) holds only the key tiles that are not fully masked, so skipped
-tiles cost neither loads nor MMAs. setmaxnreg moves registers from the producer to the consumers.
+Skipped tiles cost neither loads nor MMAs. setmaxnreg moves registers from warpgroup 0 to the
+consumers.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
+from .mask_role import END_OF_LIST, TileList, list_key_tiles
 from .softmax import softmax_finalize, softmax_update
 
 LOG2_E = math.log2(math.e)
@@ -87,6 +91,7 @@ class FlashMaskForwardSm90:
         num_stages: int = 2,
         pingpong: bool = True,
         setmaxnreg: bool = True,
+        skip_tiles: bool = True,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -97,6 +102,7 @@ class FlashMaskForwardSm90:
         self.num_stages = num_stages
         self.pingpong = pingpong
         self.setmaxnreg = setmaxnreg
+        self.skip_tiles = skip_tiles
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -109,8 +115,7 @@ class FlashMaskForwardSm90:
         mO: cute.Tensor,  # [B, Sq, Hq, D]
         mLSE: cute.Tensor,  # [B, Hq, Sq] fp32
         mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
-        mTileList: cute.Tensor,  # [Bm, Hm, Tm, Tn] int32: key tile << 1 | partial
-        mTileCount: cute.Tensor,  # [Bm, Hm, Tm] int32
+        mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
         qheads_per_maskhead: Int32,
@@ -143,13 +148,15 @@ class FlashMaskForwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
+            tile_ring: cute.struct.MemRange[Int32, TileList.slots]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
         grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, mO, mLSE, mRowIndices, mTileList, mTileCount,
+            tma_mQ, tma_mK, tma_mV, mO, mLSE, mRowIndices, mBlockBounds,
             tma_q, tma_k, tma_v, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
             sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
@@ -164,8 +171,7 @@ class FlashMaskForwardSm90:
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mRowIndices: cute.Tensor,
-        mTileList: cute.Tensor,
-        mTileCount: cute.Tensor,
+        mBlockBounds: cute.Tensor,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -193,6 +199,10 @@ class FlashMaskForwardSm90:
         pipe_q = _tma_pipeline(storage.mbar_q, 1, q_bytes, consumer_warps)
         pipe_k = _tma_pipeline(storage.mbar_k, self.num_stages, kv_bytes, consumer_warps)
         pipe_v = _tma_pipeline(storage.mbar_v, self.num_stages, kv_bytes, consumer_warps)
+        tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
+                             storage.mbar_tiles.data_ptr())
+        if tidx == 0:
+            tile_list.init(readers=1 + 4 * self.num_consumer_wgs)  # the producer and consumer warps
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -202,25 +212,29 @@ class FlashMaskForwardSm90:
 
         mask_batch = batch * mask_batch_stride
         mask_head = head // qheads_per_maskhead
-        num_tiles = mTileCount[mask_batch, mask_head, m_block]
-        tiles = mTileList[mask_batch, mask_head, m_block, None]
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
 
         if warp_idx < 4:
             if const_expr(self.setmaxnreg):
                 cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                          m_block, head, head // qheads_per_kvhead, batch, tiles, num_tiles)
+                          m_block, head, head // qheads_per_kvhead, batch, tile_list)
+            if warp_idx == 1:
+                row_start = m_block * self.tile_m
+                list_key_tiles(tile_list, mBlockBounds[mask_batch, mask_head, None, None], row_start,
+                               cutlass.min(row_start + self.tile_m, seqlen_q), seqlen_k, seqlen_k - seqlen_q,
+                               self.tile_n, self.causal, self.mask_width, self.skip_tiles)
         else:
             if const_expr(self.setmaxnreg):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mLSE, mRowIndices, sQ, sK, transpose_view(sV), tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tidx - 128, scale_log2, m_block, head, batch,
-                         mask_batch, mask_head, tiles, num_tiles, mQ.shape[0], mK.shape[0])
+                         mask_batch, mask_head, tile_list, seqlen_q, seqlen_k)
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-             m_block, head, head_kv, batch, tiles, num_tiles):
+             m_block, head, head_kv, batch, tile_list):
         """Producer warp: Q once, then K and V of every listed key tile."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
@@ -236,8 +250,10 @@ class FlashMaskForwardSm90:
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for i in cutlass.range(num_tiles, unroll=1):
-            n_block = tiles[i] >> 1
+        i = Int32(0)
+        entry = tile_list.read(i)
+        while entry != END_OF_LIST:
+            n_block = entry >> 1
             pipe_k.producer_acquire(state)
             cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(state))
@@ -245,11 +261,12 @@ class FlashMaskForwardSm90:
             cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(state))
             state.advance()
+            i += 1
+            entry = tile_list.read(i)
 
     @cute.jit
     def consume(self, mO, mLSE, mRowIndices, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
-                tidx, scale_log2, m_block, head, batch, mask_batch, mask_head, tiles, num_tiles,
-                seqlen_q, seqlen_k):
+                tidx, scale_log2, m_block, head, batch, mask_batch, mask_head, tile_list, seqlen_q, seqlen_k):
         """Consumer warpgroups: the masked online-softmax main loop and the epilogue."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
@@ -280,8 +297,9 @@ class FlashMaskForwardSm90:
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
             cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
-        for i in cutlass.range(num_tiles, unroll=1):
-            entry = tiles[i]
+        i = Int32(0)
+        entry = tile_list.read(i)
+        while entry != END_OF_LIST:
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             pipe_k.consumer_wait(state)
             _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
@@ -301,6 +319,8 @@ class FlashMaskForwardSm90:
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
             state.advance()
+            i += 1
+            entry = tile_list.read(i)
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
 

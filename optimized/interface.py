@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..reference import ColumnMask
-from .tile_plan import full_mask, make_tile_plan
+from .tile_plan import block_minmax, dq_ranks, full_mask
 
 @dataclass(frozen=True)
 class KernelOptions:
@@ -89,14 +89,15 @@ def _make_kernel(
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
-        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic)
+        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles)
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
         return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(cute_dtype, head_dim)
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
-    return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg)
+    return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg,
+                                opts.skip_tiles)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",
@@ -122,7 +123,7 @@ def forward(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) from the Hopper kernel, tile plan included.
+    """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
 
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
     """
@@ -135,12 +136,12 @@ def forward(
     sk, hkv = k.shape[1], k.shape[2]
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
-    plan = make_tile_plan(mask, Kernel.tile_m, Kernel.tile_n, options.skip_tiles)
+    bounds = block_minmax(mask, Kernel.tile_n)
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     row_indices = mask.startend_row_indices.contiguous()
-    tensors = [_to_cute(t) for t in (q, k, v, out, lse, row_indices, plan.tiles, plan.counts)]
+    tensors = [_to_cute(t) for t in (q, k, v, out, lse, row_indices, bounds)]
     scalars = [Float32(softmax_scale), Int32(hq // hkv), Int32(hq // mask.heads), Int32(mask.batch // b)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel = _kernel(q.dtype, d, mask.causal, row_indices.shape[-1], [*tensors, *scalars, stream])
@@ -176,9 +177,8 @@ def backward(
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     tiles_m = -(-sq // Kernel.tile_m)
-    if tiles_m >= 1 << 15:
-        raise ValueError(f"backend='cute' backward takes at most {(1 << 15) * Kernel.tile_m - 1} queries, got {sq}")
-    plan = make_tile_plan(mask, Kernel.tile_m, Kernel.tile_n, options.skip_tiles, by_key=True)
+    bounds = block_minmax(mask, Kernel.tile_n)
+    ranks = dq_ranks(mask, Kernel.tile_m, Kernel.tile_n, options.skip_tiles) if deterministic else bounds[:1, :1, :1]
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
     sq_pad = tiles_m * Kernel.tile_m
     lse2 = torch.empty(b, hq, sq_pad, dtype=torch.float32, device=q.device)
@@ -191,8 +191,8 @@ def backward(
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     row_indices = mask.startend_row_indices.contiguous()
-    tensors = [_to_cute(t) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, plan.tiles,
-                                     plan.counts, semaphore)]
+    tensors = [_to_cute(t) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks,
+                                     semaphore)]
     scalars = [Float32(softmax_scale), Int32(hq // hkv), Int32(hq // mask.heads), Int32(mask.batch // b)]
     kernel = _kernel(q.dtype, d, mask.causal, row_indices.shape[-1], [*tensors, *scalars, stream], "bwd",
                      deterministic)
@@ -264,12 +264,13 @@ def compile_check(
             q_like, kv_like, kv_like, q_like,
             fake(cutlass.Float32, (b, hq, sq)), fake(cutlass.Float32, (b, hq, sq)),
             fake(cutlass.Float32, (b, hq, tm, 64 * head_dim)), kv_like, kv_like, row_indices,
-            fake(cutlass.Int32, (bm, hm, tn, tm)), fake(cutlass.Int32, (bm, hm, tn)), fake(cutlass.Int32, (b, hq, tm)),
+            fake(cutlass.Int32, (bm, hm, tn, 2 * width)), fake(cutlass.Int32, (bm, hm, tn, tm)),
+            fake(cutlass.Int32, (b, hq, tm)),
         ]
     else:
         tensors = [
             q_like, kv_like, kv_like, q_like, fake(cutlass.Float32, (b, hq, sq)), row_indices,
-            fake(cutlass.Int32, (bm, hm, tm, tn)), fake(cutlass.Int32, (bm, hm, tm)),
+            fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
         ]
     args = [*tensors, Float32(0.1), Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream()]
     start = time.perf_counter()

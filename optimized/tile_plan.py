@@ -1,23 +1,18 @@
-"""The kernels' tile plan, computed on the mask's device: per query tile, the compacted list of
-key tiles that are not fully masked, each flagged PARTIAL or UNMASKED.
+"""What the kernels need of the mask beyond `startend_row_indices`, computed on the mask's device.
 
-It is FlashMask's classification (per-key-block min/max of the boundary vectors, as
-`ColumnMask.block_classes` defines it) followed by a stable compaction, a handful of tensor ops
-whose cost is O(B * Hm * Tm * Tn) and is counted in the kernel timings.
+- `block_minmax`: per key tile, the min and max of each boundary column (one reduction, O(Sk)):
+  the input of the kernels' mask role (mask_role.py), which classifies the tiles in-kernel.
+- `tile_classes`: the classes the mask role computes, in torch (FlashMask's rule as
+  `ColumnMask.block_classes` defines it, plus the ragged last key tile), O(B * Hm * Tm * Tn).
+- `dq_ranks`: for the deterministic backward, each key tile's place among the key tiles a query
+  tile sees (the order of its dQ sum).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ..reference import PARTIAL, SKIP, ColumnMask
-
-
-class TilePlan(NamedTuple):
-    tiles: torch.Tensor  # int32 [Bm, Hm, Tm, Tn]: key tile << 1 | partial, listed first
-    counts: torch.Tensor  # int32 [Bm, Hm, Tm]: number of listed key tiles
 
 
 def full_mask(batch: int, seqlen_q: int, seqlen_k: int, device) -> ColumnMask:
@@ -27,6 +22,18 @@ def full_mask(batch: int, seqlen_q: int, seqlen_k: int, device) -> ColumnMask:
     return ColumnMask(idx, False, seqlen_q)
 
 
+def block_minmax(mask: ColumnMask, tile_n: int) -> torch.Tensor:
+    """int32 [Bm, Hm, Tn, 2 * width]: per key tile, the min of each column of `startend_row_indices`,
+    then the max. A ragged last tile repeats its last key, which leaves its min/max unchanged."""
+    idx = mask.startend_row_indices
+    bm, hm, sk, width = idx.shape
+    tiles = -(-sk // tile_n)
+    if tiles * tile_n != sk:
+        idx = torch.cat([idx, idx[:, :, -1:].expand(bm, hm, tiles * tile_n - sk, width)], dim=2)
+    lo, hi = torch.aminmax(idx.reshape(bm, hm, tiles, tile_n, width), dim=3)
+    return torch.cat([lo, hi], dim=-1)
+
+
 def compact(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of the last dim: how many are selected (int32), and their indices listed first, in
     order (int32; the unselected follow)."""
@@ -34,29 +41,23 @@ def compact(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return selected.sum(-1, dtype=torch.int32).contiguous(), order.contiguous()
 
 
-def make_tile_plan(
-    mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool = True, by_key: bool = False
-) -> TilePlan:
-    """Per query tile, its key tiles (the forward); with `by_key`, per key tile, its query tiles
-    (the backward), each entry also carrying in bits 16+ the key tile's rank among the key tiles
-    its query tile lists (the order of the deterministic dQ sum).
+def tile_classes(mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool = True) -> torch.Tensor:
+    """int8 [Bm, Hm, Tm, Tn]: SKIP, PARTIAL or UNMASKED, as the kernels' mask role classifies.
 
-    `skip_tiles=False` (an ablation) lists fully masked tiles too, as PARTIAL.
+    The ragged last key tile is PARTIAL unless SKIP (it needs the bounds check); `skip_tiles=False`
+    (an ablation) turns SKIP into PARTIAL.
     """
     classes = mask.block_classes(tile_m, tile_n).classes
-    if not skip_tiles:
-        classes = torch.where(classes == SKIP, torch.full_like(classes, PARTIAL), classes)
     if mask.seqlen_k % tile_n:
-        # The ragged last key tile always needs the bounds check.
         last = classes[..., -1]
         classes[..., -1] = torch.where(last == SKIP, last, torch.full_like(last, PARTIAL))
-    listed = classes != SKIP
-    if by_key:
-        rank = (torch.cumsum(listed, dim=-1, dtype=torch.int32) - 1).transpose(-1, -2)
-        classes, listed = classes.transpose(-1, -2), listed.transpose(-1, -2)
-    counts, tile_ids = compact(listed)
-    flags = (torch.gather(classes, -1, tile_ids.long()) == PARTIAL).to(torch.int32)
-    tiles = (tile_ids << 1) | flags
-    if by_key:
-        tiles |= torch.gather(rank, -1, tile_ids.long()).clamp_(min=0) << 16
-    return TilePlan(tiles=tiles.contiguous(), counts=counts)
+    if not skip_tiles:
+        classes = torch.where(classes == SKIP, torch.full_like(classes, PARTIAL), classes)
+    return classes
+
+
+def dq_ranks(mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool = True) -> torch.Tensor:
+    """int32 [Bm, Hm, Tn, Tm]: at [n, m], how many key tiles before n query tile m sees (its place
+    in the deterministic, key-ordered dQ sum of query tile m)."""
+    seen = tile_classes(mask, tile_m, tile_n, skip_tiles) != SKIP
+    return (torch.cumsum(seen, dim=-1, dtype=torch.int32) - seen.int()).transpose(-1, -2).contiguous()

@@ -1,68 +1,62 @@
-"""The kernels' tile plan: compacted lists of key tiles with PARTIAL flags (CPU check)."""
+"""What the kernels take of the mask: key-block min/max (the mask role's input), the tile classes
+the mask role computes, and the deterministic backward's dQ ranks (CPU check)."""
 
 import pytest
 import torch
 
-from flashmask3.optimized import make_tile_plan
-from flashmask3.optimized.tile_plan import full_mask
-from flashmask3.reference import PARTIAL, SKIP, masks
+from flashmask3.optimized.tile_plan import block_minmax, dq_ranks, full_mask, tile_classes
+from flashmask3.reference import PARTIAL, SKIP, UNMASKED, masks
 
 
-@pytest.mark.parametrize("name", ["causal", "document", "random_eviction", "global_sliding_window"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "random_eviction"])
 @pytest.mark.parametrize("seqlen", [1024, 1000])
-def test_lists_every_non_skipped_tile_in_order_with_its_flag(name, seqlen):
+def test_block_minmax_is_the_min_then_max_of_each_column_per_key_tile(name, seqlen):
     mask = masks.build(name, seqlen, batch=2, heads=2)
-    classes = mask.block_classes(128, 128).classes
-    plan = make_tile_plan(mask, 128, 128)
-    tn = classes.shape[-1]
-    for b in range(classes.shape[0]):
-        for h in range(classes.shape[1]):
-            for m in range(classes.shape[2]):
-                count = int(plan.counts[b, h, m])
-                listed = plan.tiles[b, h, m, :count]
-                kept = (classes[b, h, m] != SKIP).nonzero().flatten()
-                assert torch.equal(listed >> 1, kept.to(torch.int32))
-                partial = classes[b, h, m, kept] == PARTIAL
-                if seqlen % 128:  # the ragged last key tile always gets the bounds check
-                    partial |= kept == tn - 1
-                assert torch.equal((listed & 1).bool(), partial)
+    idx = mask.startend_row_indices
+    bounds = block_minmax(mask, 128)
+    width = idx.shape[-1]
+    assert bounds.shape == (*idx.shape[:2], -(-seqlen // 128), 2 * width) and bounds.dtype == torch.int32
+    for n in range(bounds.shape[2]):
+        keys = idx[:, :, n * 128:(n + 1) * 128]
+        assert torch.equal(bounds[:, :, n, :width], keys.amin(2))
+        assert torch.equal(bounds[:, :, n, width:], keys.amax(2))
 
 
-def test_ablation_without_skipping_lists_every_tile():
-    mask = masks.build("causal_document", 1024)
-    plan = make_tile_plan(mask, 128, 128, skip_tiles=False)
-    assert bool((plan.counts == 8).all())
-    skipped = mask.block_classes(128, 128).classes == SKIP
-    flags = torch.zeros_like(skipped)
-    flags.scatter_(-1, (plan.tiles >> 1).long(), (plan.tiles & 1).bool())
-    assert bool(flags[skipped].all())  # fully masked tiles come back as PARTIAL: masked, not skipped
+@pytest.mark.parametrize("seqlen", [1024, 1000])
+def test_tile_classes_follow_the_reference_and_check_the_ragged_last_key_tile(seqlen):
+    mask = masks.build("document", seqlen, batch=1, heads=1)
+    reference = mask.block_classes(64, 128).classes
+    classes = tile_classes(mask, 64, 128)
+    if seqlen % 128 == 0:
+        assert torch.equal(classes, reference)
+    else:
+        assert torch.equal(classes[..., :-1], reference[..., :-1])
+        last = reference[..., -1]
+        assert torch.equal(classes[..., -1], torch.where(last == SKIP, last, torch.full_like(last, PARTIAL)))
 
 
 def test_full_mask_has_no_partial_tile_but_the_ragged_one():
-    plan = make_tile_plan(full_mask(1, 300, 300, "cpu"), 128, 128)
-    assert plan.counts.flatten().tolist() == [3, 3, 3]
-    assert (plan.tiles[0, 0, 0, :3] & 1).tolist() == [0, 0, 1]
+    classes = tile_classes(full_mask(1, 300, 300, "cpu"), 128, 128)
+    assert classes[0, 0].tolist() == [[UNMASKED, UNMASKED, PARTIAL]] * 3
+
+
+def test_ablation_without_skipping_masks_instead_of_skipping():
+    mask = masks.build("causal_document", 1024)
+    skipped = tile_classes(mask, 128, 128) == SKIP
+    ablation = tile_classes(mask, 128, 128, skip_tiles=False)
+    assert bool(skipped.any()) and not bool((ablation == SKIP).any())
+    assert bool((ablation[skipped] == PARTIAL).all())
 
 
 @pytest.mark.parametrize("name", ["causal", "share_question", "random_eviction"])
 @pytest.mark.parametrize("seqlen", [1024, 1000])
-def test_by_key_lists_query_tiles_with_flag_and_dq_rank(name, seqlen):
-    """The backward's plan: per key tile its query tiles in order, and in bits 16+ the key tile's
-    position among the key tiles of that query tile (the deterministic dQ order)."""
+def test_dq_rank_counts_the_earlier_key_tiles_a_query_tile_sees(name, seqlen):
     mask = masks.build(name, seqlen, batch=1, heads=2)
-    classes = mask.block_classes(64, 128).classes
-    plan = make_tile_plan(mask, 64, 128, by_key=True)
-    forward = make_tile_plan(mask, 64, 128)
-    tn = classes.shape[-1]
-    for h in range(classes.shape[1]):
-        for n in range(tn):
-            count = int(plan.counts[0, h, n])
-            listed = plan.tiles[0, h, n, :count]
-            kept = (classes[0, h, :, n] != SKIP).nonzero().flatten()
-            assert torch.equal((listed & 0xFFFF) >> 1, kept.to(torch.int32))
-            partial = classes[0, h, kept, n] == PARTIAL
-            if seqlen % 128 and n == tn - 1:
-                partial[:] = True
-            assert torch.equal((listed & 1).bool(), partial)
-            for m, rank in zip(kept.tolist(), (listed >> 16).tolist()):
-                assert int(forward.tiles[0, h, m, rank]) >> 1 == n
+    seen = tile_classes(mask, 64, 128) != SKIP
+    ranks = dq_ranks(mask, 64, 128)
+    _, heads, tm, tn = seen.shape
+    assert ranks.shape == (1, heads, tn, tm)
+    for h in range(heads):
+        for m in range(tm):
+            for n in range(tn):
+                assert int(ranks[0, h, n, m]) == int(seen[0, h, m, :n].sum())

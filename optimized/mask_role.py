@@ -1,0 +1,188 @@
+"""The mask role: one warp that classifies tiles ahead of the others and hands them a compacted list.
+
+Each CTA owns one tile of one dimension (the forward: a query tile; the backward: a key tile) and
+walks the tiles of the other. The mask warp classifies those 32 at a time, one per lane, from the
+per-key-block min/max of the boundary vectors (`block_minmax`, computed once per call on the GPU;
+FlashMask's rule, exactly `ColumnMask.block_classes`): SKIP tiles are left out, the others are
+published in order as `tile << 1 | partial` into a small smem ring (`TileList`), then -1. The TMA
+producer and the consumer warps read the same ring, so skipped tiles cost neither loads nor MMAs and
+UNMASKED tiles cost no mask arithmetic.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Int32, const_expr
+
+END_OF_LIST = -1
+
+
+@dataclass(frozen=True)
+class TileList:
+    """A ring of `slots` int32 entries in smem, one full and one empty mbarrier per slot.
+
+    One writer lane per entry (the mask warp); `readers` warps each read every entry and release
+    its slot right after (one arrive per warp), so the mask warp may run up to `slots` entries ahead.
+    """
+
+    ring: cute.Tensor  # Int32 smem, (slots,)
+    full: cute.Pointer  # Int64 smem, 2 * slots: the full barriers, then the empty ones
+    slots = 64
+
+    @property
+    def empty(self) -> cute.Pointer:
+        return self.full + self.slots
+
+    def init(self, readers: int) -> None:
+        """One thread, before the CTA's mbarrier init fence."""
+        for s in range(self.slots):  # unrolled at trace time
+            cute.arch.mbarrier_init(self.full + s, 1)
+            cute.arch.mbarrier_init(self.empty + s, readers)
+
+    @cute.jit
+    def publish(self, position: Int32, entry: Int32) -> None:
+        """Write entry number `position` (one lane), once its slot has been read by every reader."""
+        slot = position % self.slots
+        cute.arch.mbarrier_wait(self.empty + slot, ((position // self.slots) % 2) ^ 1)
+        self.ring[slot] = entry
+        cute.arch.mbarrier_arrive(self.full + slot)
+
+    @cute.jit
+    def read(self, position: Int32) -> Int32:
+        """Entry number `position`, read by a whole warp (END_OF_LIST after the last tile)."""
+        slot = position % self.slots
+        cute.arch.mbarrier_wait(self.full + slot, (position // self.slots) % 2)
+        entry = self.ring[slot]
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(self.empty + slot)
+        return entry
+
+
+@cute.jit
+def tile_flags(
+    bounds: cute.Tensor,
+    row_start: Int32,
+    row_end: Int32,
+    key_start: Int32,
+    tile_n: cutlass.Constexpr[int],
+    seqlen_k: Int32,
+    causal_offset: Int32,
+    causal: cutlass.Constexpr[bool],
+    width: cutlass.Constexpr[int],
+    skip_tiles: cutlass.Constexpr[bool],
+):
+    """(listed, partial) of the tile rows [row_start, row_end) x keys [key_start, key_start + tile_n).
+
+    `bounds` holds the key block's min of each of the `width` boundary columns, then their max.
+    A tile is SKIP when one interval covers all its rows for every key (or the causal part hides
+    it), PARTIAL when some interval reaches into it (or the causal diagonal or the end of the keys
+    cuts it). Variants: causal 1 = [LTS, Sq), causal 2 = [LTS, LTE), non-causal 2 = [LTS, Sq) and
+    [0, UTE), non-causal 4 = [LTS, LTE) and [UTS, UTE).
+    """
+    lo0, hi0 = bounds[0], bounds[width]
+    if const_expr(causal and width == 1):
+        covered = hi0 <= row_start
+        touched = lo0 < row_end
+    elif const_expr(causal or width == 4):
+        lo1, hi1 = bounds[1], bounds[width + 1]
+        covered = hi0 <= row_start and lo1 >= row_end
+        touched = lo0 < row_end and hi1 > row_start
+        if const_expr(width == 4):
+            lo2, hi2, lo3, hi3 = bounds[2], bounds[6], bounds[3], bounds[7]
+            covered = covered or (hi2 <= row_start and lo3 >= row_end)
+            touched = touched or (lo2 < row_end and hi3 > row_start)
+    else:
+        lo1, hi1 = bounds[1], bounds[3]
+        covered = hi0 <= row_start or lo1 >= row_end
+        touched = lo0 < row_end or hi1 > row_start
+    key_end = cutlass.min(key_start + tile_n, seqlen_k)
+    touched = touched or key_end < key_start + tile_n
+    if const_expr(causal):
+        covered = covered or key_start > row_end - 1 + causal_offset
+        touched = touched or key_end - 1 > row_start + causal_offset
+    if const_expr(skip_tiles):
+        return not covered, touched
+    return Boolean(True), touched or covered  # the ablation lists every tile
+
+
+@cute.jit
+def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, partial) -> Int32:
+    """Publish the warp's listed tiles in lane order after `position`; return the next position."""
+    lane = cute.arch.lane_idx()
+    ballot = cute.arch.vote_ballot_sync(listed)
+    if listed:
+        before = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
+        tile_list.publish(position + before, (tile << 1) | Int32(partial))
+    return position + cute.arch.popc(ballot)
+
+
+@cute.jit
+def list_key_tiles(
+    tile_list: TileList,
+    mBounds: cute.Tensor,  # [Tn, 2 * width] int32: the mask head's key-block min/max
+    row_start: Int32,
+    row_end: Int32,
+    seqlen_k: Int32,
+    causal_offset: Int32,
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+    width: cutlass.Constexpr[int],
+    skip_tiles: cutlass.Constexpr[bool],
+) -> None:
+    """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order."""
+    lane = cute.arch.lane_idx()
+    num_tiles = cute.size(mBounds.shape[0])
+    if const_expr(causal and skip_tiles):
+        # Key tiles past the last row's diagonal are SKIP: do not even load their bounds.
+        last_key = row_end - 1 + causal_offset
+        num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
+    bounds = cute.make_rmem_tensor((2 * width,), Int32)
+    position = Int32(0)
+    for first in cutlass.range(0, num_tiles, 32, unroll=1):
+        tile = first + lane
+        for w in cutlass.range_constexpr(2 * width):
+            bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
+        listed, partial = tile_flags(bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset,
+                                     causal, width, skip_tiles)
+        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
+    if lane == 0:
+        tile_list.publish(position, END_OF_LIST)
+
+
+@cute.jit
+def list_query_tiles(
+    tile_list: TileList,
+    position: Int32,
+    mBounds: cute.Tensor,  # [2 * width] int32: the key tile's min/max under one mask head
+    key_start: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    causal_offset: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+    width: cutlass.Constexpr[int],
+    skip_tiles: cutlass.Constexpr[bool],
+) -> Int32:
+    """Backward mask warp: the query tiles that see the keys [key_start, key_start + tile_n), in
+    query order, published from entry `position` on; returns the position after END_OF_LIST."""
+    lane = cute.arch.lane_idx()
+    bounds = cute.make_rmem_tensor((2 * width,), Int32)
+    for w in cutlass.range_constexpr(2 * width):
+        bounds[w] = mBounds[w]
+    num_tiles = (seqlen_q + tile_m - 1) // tile_m
+    first = Int32(0)
+    if const_expr(causal and skip_tiles):
+        # Query tiles that end before the key tile's diagonal are SKIP.
+        first = cutlass.max(key_start - causal_offset, 0) // tile_m
+    for base in cutlass.range(first, num_tiles, 32, unroll=1):
+        tile = base + lane
+        row_start = tile * tile_m
+        listed, partial = tile_flags(bounds, row_start, cutlass.min(row_start + tile_m, seqlen_q), key_start, tile_n,
+                                     seqlen_k, causal_offset, causal, width, skip_tiles)
+        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
+    if lane == 0:
+        tile_list.publish(position, END_OF_LIST)
+    return position + 1
