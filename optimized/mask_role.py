@@ -41,10 +41,15 @@ class TileList:
             cute.arch.mbarrier_init(self.empty + s, readers)
 
     @cute.jit
-    def publish(self, position: Int32, entry: Int32) -> None:
-        """Write entry number `position` (one lane), once its slot has been read by every reader."""
+    def wait_free(self, position: Int32) -> None:
+        """Wait until every reader has read the entry `slots` before `position`, hence (readers go in
+        order) every earlier one: the slots up to `position` may be written."""
+        cute.arch.mbarrier_wait(self.empty + position % self.slots, ((position // self.slots) % 2) ^ 1)
+
+    @cute.jit
+    def put(self, position: Int32, entry: Int32) -> None:
+        """Write entry number `position` (one lane; after `wait_free` of it or a later position)."""
         slot = position % self.slots
-        cute.arch.mbarrier_wait(self.empty + slot, ((position // self.slots) % 2) ^ 1)
         self.ring[slot] = entry
         cute.arch.mbarrier_arrive(self.full + slot)
 
@@ -109,13 +114,26 @@ def tile_flags(
 
 @cute.jit
 def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, partial) -> Int32:
-    """Publish the warp's listed tiles in lane order after `position`; return the next position."""
+    """Publish the warp's listed tiles in lane order after `position`; return the next position.
+
+    The whole warp waits once for room (not each lane on its own slot): a warp whose lanes wait on
+    different barriers keeps waking up, and it shares its SM quarter with two consumer warps.
+    """
     lane = cute.arch.lane_idx()
     ballot = cute.arch.vote_ballot_sync(listed)
-    if listed:
-        before = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
-        tile_list.publish(position + before, (tile << 1) | Int32(partial))
-    return position + cute.arch.popc(ballot)
+    count = cute.arch.popc(ballot)
+    if count > 0:
+        tile_list.wait_free(position + count - 1)
+        if listed:
+            tile_list.put(position + cute.arch.popc(ballot & ((Int32(1) << lane) - 1)), (tile << 1) | Int32(partial))
+    return position + count
+
+
+@cute.jit
+def _end_list(tile_list: TileList, position: Int32) -> None:
+    if cute.arch.lane_idx() == 0:
+        tile_list.wait_free(position)
+        tile_list.put(position, END_OF_LIST)
 
 
 @cute.jit
@@ -147,8 +165,7 @@ def list_key_tiles(
         listed, partial = tile_flags(bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset,
                                      causal, width, skip_tiles)
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
-    if lane == 0:
-        tile_list.publish(position, END_OF_LIST)
+    _end_list(tile_list, position)
 
 
 @cute.jit
@@ -183,6 +200,5 @@ def list_query_tiles(
         listed, partial = tile_flags(bounds, row_start, cutlass.min(row_start + tile_m, seqlen_q), key_start, tile_n,
                                      seqlen_k, causal_offset, causal, width, skip_tiles)
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
-    if lane == 0:
-        tile_list.publish(position, END_OF_LIST)
+    _end_list(tile_list, position)
     return position + 1
