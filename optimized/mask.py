@@ -1,6 +1,6 @@
 """Element mask of a PARTIAL tile from the column-wise boundaries (FlashMask semantics).
 
-Only tiles the tile plan marks partial come here; SKIP tiles never reach the consumers and
+Only tiles the mask role lists partial come here; SKIP tiles never reach the consumers and
 UNMASKED tiles skip this entirely. The mask variant is a compile-time constant, so each key
 column costs exactly the loads its variant has (1, 2 or 4 int32 from `startend_row_indices`):
 

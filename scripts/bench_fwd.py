@@ -6,7 +6,7 @@
 Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x the error of the
 same computation in the input precision), on poisoned output buffers. Speed: CUDA events, warm-up,
 median over several input sets; TFLOP/s counts only unmasked work (4 B H Sq Sk D density) and the
-cute time includes the tile plan. Peers in the same run: FlexAttention (compiled, BlockMask 128
+cute time includes the mask preprocessing. Peers in the same run: FlexAttention (compiled, BlockMask 128
 built once outside the timing), FA4 and cuDNN SDPA where the mask is plain full/causal.
 Writes JSON to $OUT (or bench/results/) and prints a table last.
 """
