@@ -7,8 +7,8 @@ every query head of its KV group (so GQA sums dK/dV in registers, no extra pass)
 Warpgroup 0, warp 1 is the mask role (mask_role.py): per query head, it classifies the query tiles
 against the key tile from the key block's min/max and publishes the ones not fully masked, flagged
 PARTIAL or not, into a smem ring. Warp 0 is the producer (TMA: K and V once, then Q and dO of each
-listed query tile through `num_stages`-deep mbarrier pipelines). Warpgroups 1-2 are consumers, 64 keys each. They
-work on the transposed scores, so the rows of a thread's fragment are keys and each thread loads
+listed query tile through `num_stages`-deep mbarrier pipelines). Warpgroups 1-2 are consumers, 64
+keys each. They work on the transposed scores, so the rows of a thread's fragment are keys and each thread loads
 the mask bounds of only its own two keys:
     S^T = K Q^T, dP^T = V dO^T                      (SS-WGMMA)
     P^T = exp2(S^T * scale * log2 e - LSE * log2 e)  (element mask only on PARTIAL tiles)
@@ -183,7 +183,8 @@ class FlashMaskBackwardSm90:
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, tma_mdK, tma_mdV,
-            mRowIndices, mBlockBounds, mDqRanks, mSemaphore, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, q_bytes, kv_bytes,
+            mRowIndices, mBlockBounds, mDqRanks, mSemaphore,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), softmax_scale, qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
             sQ_layout, sKV_layout, sdS_layout, sdQ_layout, s_row_layout,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,

@@ -250,8 +250,8 @@ class FlashMaskForwardSm90:
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        i = Int32(0)
-        entry = tile_list.read(i)
+        position = Int32(0)
+        entry = tile_list.read(position)
         while entry != END_OF_LIST:
             n_block = entry >> 1
             pipe_k.producer_acquire(state)
@@ -261,8 +261,8 @@ class FlashMaskForwardSm90:
             cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(state))
             state.advance()
-            i += 1
-            entry = tile_list.read(i)
+            position += 1
+            entry = tile_list.read(position)
 
     @cute.jit
     def consume(self, mO, mLSE, mRowIndices, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
@@ -297,8 +297,8 @@ class FlashMaskForwardSm90:
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
             cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
-        i = Int32(0)
-        entry = tile_list.read(i)
+        position = Int32(0)
+        entry = tile_list.read(position)
         while entry != END_OF_LIST:
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             pipe_k.consumer_wait(state)
@@ -319,8 +319,8 @@ class FlashMaskForwardSm90:
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
             state.advance()
-            i += 1
-            entry = tile_list.read(i)
+            position += 1
+            entry = tile_list.read(position)
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
 

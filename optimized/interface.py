@@ -178,6 +178,7 @@ def backward(
         mask = full_mask(b, sq, sk, q.device)
     tiles_m = -(-sq // Kernel.tile_m)
     bounds = block_minmax(mask, Kernel.tile_n)
+    # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
     ranks = dq_ranks(mask, Kernel.tile_m, Kernel.tile_n, options.skip_tiles) if deterministic else bounds[:1, :1, :1]
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
     sq_pad = tiles_m * Kernel.tile_m
