@@ -1,6 +1,6 @@
 """Charts from the JSON results: TFLOP/s per mask per backend, and scaling with sequence length.
 
-    python scripts/plot.py bench/results/fwd_bench_v3_8k.json bench/results/fwd_bench_v3_32k_128k.json \
+    python scripts/plot.py bench/results/fwd_bench_v4_8k.json bench/results/fwd_bench_v4_128k.json \
         --out docs/fwd_tflops.png
     python scripts/plot.py runs/*.json --out docs/sweep.png        # records of `python -m flashmask3 -m ...`
 
