@@ -29,7 +29,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
 from .mask_role import END_OF_LIST, TileList, list_key_tiles
-from .softmax import softmax_finalize, softmax_update
+from .softmax import rescale_rows, softmax_finalize, softmax_rescore, softmax_update
 
 LOG2_E = math.log2(math.e)
 _MMA_TURN = 1  # named barriers 1 and 2: whose turn on the tensor cores (0 is sync_threads)
@@ -92,6 +92,7 @@ class FlashMaskForwardSm90:
         pingpong: bool = True,
         setmaxnreg: bool = True,
         skip_tiles: bool = True,
+        intra_wg_overlap: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -103,6 +104,7 @@ class FlashMaskForwardSm90:
         self.pingpong = pingpong
         self.setmaxnreg = setmaxnreg
         self.skip_tiles = skip_tiles
+        self.intra_wg_overlap = intra_wg_overlap
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -290,42 +292,115 @@ class FlashMaskForwardSm90:
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # Ping-pong: the two warpgroups take turns on the tensor cores (PV of one tile and QK of
         # the next), so one warpgroup's softmax runs under the other's GEMMs. Warpgroup 0 starts.
         if const_expr(self.pingpong):
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
             cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
-        position = Int32(0)
-        entry = tile_list.read(position)
-        while entry != END_OF_LIST:
-            acc_S = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_k.consumer_wait(state)
-            _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
-            if const_expr(self.pingpong):
-                cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(state)
-            if (entry & 1) != 0:
-                apply_column_mask(acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start,
-                                  (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal, self.mask_width)
-            softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
-            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-            pipe_v.consumer_wait(state)
-            if const_expr(self.pingpong):
-                cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
-            _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(state)
-            state.advance()
-            position += 1
+        mask_args = (s_coords, mRowIndices, mask_batch, mask_head, row_start, seqlen_k, causal_offset)
+        if const_expr(self.intra_wg_overlap):
+            self.overlapped_loop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max,
+                                 row_sum, pipe_k, pipe_v, wg, scale_log2, tile_list, mask_args)
+        else:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            position = Int32(0)
             entry = tile_list.read(position)
-        if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
+            while entry != END_OF_LIST:
+                acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                pipe_k.consumer_wait(state)
+                _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+                self.end_turn(wg)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state)
+                self.mask_scores(acc_S, entry, *mask_args)
+                softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
+                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+                pipe_v.consumer_wait(state)
+                self.begin_turn(wg)
+                _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(state)
+                state.advance()
+                position += 1
+                entry = tile_list.read(position)
+            self.end_turn(wg)
 
         lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2)
         self.store(acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def overlapped_loop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max, row_sum,
+                        pipe_k, pipe_v, wg, scale_log2, tile_list, mask_args):
+        """The main loop with intra-warpgroup overlap (FA3; `KernelOptions.intra_wg_overlap`, not yet
+        validated on the H200): in one turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
+        O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while its PV runs, and
+        rescales O once the PV is done. Entered inside the warpgroup's first turn."""
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        position = Int32(0)
+        entry = tile_list.read(position)
+        if entry != END_OF_LIST:
+            acc_S = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_k.consumer_wait(k_state)
+            _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
+            self.end_turn(wg)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(k_state)
+            k_state.advance()
+            self.mask_scores(acc_S, entry, *mask_args)
+            softmax_rescore(acc_S, row_max, row_sum, scale_log2)  # O is still zero: nothing to rescale
+            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            position += 1
+            entry = tile_list.read(position)
+            while entry != END_OF_LIST:
+                acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                pipe_v.consumer_wait(v_state)
+                self.begin_turn(wg)
+                pipe_k.consumer_wait(k_state)
+                _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
+                _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
+                self.end_turn(wg)
+                warpgroup.wait_group(1)  # S_j is ready, the PV may still run
+                pipe_k.consumer_release(k_state)
+                k_state.advance()
+                self.mask_scores(acc_S, entry, *mask_args)
+                correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(v_state)
+                v_state.advance()
+                rescale_rows(acc_O, correction)
+                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+                position += 1
+                entry = tile_list.read(position)
+            pipe_v.consumer_wait(v_state)
+            self.begin_turn(wg)
+            _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
+            self.end_turn(wg)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(v_state)
+        else:
+            self.end_turn(wg)  # no key tile: hand over the (empty) first turn
+
+    @cute.jit
+    def mask_scores(self, acc_S, entry, s_coords, mRowIndices, mask_batch, mask_head, row_start, seqlen_k,
+                    causal_offset):
+        """The element mask, on tiles the mask role listed PARTIAL only."""
+        if (entry & 1) != 0:
+            apply_column_mask(acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start,
+                              (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal, self.mask_width)
+
+    @cute.jit
+    def begin_turn(self, wg):
+        """Wait for this warpgroup's turn on the tensor cores (ping-pong)."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
+
+    @cute.jit
+    def end_turn(self, wg):
+        """Hand the tensor cores to the other warpgroup (ping-pong)."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
 
     @cute.jit
     def store(self, acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q):

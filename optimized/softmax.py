@@ -14,26 +14,50 @@ from .layout import acc_rows_view
 
 
 @cute.jit
+def _rescore_row(s_rows: cute.Tensor, r: int, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32):
+    """Row r of the scores to exp2(s * scale - new max) in place, its running max and sum updated;
+    returns the factor the row of O must be rescaled by. A row with no visible key yet keeps max
+    -inf and probabilities 0."""
+    row = s_rows[r, None].load()
+    new_max = row.reduce(cute.ReductionOp.MAX, row_max[r], 0)
+    new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
+    safe_max = 0.0 if new_max == -Float32.inf else new_max
+    correction = cute.math.exp2((row_max[r] - safe_max) * scale_log2, fastmath=True)
+    p = cute.math.exp2(row * scale_log2 - safe_max * scale_log2, fastmath=True)
+    s_rows[r, None].store(p)
+    row_sum[r] = row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
+    row_max[r] = new_max
+    return correction
+
+
+@cute.jit
 def softmax_update(
     acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32
 ) -> None:
-    """Turn scores into exp2(s * scale - max) in place and rescale O for the new row max.
-
-    Rows with no visible key yet keep max -inf; their probabilities come out 0.
-    """
+    """Turn scores into probabilities in place and rescale O for the new row max, row by row."""
     s_rows = acc_rows_view(acc_S)
     o_rows = acc_rows_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        row = s_rows[r, None].load()
-        new_max = row.reduce(cute.ReductionOp.MAX, row_max[r], 0)
-        new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
-        safe_max = 0.0 if new_max == -Float32.inf else new_max
-        correction = cute.math.exp2((row_max[r] - safe_max) * scale_log2, fastmath=True)
-        p = cute.math.exp2(row * scale_log2 - safe_max * scale_log2, fastmath=True)
-        s_rows[r, None].store(p)
-        row_sum[r] = row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        row_max[r] = new_max
+        correction = _rescore_row(s_rows, r, row_max, row_sum, scale_log2)
         o_rows[r, None].store(o_rows[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_rescore(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
+    """`softmax_update` without touching O (which a GEMM may still be writing): returns the
+    per-row factors for `rescale_rows`."""
+    s_rows = acc_rows_view(acc_S)
+    correction = cute.make_rmem_tensor_like(row_max, Float32)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        correction[r] = _rescore_row(s_rows, r, row_max, row_sum, scale_log2)
+    return correction
+
+
+@cute.jit
+def rescale_rows(acc_O: cute.Tensor, correction: cute.Tensor) -> None:
+    o_rows = acc_rows_view(acc_O)
+    for r in cutlass.range_constexpr(cute.size(correction)):
+        o_rows[r, None].store(o_rows[r, None].load() * correction[r])
 
 
 @cute.jit

@@ -30,14 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flashmask3 as fm  # noqa: E402
 from flashmask3 import peers  # noqa: E402
 from flashmask3.bench import attention_flops, git_commit, progress  # noqa: E402
-from flashmask3.optimized import compile_seconds  # noqa: E402
+from flashmask3.optimized import compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import backward as cute_backward  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
 from flashmask3.reference import ColumnMask, masks  # noqa: E402
 from flashmask3.verify import compare, random_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd import bench_ms, fa4_fn, run_check  # noqa: E402
+from bench_fwd import bench_ms, fa4_fn, kernel_overrides, run_check  # noqa: E402
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -81,7 +81,9 @@ def fwd_bwd(fn):
     return run
 
 
-def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], deterministic: bool) -> list[dict]:
+def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], deterministic: bool,
+              save=lambda rows: None) -> list[dict]:
+    """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
@@ -117,6 +119,7 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
             for key in [k for k in row if k.endswith("_ms")]:
                 row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
             rows.append(row)
+            save(rows)
             print(json.dumps(row), flush=True)
             for q, k, v, _ in inputs:
                 q.grad = k.grad = v.grad = None
@@ -154,36 +157,45 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
     parser.add_argument("--deterministic", action="store_true", help="bench the deterministic backward")
+    parser.add_argument("--kernel", action="append", default=[], metavar="OPTION=VALUE",
+                        help="a KernelOptions field for the cute kernels, e.g. intra_wg_overlap=true (repeatable)")
     args = parser.parse_args()
+    options = kernel_overrides(args.kernel)
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"commit": git_commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__}
-    if args.what in ("check", "all"):
-        result["check"] = run_check(check_case, first_seed=100)
-        result["determinism"] = run_determinism()
-        result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
-        print(f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} {'tol':>8s} "
-              f"{'err_dv':>8s} {'tol':>8s} ok")
-        for r in result["check"]:
-            print(f"{r['mask']:22s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} "
-                  + " ".join(f"{r['err_' + t]:8.1e} {r['tol_' + t]:8.1e}" for t in ("dq", "dk", "dv"))
-                  + (" ok" if r["passed"] else f" FAIL {r['notes']} unwritten={r['unwritten']} "
-                     f"out={r['err_out']:.1e} lse={r['err_lse']:.1e}"))
-        print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
-              f"{sum(not r['passed'] for r in result['check'])} failed; determinism {result['determinism']}")
-    if args.what in ("bench", "all"):
-        result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","),
-                                    args.deterministic)
-        print(f"{'mask':24s} {'S':>6s} {'dens':>5s} {'cute':>6s} {'flex':>6s} {'x flex':>6s} {'fa4':>6s} {'cudnn':>6s}")
-        for r in result["bench"]:
-            print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
-                  f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_tflops', float('nan')):6.0f} "
-                  f"{r.get('cudnn_tflops', float('nan')):6.0f}")
-    if args.what == "profile":
-        result["profile"] = run_profile(int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","))
-    name = f"bwd_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-    (out_dir / name).write_text(json.dumps(result, indent=1))
+    result["kernel_options"] = options
+    path = out_dir / f"bwd_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+    def save(data: dict) -> None:
+        path.write_text(json.dumps(data, indent=1))
+
+    with kernel_options(**options):
+        if args.what in ("check", "all"):
+            result["check"] = run_check(check_case, first_seed=100)
+            result["determinism"] = run_determinism()
+            result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
+            print(f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} {'tol':>8s} "
+                  f"{'err_dv':>8s} {'tol':>8s} ok")
+            for r in result["check"]:
+                print(f"{r['mask']:22s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} "
+                      + " ".join(f"{r['err_' + t]:8.1e} {r['tol_' + t]:8.1e}" for t in ("dq", "dk", "dv"))
+                      + (" ok" if r["passed"] else f" FAIL {r['notes']} unwritten={r['unwritten']} "
+                         f"out={r['err_out']:.1e} lse={r['err_lse']:.1e}"))
+            print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
+                  f"{sum(not r['passed'] for r in result['check'])} failed; determinism {result['determinism']}")
+        if args.what in ("bench", "all"):
+            result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","),
+                                        args.deterministic, save=lambda rows: save({**result, "bench": rows}))
+            print(f"{'mask':24s} {'S':>6s} {'dens':>5s} {'cute':>6s} {'flex':>6s} {'x flex':>6s} {'fa4':>6s} {'cudnn':>6s}")
+            for r in result["bench"]:
+                print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
+                      f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_tflops', float('nan')):6.0f} "
+                      f"{r.get('cudnn_tflops', float('nan')):6.0f}")
+        if args.what == "profile":
+            result["profile"] = run_profile(int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","))
+    save(result)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Writes JSON to $OUT (or bench/results/) and prints a table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3 import peers  # noqa: E402
 from flashmask3.bench import attention_flops, git_commit, progress  # noqa: E402
-from flashmask3.optimized import compile_seconds  # noqa: E402
+from flashmask3.optimized import KernelOptions, compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
 from flashmask3.reference import ColumnMask, masks  # noqa: E402
 from flashmask3.verify import compare, random_inputs  # noqa: E402
@@ -95,7 +96,33 @@ def fa4_fn(causal: bool):
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
 
 
-def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str]) -> list[dict]:
+def kernel_overrides(pairs: list[str]) -> dict:
+    """["intra_wg_overlap=true", "num_stages=3"] -> KernelOptions changes, values typed like the fields."""
+    fields = {f.name: f.type for f in dataclasses.fields(KernelOptions)}
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--kernel {pair}: unknown option {key!r}; options: {', '.join(fields)}")
+        options[key] = value.lower() in ("1", "true", "yes") if fields[key] in (bool, "bool") else int(value)
+    return options
+
+
+def fa4_sparse_row(row: dict, mask, heads: int, inputs: list, bench) -> None:
+    """FA4 with block sparsity on the same mask (issue 3's last peer): its time and its largest
+    difference from our output, or why it could not run."""
+    try:
+        fa4 = peers.fa4_block_sparse(mask, heads, "cuda")
+        q, k, v = inputs[0]
+        row["fa4_sparse_max_diff"] = float((fa4(q, k, v).float() - cute_forward(q, k, v, mask, 1 / math.sqrt(
+            q.shape[-1]))[0].float()).abs().max())
+        row["fa4_sparse_ms"] = bench(fa4, inputs)
+    except Exception as exc:  # a peer failure is a result to report, not a reason to stop the bench
+        row["fa4_sparse_error"] = repr(exc)[:300]
+
+
+def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lambda rows: None) -> list[dict]:
+    """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
@@ -119,6 +146,7 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str]) -> list[
             torch.cuda.synchronize()
             row["flex_block_mask_s"] = time.perf_counter() - start
             row["flex_ms"] = bench(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask), inputs)
+            fa4_sparse_row(row, mask, heads, inputs, bench)
             if name in ("full", "causal"):
                 causal = name == "causal"
                 fa4 = fa4_fn(causal)
@@ -131,6 +159,7 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str]) -> list[
             for key in [k for k in row if k.endswith("_ms")]:
                 row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
             rows.append(row)
+            save(rows)
             print(json.dumps(row), flush=True)
     return rows
 
@@ -141,29 +170,40 @@ def main() -> None:
     parser.add_argument("--seqlens", default="8192")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
+    parser.add_argument("--kernel", action="append", default=[], metavar="OPTION=VALUE",
+                        help="a KernelOptions field for the cute kernels, e.g. intra_wg_overlap=true (repeatable)")
     args = parser.parse_args()
+    options = kernel_overrides(args.kernel)
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"commit": git_commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__}
-    if args.what in ("check", "all"):
-        result["check"] = run_check()
-        result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
-        print(f"{'case':24s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_out':>9s} {'tol':>9s} {'err_lse':>9s} ok")
-        for r in result["check"]:
-            print(f"{r['mask']:24s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} {r['err_out']:9.2e} "
-                  f"{r['tol_out']:9.2e} {r['err_lse']:9.2e} {'ok' if r['passed'] else 'FAIL ' + str(r['notes']) + ' unwritten=' + str(r['unwritten'])}")
-        print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
-              f"{sum(not r['passed'] for r in result['check'])} failed; compile s: {result['compile_s']}")
-    if args.what in ("bench", "all"):
-        result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","))
-        print(f"{'mask':24s} {'S':>6s} {'dens':>5s} {'cute':>6s} {'flex':>6s} {'x flex':>6s} {'fa4':>6s} {'cudnn':>6s}")
-        for r in result["bench"]:
-            print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
-                  f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_tflops', float('nan')):6.0f} "
-                  f"{r.get('cudnn_tflops', float('nan')):6.0f}")
-    name = f"fwd_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-    (out_dir / name).write_text(json.dumps(result, indent=1))
+    result["kernel_options"] = options
+    path = out_dir / f"fwd_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+    def save(data: dict) -> None:
+        path.write_text(json.dumps(data, indent=1))
+
+    with kernel_options(**options):
+        if args.what in ("check", "all"):
+            result["check"] = run_check()
+            result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
+            print(f"{'case':24s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_out':>9s} {'tol':>9s} {'err_lse':>9s} ok")
+            for r in result["check"]:
+                print(f"{r['mask']:24s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} {r['err_out']:9.2e} "
+                      f"{r['tol_out']:9.2e} {r['err_lse']:9.2e} {'ok' if r['passed'] else 'FAIL ' + str(r['notes']) + ' unwritten=' + str(r['unwritten'])}")
+            print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
+                  f"{sum(not r['passed'] for r in result['check'])} failed; compile s: {result['compile_s']}")
+        if args.what in ("bench", "all"):
+            result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","),
+                                        save=lambda rows: save({**result, "bench": rows}))
+            print(f"{'mask':24s} {'S':>6s} {'dens':>5s} {'cute':>6s} {'flex':>6s} {'x flex':>6s} {'fa4 bs':>6s} "
+                  f"{'fa4':>6s} {'cudnn':>6s}")
+            for r in result["bench"]:
+                print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
+                      f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_sparse_tflops', float('nan')):6.0f} "
+                      f"{r.get('fa4_tflops', float('nan')):6.0f} {r.get('cudnn_tflops', float('nan')):6.0f}")
+    save(result)
 
 
 if __name__ == "__main__":
