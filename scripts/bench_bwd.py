@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashmask3 as fm  # noqa: E402
 from flashmask3 import peers  # noqa: E402
-from flashmask3.bench import attention_flops, git_commit, progress  # noqa: E402
+from flashmask3.bench import attention_flops, progress  # noqa: E402
 from flashmask3.optimized import compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import backward as cute_backward  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
@@ -37,7 +35,7 @@ from flashmask3.reference import ColumnMask, masks  # noqa: E402
 from flashmask3.verify import compare, random_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd import bench_ms, fa4_fn, kernel_overrides, run_check  # noqa: E402
+from bench_fwd import add_common_arguments, bench_ms, fa4_fn, new_record, run_check  # noqa: E402
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -153,25 +151,11 @@ def run_profile(seqlen: int, head_dim: int, mask_names: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["check", "bench", "all", "profile"])
-    parser.add_argument("--seqlens", default="8192")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
+    add_common_arguments(parser)
     parser.add_argument("--deterministic", action="store_true", help="bench the deterministic backward")
-    parser.add_argument("--kernel", action="append", default=[], metavar="OPTION=VALUE",
-                        help="a KernelOptions field for the cute kernels, e.g. intra_wg_overlap=true (repeatable)")
     args = parser.parse_args()
-    options = kernel_overrides(args.kernel)
-    out_dir = Path(os.environ.get("OUT", "bench/results"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"commit": git_commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__}
-    result["kernel_options"] = options
-    path = out_dir / f"bwd_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-
-    def save(data: dict) -> None:
-        path.write_text(json.dumps(data, indent=1))
-
-    with kernel_options(**options):
+    result, save = new_record(args, "bwd")
+    with kernel_options(**result["kernel_options"]):
         if args.what in ("check", "all"):
             result["check"] = run_check(check_case, first_seed=100)
             result["determinism"] = run_determinism()

@@ -164,27 +164,33 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lam
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["check", "bench", "all"])
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """--seqlens, --head-dim, --masks and --kernel, shared with bench_bwd.py."""
     parser.add_argument("--seqlens", default="8192")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
     parser.add_argument("--kernel", action="append", default=[], metavar="OPTION=VALUE",
                         help="a KernelOptions field for the cute kernels, e.g. intra_wg_overlap=true (repeatable)")
-    args = parser.parse_args()
-    options = kernel_overrides(args.kernel)
+
+
+def new_record(args: argparse.Namespace, prefix: str):
+    """(the result record: commit, command, GPU, kernel options; a function writing a record to
+    $OUT or bench/results/ under one timestamped name)."""
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{prefix}_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     result = {"commit": git_commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__}
-    result["kernel_options"] = options
-    path = out_dir / f"fwd_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+              "torch": torch.__version__, "kernel_options": kernel_overrides(args.kernel)}
+    return result, lambda data: path.write_text(json.dumps(data, indent=1))
 
-    def save(data: dict) -> None:
-        path.write_text(json.dumps(data, indent=1))
 
-    with kernel_options(**options):
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["check", "bench", "all"])
+    add_common_arguments(parser)
+    args = parser.parse_args()
+    result, save = new_record(args, "fwd")
+    with kernel_options(**result["kernel_options"]):
         if args.what in ("check", "all"):
             result["check"] = run_check()
             result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
