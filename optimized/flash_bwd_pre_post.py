@@ -22,7 +22,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
 from .flash_bwd_sm90 import FlashMaskBackwardSm90
-from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout
+from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout, _tma_tiles
 
 LOG2_E = math.log2(math.e)
 
@@ -138,8 +138,7 @@ class BackwardPostprocess:
         cute.arch.sync_threads()
         if tidx == 0:
             g = cute.local_tile(mdQ[None, None, head, batch], (self.main.tile_m, self.head_dim), (m_block, 0))
-            t_s, t_g = cpasync.tma_partition(
-                tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(g, 0, 2))
+            t_s, t_g = _tma_tiles(tma_dq, sdQ, g)
             cute.copy(tma_dq, t_s, t_g)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

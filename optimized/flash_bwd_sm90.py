@@ -37,7 +37,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout, _tma_pipeline, _wgmma
+from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout, _tma_pipeline, _tma_tiles, _wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
 from .mask_role import END_OF_LIST, TileList, list_query_tiles
@@ -290,10 +290,8 @@ class FlashMaskBackwardSm90:
         every query head."""
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = _tma_tiles(tma_v, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
@@ -305,16 +303,12 @@ class FlashMaskBackwardSm90:
             head = head_kv * qheads_per_kvhead + g
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+            tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
+            tdOsdO, tdOgdO = _tma_tiles(tma_do, sdO, gdO)
             gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (None,))
             gDelta = cute.local_tile(mDelta[None, head, batch], (self.tile_m,), (None,))
-            tLsL, tLgL = cpasync.tma_partition(
-                tma_lse, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
-            tDsD, tDgD = cpasync.tma_partition(
-                tma_delta, 0, cute.make_layout(1), cute.group_modes(sDelta, 0, 1), cute.group_modes(gDelta, 0, 1))
+            tLsL, tLgL = _tma_tiles(tma_lse, sLSE, gLSE, 1)
+            tDsD, tDgD = _tma_tiles(tma_delta, sDelta, gDelta, 1)
             entry = tile_list.read(position)
             position += 1
             while entry != END_OF_LIST:
@@ -480,8 +474,7 @@ class FlashMaskBackwardSm90:
         if tidx == 0:
             for atom, out, smem in ((tma_dk, mdK, sK), (tma_dv, mdV, sV)):
                 g = cute.local_tile(out[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-                t_s, t_g = cpasync.tma_partition(
-                    atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(g, 0, 2))
+                t_s, t_g = _tma_tiles(atom, smem, g)
                 cute.copy(atom, t_s, t_g)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -63,6 +63,13 @@ def _tma_pipeline(barriers, num_stages: int, tx_count: int, consumers) -> pipeli
     )
 
 
+def _tma_tiles(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, tile_modes: int = 2):
+    """(smem, gmem) views of a single-CTA TMA copy: the first `tile_modes` modes of both are one tile,
+    the remaining mode indexes pipeline stages (smem) or tiles (gmem)."""
+    return cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, tile_modes), cute.group_modes(gmem, 0, tile_modes))
+
+
 def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, zero_init: bool) -> None:
     """Issue acc (+)= a @ b over the k-blocks of one warpgroup and commit the group."""
     warpgroup.fence()
@@ -241,12 +248,9 @@ class FlashMaskForwardSm90:
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
+        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = _tma_tiles(tma_v, sV, gV)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)
