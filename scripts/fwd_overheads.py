@@ -1,0 +1,75 @@
+"""Where the forward's time goes on the full mask: a fixed cost per CTA vs a cost per key tile.
+
+    python scripts/fwd_overheads.py --seqlens 1024,2048,4096,8192,16384 [--kernel intra_wg_overlap=true]
+
+At 128K tokens (B = 128K/S, H = 4096/D, bf16) the number of CTAs is fixed (B * H * S/128) while the
+key tiles per CTA grow with S, so the time per CTA-wave, t(S) = fixed + per_tile * S/128, separates
+the prologue/epilogue from the main loop. The same fit for FA4 (no mask) says which part of our gap
+to it is which (--masks is not used: no mask). `--profile` instead runs each kernel once at the
+first length, for `ncu -k regex:Forward`. Writes JSON to $OUT (or bench/results/) and prints the fit last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_fwd import add_common_arguments, bench_ms, fa4_fn, new_record  # noqa: E402
+
+from flashmask3.optimized import kernel_options  # noqa: E402
+from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
+from flashmask3.verify import random_inputs  # noqa: E402
+
+TOKENS, TILE, SMS = 131072, 128, 132
+
+
+def per_wave_fit(rows: list[dict], key: str) -> dict:
+    """Least squares of (time per wave of CTAs) on (key tiles per CTA): fixed us + us per tile."""
+    xs = [r["seqlen"] / TILE for r in rows]
+    ys = [r[key] * 1e3 / (r["ctas"] / SMS) for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return {"fixed_us": my - slope * mx, "per_tile_us": slope}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser)
+    parser.add_argument("--profile", action="store_true", help="one call of each kernel at the first length, for ncu")
+    args = parser.parse_args()
+    args.what = "overheads"
+    heads, scale = 4096 // args.head_dim, args.head_dim ** -0.5
+    result, save = new_record(args, "fwd")
+    fa4 = fa4_fn(causal=False)
+    rows = []
+    with kernel_options(**result["kernel_options"]):
+        for seqlen in [int(s) for s in args.seqlens.split(",")]:
+            batch = TOKENS // seqlen
+            inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda",
+                                    seed=s)[:3] for s in range(2)]
+            if args.profile:
+                cute_forward(*inputs[0], None, scale)
+                fa4(*inputs[0])
+                torch.cuda.synchronize()
+                return
+            row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / TILE)}
+            row["cute_ms"] = bench_ms(lambda q, k, v: cute_forward(q, k, v, None, scale), inputs)
+            if fa4 is not None:
+                row["fa4_ms"] = bench_ms(fa4, inputs)
+            rows.append(row)
+            print(row, flush=True)
+    result["rows"] = rows
+    result["fit"] = {key: per_wave_fit(rows, key) for key in ("cute_ms", "fa4_ms") if key in rows[0]}
+    save(result)
+    for key, fit in result["fit"].items():
+        print(f"{key[:-3]:5s} fixed {fit['fixed_us']:7.2f} us per CTA wave, {fit['per_tile_us']:6.3f} us per key tile")
+
+
+if __name__ == "__main__":
+    main()
