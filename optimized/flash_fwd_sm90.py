@@ -99,7 +99,7 @@ class FlashMaskForwardSm90:
         pingpong: bool = True,
         setmaxnreg: bool = True,
         skip_tiles: bool = True,
-        intra_wg_overlap: bool = False,
+        intra_wg_overlap: bool = True,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -336,8 +336,8 @@ class FlashMaskForwardSm90:
     @cute.jit
     def overlapped_loop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max, row_sum,
                         pipe_k, pipe_v, wg, scale_log2, tile_list, mask_args):
-        """The main loop with intra-warpgroup overlap (FA3; `KernelOptions.intra_wg_overlap`, not yet
-        validated on the H200): in one turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
+        """The main loop with intra-warpgroup overlap (FA3; `KernelOptions.intra_wg_overlap`, the
+        default): in one turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while its PV runs, and
         rescales O once the PV is done. Entered inside the warpgroup's first turn."""
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)

@@ -26,7 +26,7 @@ class KernelOptions:
     pingpong: bool = True  # the consumer warpgroups take turns on the tensor cores
     setmaxnreg: bool = True  # move registers from the producer to the consumers
     skip_tiles: bool = True  # leave fully masked tiles out of the tile lists
-    intra_wg_overlap: bool = False  # forward: softmax under the own PV GEMM (FA3); not yet validated on the H200
+    intra_wg_overlap: bool = True  # forward: softmax under the own PV GEMM (FA3); off = the v2-v5 loop
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
