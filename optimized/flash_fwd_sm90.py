@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -33,6 +33,7 @@ from .softmax import rescale_rows, softmax_finalize, softmax_rescore, softmax_up
 
 LOG2_E = math.log2(math.e)
 _MMA_TURN = 1  # named barriers 1 and 2: whose turn on the tensor cores (0 is sync_threads)
+_EPILOGUE = 3  # named barrier 3: the consumer warpgroups are done with sQ / wrote their part of O
 
 
 def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
@@ -100,6 +101,7 @@ class FlashMaskForwardSm90:
         setmaxnreg: bool = True,
         skip_tiles: bool = True,
         intra_wg_overlap: bool = True,
+        tma_store: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -112,6 +114,7 @@ class FlashMaskForwardSm90:
         self.setmaxnreg = setmaxnreg
         self.skip_tiles = skip_tiles
         self.intra_wg_overlap = intra_wg_overlap
+        self.tma_store = tma_store
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -149,6 +152,10 @@ class FlashMaskForwardSm90:
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.head_dim))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, kv_tile, (self.tile_n, self.head_dim), 1)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, kv_tile, (self.tile_n, self.head_dim), 1)
+        tma_o, tma_mO = None, None
+        if const_expr(self.tma_store):  # O leaves through the Q buffer, free by then
+            tma_o, tma_mO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim))
         q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         kv_bytes = cute.size_in_bytes(self.dtype, kv_tile)
 
@@ -166,7 +173,7 @@ class FlashMaskForwardSm90:
         grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_mQ, tma_mK, tma_mV, mO, mLSE, mRowIndices, mBlockBounds,
-            tma_q, tma_k, tma_v, q_bytes, kv_bytes,
+            tma_q, tma_k, tma_v, tma_o, tma_mO, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
             sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -184,6 +191,8 @@ class FlashMaskForwardSm90:
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
+        tma_o: cute.CopyAtom | None,
+        tma_mO: cute.Tensor | None,
         q_bytes: cutlass.Constexpr[int],
         kv_bytes: cutlass.Constexpr[int],
         scale_log2: Float32,
@@ -200,7 +209,7 @@ class FlashMaskForwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v):
+            for atom in [a for a in (tma_q, tma_k, tma_v, tma_o) if a is not None]:
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
@@ -237,9 +246,9 @@ class FlashMaskForwardSm90:
         else:
             if const_expr(self.setmaxnreg):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mO, mLSE, mRowIndices, sQ, sK, transpose_view(sV), tiled_mma_qk, tiled_mma_pv,
-                         pipe_q, pipe_k, pipe_v, tidx - 128, scale_log2, m_block, head, batch,
-                         mask_batch, mask_head, tile_list, seqlen_q, seqlen_k)
+            self.consume(mO if const_expr(tma_o is None) else (tma_o, tma_mO), mLSE, mRowIndices, sQ, sK,
+                         transpose_view(sV), tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, tidx - 128,
+                         scale_log2, m_block, head, batch, mask_batch, mask_head, tile_list, seqlen_q, seqlen_k)
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
@@ -273,7 +282,8 @@ class FlashMaskForwardSm90:
     @cute.jit
     def consume(self, mO, mLSE, mRowIndices, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
                 tidx, scale_log2, m_block, head, batch, mask_batch, mask_head, tile_list, seqlen_q, seqlen_k):
-        """Consumer warpgroups: the masked online-softmax main loop and the epilogue."""
+        """Consumer warpgroups: the masked online-softmax main loop and the epilogue. `mO` is the output
+        tensor, or with `tma_store` the (TMA atom, TMA tensor) of it."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
@@ -331,7 +341,10 @@ class FlashMaskForwardSm90:
             self.end_turn(wg)
 
         lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2)
-        self.store(acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q)
+        if const_expr(self.tma_store):
+            self.store_tma(acc_O, lse, tiled_mma_pv, thr_pv, sQ, *mO, mLSE, m_block, head, batch, seqlen_q, tidx)
+        else:
+            self.store(acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q)
 
     @cute.jit
     def overlapped_loop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max, row_sum,
@@ -421,3 +434,31 @@ class FlashMaskForwardSm90:
                     gO[row, coords[r, c][1]] = o_rows[r, c]
                 if coords[r, 0][1] == 0:
                     mLSE[row, head, batch] = lse[r]
+
+    @cute.jit
+    def store_tma(self, acc_O, lse, tiled_mma_pv, thr_pv, sQ, tma_o, mO, mLSE, m_block, head, batch, seqlen_q,
+                  tidx):
+        """Epilogue (`tma_store`): O into the Q buffer by stmatrix, then one TMA store of the tile, which
+        leaves out rows past seqlen_q (full 128-byte lines instead of 4-byte stores); the LSE as in `store`."""
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        # Both warpgroups' last QK GEMMs (the readers of sQ) are done before it is overwritten.
+        cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=128 * self.num_consumer_wgs)
+        st_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_pv)
+        thr_copy = st_copy.get_slice(tidx)
+        cute.copy(st_copy, thr_copy.retile(rO), thr_copy.partition_D(sQ))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=128 * self.num_consumer_wgs)
+        if tidx == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            t_s, t_g = _tma_tiles(tma_o, sQ, gO)
+            cute.copy(tma_o, t_s, t_g)
+            cute.arch.cp_async_bulk_commit_group()
+        coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        if coords[0, 0][1] == 0:  # the thread holding column 0 of its rows writes their LSE
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                if m_block * self.tile_m + coords[r, 0][0] < seqlen_q:
+                    mLSE[m_block * self.tile_m + coords[r, 0][0], head, batch] = lse[r]
+        if tidx == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sQ stays valid until the TMA has read it
