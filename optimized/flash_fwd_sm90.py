@@ -102,6 +102,7 @@ class FlashMaskForwardSm90:
         skip_tiles: bool = True,
         intra_wg_overlap: bool = True,
         tma_store: bool = False,
+        k_ahead: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -115,6 +116,7 @@ class FlashMaskForwardSm90:
         self.skip_tiles = skip_tiles
         self.intra_wg_overlap = intra_wg_overlap
         self.tma_store = tma_store
+        self.k_ahead = k_ahead and intra_wg_overlap  # the load order only the overlapped loop wants
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -253,7 +255,8 @@ class FlashMaskForwardSm90:
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
              m_block, head, head_kv, batch, tile_list):
-        """Producer warp: Q once, then K and V of every listed key tile."""
+        """Producer warp: Q once, then K and V of every listed key tile (with `k_ahead`, K of tile j+1
+        before V of tile j: a turn of the overlapped loop needs both)."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
@@ -267,17 +270,42 @@ class FlashMaskForwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         position = Int32(0)
         entry = tile_list.read(position)
-        while entry != END_OF_LIST:
-            n_block = entry >> 1
-            pipe_k.producer_acquire(state)
-            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
-            pipe_v.producer_acquire(state)
-            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
-            state.advance()
-            position += 1
-            entry = tile_list.read(position)
+        if const_expr(self.k_ahead):
+            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            if entry != END_OF_LIST:
+                self.load_tile(tma_k, tKgK, tKsK, pipe_k, state, entry >> 1)
+                state.advance()
+                previous = entry
+                position += 1
+                entry = tile_list.read(position)
+                while entry != END_OF_LIST:
+                    self.load_tile(tma_k, tKgK, tKsK, pipe_k, state, entry >> 1)
+                    state.advance()
+                    self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, previous >> 1)
+                    v_state.advance()
+                    previous = entry
+                    position += 1
+                    entry = tile_list.read(position)
+                self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, previous >> 1)
+        else:
+            while entry != END_OF_LIST:
+                n_block = entry >> 1
+                pipe_k.producer_acquire(state)
+                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                pipe_v.producer_acquire(state)
+                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                state.advance()
+                position += 1
+                entry = tile_list.read(position)
+
+    @cute.jit
+    def load_tile(self, tma, gmem_tiles, smem_stages, pipe, state, n_block):
+        """TMA of key tile `n_block` into the pipeline stage of `state`, once it is free."""
+        pipe.producer_acquire(state)
+        cute.copy(tma, gmem_tiles[None, n_block], smem_stages[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
 
     @cute.jit
     def consume(self, mO, mLSE, mRowIndices, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
@@ -372,10 +400,16 @@ class FlashMaskForwardSm90:
             entry = tile_list.read(position)
             while entry != END_OF_LIST:
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
-                pipe_v.consumer_wait(v_state)
-                self.begin_turn(wg)
-                pipe_k.consumer_wait(k_state)
-                _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
+                if const_expr(self.k_ahead):  # K_j comes before V_{j-1}: start the QK before waiting for V
+                    pipe_k.consumer_wait(k_state)
+                    self.begin_turn(wg)
+                    _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
+                    pipe_v.consumer_wait(v_state)
+                else:
+                    pipe_v.consumer_wait(v_state)
+                    self.begin_turn(wg)
+                    pipe_k.consumer_wait(k_state)
+                    _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
                 _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run

@@ -28,6 +28,7 @@ class KernelOptions:
     skip_tiles: bool = True  # leave fully masked tiles out of the tile lists
     intra_wg_overlap: bool = True  # forward: softmax under the own PV GEMM (FA3); off = the v2-v5 loop
     tma_store: bool = False  # forward: O through smem + one TMA store per tile (not yet run on the H200)
+    k_ahead: bool = False  # forward, with the overlap: load K of tile j+1 before V of tile j (not yet run on the H200)
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -99,7 +100,7 @@ def _make_kernel(
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
     return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg,
-                                opts.skip_tiles, opts.intra_wg_overlap, opts.tma_store)
+                                opts.skip_tiles, opts.intra_wg_overlap, opts.tma_store, opts.k_ahead)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",

@@ -2,11 +2,14 @@
 
     python scripts/bench_fwd.py check                 # every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
     python scripts/bench_fwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
+    python scripts/bench_fwd.py ablate --masks full,causal --variants k_ahead=true k_ahead=true+num_stages=3
 
 Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x the error of the
 same computation in the input precision), on poisoned output buffers. Speed: CUDA events, warm-up,
 median over several input sets; TFLOP/s counts only unmasked work (4 B H Sq Sk D density) and the
-cute time includes the mask preprocessing. Peers in the same run: FlexAttention (compiled, BlockMask 128
+cute time includes the mask preprocessing. `ablate` times kernel variants (KernelOptions changes
+joined by '+') against the default on the same inputs, with each one's largest difference from the
+default's output. Peers in the same run: FlexAttention (compiled, BlockMask 128
 built once outside the timing), FA4 and cuDNN SDPA where the mask is plain full/causal.
 Writes JSON to $OUT (or bench/results/) and prints a table last.
 """
@@ -164,6 +167,47 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lam
     return rows
 
 
+def variant_overrides(variant: str) -> dict:
+    """"k_ahead=true+num_stages=3" -> {"k_ahead": True, "num_stages": 3}."""
+    return kernel_overrides(variant.split("+"))
+
+
+def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], variants: list[str],
+                 save=lambda rows: None) -> list[dict]:
+    """Per mask: the default kernel's time, then each variant's time and largest output difference."""
+    rows = []
+    heads = 4096 // head_dim
+    for seqlen in seqlens:
+        batch = max(1, 131072 // seqlen)
+        inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
+                  for s in range(2)]
+        for name in progress(mask_names, f"ablate {seqlen}"):
+            mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
+            flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, mask.density())
+            run = functools.partial(cute_forward, mask=mask, softmax_scale=head_dim ** -0.5)
+            reference = run(*inputs[0])[0]
+            row = {"mask": name, "seqlen": seqlen, "default_ms": bench_ms(run, inputs)}
+            for variant in variants:
+                with kernel_options(**variant_overrides(variant)):
+                    row[f"{variant}_max_diff"] = float((run(*inputs[0])[0].float() - reference.float()).abs().max())
+                    row[f"{variant}_ms"] = bench_ms(run, inputs)
+            for key in [k for k in row if k.endswith("_ms")]:
+                row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
+            rows.append(row)
+            save(rows)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def ablation_table(rows: list[dict], variants: list[str]) -> str:
+    """TFLOP/s of the default and of each variant (with its largest difference from the default)."""
+    lines = [f"{'mask':24s} {'S':>6s} {'default':>8s} " + " ".join(f"{v[-24:]:>24s}" for v in variants)]
+    for r in rows:
+        lines.append(f"{r['mask']:24s} {r['seqlen']:6d} {r['default_tflops']:8.0f} " + " ".join(
+            f"{r[v + '_tflops']:14.0f} d={r[v + '_max_diff']:7.1e}" for v in variants))
+    return "\n".join(lines)
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """--seqlens, --head-dim, --masks and --kernel, shared with bench_bwd.py."""
     parser.add_argument("--seqlens", default="8192")
@@ -186,8 +230,10 @@ def new_record(args: argparse.Namespace, prefix: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["check", "bench", "all"])
+    parser.add_argument("what", choices=["check", "bench", "all", "ablate"])
     add_common_arguments(parser)
+    parser.add_argument("--variants", nargs="*", default=[], metavar="OPTION=VALUE[+OPTION=VALUE]",
+                        help="ablate: kernel variants to time against the default")
     args = parser.parse_args()
     result, save = new_record(args, "fwd")
     with kernel_options(**result["kernel_options"]):
@@ -209,6 +255,13 @@ def main() -> None:
                 print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
                       f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_sparse_tflops', float('nan')):6.0f} "
                       f"{r.get('fa4_tflops', float('nan')):6.0f} {r.get('cudnn_tflops', float('nan')):6.0f}")
+        if args.what == "ablate":
+            for variant in args.variants:
+                variant_overrides(variant)  # a typo fails before any GPU time is spent
+            result["ablate"] = run_ablation([int(s) for s in args.seqlens.split(",")], args.head_dim,
+                                            args.masks.split(","), args.variants,
+                                            save=lambda rows: save({**result, "ablate": rows}))
+            print(ablation_table(result["ablate"], args.variants))
     save(result)
 
 

@@ -15,6 +15,44 @@ def test_kernel_overrides_are_typed_like_the_kernel_options():
     assert bench_fwd.kernel_overrides([]) == {}
 
 
+def test_ablation_variants_join_kernel_options_with_plus():
+    assert bench_fwd.variant_overrides("k_ahead=true+num_stages=3+tma_store=1") == {
+        "k_ahead": True, "num_stages": 3, "tma_store": True}
+    with pytest.raises(SystemExit, match="unknown option 'stages'"):
+        bench_fwd.variant_overrides("k_ahead=true+stages=3")
+
+
+def test_ablation_times_each_variant_under_its_options(monkeypatch):
+    """The plumbing of `ablate` (the kernel itself needs the H200): each variant runs under its own
+    KernelOptions, and its row holds its time, TFLOP/s and largest difference from the default."""
+    import torch
+
+    from flashmask3.optimized import interface
+
+    seen = []
+
+    def fake_forward(q, k, v, mask, softmax_scale):
+        seen.append(interface.options)
+        return torch.full((2,), float(interface.options.num_stages)), None
+
+    class FakeMask:
+        def density(self):
+            return 0.5
+
+    monkeypatch.setattr(bench_fwd, "cute_forward", fake_forward)
+    monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
+    monkeypatch.setattr(bench_fwd, "bench_ms", lambda fn, inputs: [fn(*x) for x in inputs] and 2.0)
+    rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "k_ahead=true"])
+    (row,) = rows
+    assert row["num_stages=3_max_diff"] == 1.0 and row["k_ahead=true_max_diff"] == 0.0
+    assert row["default_ms"] == row["k_ahead=true_ms"] == 2.0
+    assert row["default_tflops"] == pytest.approx(4 * 16 * 32 * 8192**2 * 128 * 0.5 / 2e-3 / 1e12)
+    assert {o.num_stages for o in seen} == {2, 3} and any(o.k_ahead for o in seen)
+    assert interface.options == interface.KernelOptions()
+    assert "k_ahead=true" in bench_fwd.ablation_table(rows, ["num_stages=3", "k_ahead=true"])
+
+
 def test_unknown_kernel_option_names_the_accepted_ones():
     with pytest.raises(SystemExit, match="unknown option 'tile_m'.*intra_wg_overlap"):
         bench_fwd.kernel_overrides(["tile_m=64"])
