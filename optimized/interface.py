@@ -28,7 +28,8 @@ class KernelOptions:
     skip_tiles: bool = True  # leave fully masked tiles out of the tile lists
     intra_wg_overlap: bool = True  # forward: softmax under the own PV GEMM (FA3); off = the v2-v5 loop
     tma_store: bool = False  # forward: O through smem + one TMA store per tile (not yet run on the H200)
-    k_ahead: bool = False  # forward, with the overlap: load K of tile j+1 before V of tile j (not yet run on the H200)
+    # forward, only with intra_wg_overlap: load K of tile j+1 before V of tile j (not yet run on the H200)
+    k_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
