@@ -20,7 +20,8 @@ from .tile_plan import block_minmax, dq_ranks, full_mask
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """Kernel features, on by default; switched off only for ablations (`kernel_options`)."""
+    """Kernel features (`kernel_options` changes them): the ones measured on the H200 are on by
+    default and switched off only for ablations; prepared ones stay off until measured there."""
 
     num_stages: int = 2  # K/V pipeline depth
     pingpong: bool = True  # the consumer warpgroups take turns on the tensor cores
