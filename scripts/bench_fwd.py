@@ -5,7 +5,8 @@
     python scripts/bench_fwd.py ablate --masks full,causal --variants k_ahead=true k_ahead=true+num_stages=3
 
 Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x the error of the
-same computation in the input precision), on poisoned output buffers. Speed: CUDA events, warm-up,
+same computation in the input precision), on poisoned output buffers. Speed: CUDA events around each
+call, no sync between calls (launch work overlaps the previous call, as in training), warm-up,
 median over several input sets; TFLOP/s counts only unmasked work (4 B H Sq Sk D density) and the
 cute time includes the mask preprocessing. `ablate` times kernel variants (KernelOptions changes
 joined by '+') against the default on the same inputs, with each one's largest difference from the
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3 import peers  # noqa: E402
-from flashmask3.bench import attention_flops, git_commit, progress  # noqa: E402
+from flashmask3.bench import attention_flops, git_commit, gpu_times_ms, progress  # noqa: E402
 from flashmask3.optimized import KernelOptions, compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
 from flashmask3.reference import ColumnMask, masks  # noqa: E402
@@ -73,20 +74,8 @@ def run_check(case=check_case, first_seed: int = 0) -> list[dict]:
 
 
 def bench_ms(fn, inputs, warmup=3, repeats=10) -> float:
-    """Median ms over `repeats` calls per input set, cycling through the sets (CUDA events)."""
-    for _ in range(warmup):
-        for x in inputs:
-            fn(*x)
-    times = []
-    for _ in range(repeats):
-        for x in inputs:
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*x)
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-    times.sort()
+    """Median ms over `repeats` calls per input set, cycling through the sets (`gpu_times_ms`)."""
+    times = sorted(gpu_times_ms(fn, inputs, warmup, repeats))
     return times[len(times) // 2]
 
 

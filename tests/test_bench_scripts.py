@@ -72,3 +72,29 @@ def test_record_names_the_kernel_options_and_is_saved_under_out(tmp_path, monkey
     save({**result, "bench": [{"mask": "full"}]})
     (path,) = tmp_path.glob("fwd_bench_*.json")
     assert json.loads(path.read_text())["bench"] == [{"mask": "full"}]
+
+
+def test_gpu_times_bracket_each_call_and_sync_once(monkeypatch):
+    """`gpu_times_ms` (needs CUDA for real): events around every call in order, warm-up untimed,
+    one synchronize at the end (no per-call sync that would count the host's launch work)."""
+    from flashmask3 import bench
+
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = len(log)
+            log.append("record")
+
+        def elapsed_time(self, stop):
+            return float(stop.at - self.at)
+
+    monkeypatch.setattr(bench.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: log.append("sync"))
+    times = bench.gpu_times_ms(lambda x: log.append(f"call {x}"), [(1,), (2,)], warmup=1, repeats=2)
+    assert times == [2.0] * 4
+    assert log[:2] == ["call 1", "call 2"] and log.count("sync") == 1 and log[-1] == "sync"
+    assert log[2:5] == ["record", "call 1", "record"]
