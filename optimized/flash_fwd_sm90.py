@@ -289,13 +289,8 @@ class FlashMaskForwardSm90:
                 self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, previous >> 1)
         else:
             while entry != END_OF_LIST:
-                n_block = entry >> 1
-                pipe_k.producer_acquire(state)
-                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                pipe_v.producer_acquire(state)
-                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                self.load_tile(tma_k, tKgK, tKsK, pipe_k, state, entry >> 1)
+                self.load_tile(tma_v, tVgV, tVsV, pipe_v, state, entry >> 1)
                 state.advance()
                 position += 1
                 entry = tile_list.read(position)
@@ -492,7 +487,8 @@ class FlashMaskForwardSm90:
         coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
         if coords[0, 0][1] == 0:  # the thread holding column 0 of its rows writes their LSE
             for r in cutlass.range_constexpr(cute.size(lse)):
-                if m_block * self.tile_m + coords[r, 0][0] < seqlen_q:
-                    mLSE[m_block * self.tile_m + coords[r, 0][0], head, batch] = lse[r]
+                row = m_block * self.tile_m + coords[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
         if tidx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sQ stays valid until the TMA has read it
