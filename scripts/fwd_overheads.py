@@ -55,7 +55,8 @@ def main() -> None:
                                     seed=s)[:3] for s in range(2)]
             if args.profile:
                 cute_forward(*inputs[0], None, scale)
-                fa4(*inputs[0])
+                if fa4 is not None:
+                    fa4(*inputs[0])
                 torch.cuda.synchronize()
                 return
             row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / TILE)}
