@@ -31,6 +31,7 @@ class KernelOptions:
     tma_store: bool = False  # forward: O through smem + one TMA store per tile (not yet run on the H200)
     # forward, only with intra_wg_overlap: load K of tile j+1 before V of tile j (not yet run on the H200)
     k_ahead: bool = False
+    s_ahead: bool = False  # backward: issue step i+1's S GEMM before step i's dQ add (not yet run on the H200)
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -94,7 +95,8 @@ def _make_kernel(
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
-        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles)
+        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
+                                     s_ahead=opts.s_ahead)
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
