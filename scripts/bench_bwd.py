@@ -16,7 +16,6 @@ full/causal. Writes JSON to $OUT (or bench/results/) and prints a table last.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -35,7 +34,7 @@ from flashmask3.reference import ColumnMask, masks  # noqa: E402
 from flashmask3.verify import compare, random_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd import add_common_arguments, bench_ms, fa4_fn, new_record, run_check  # noqa: E402
+from bench_fwd import add_common_arguments, add_row, bench_ms, fa4_fn, new_record, run_check  # noqa: E402
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -114,11 +113,7 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
                     row["cudnn_ms"] = bench_ms(fwd_bwd(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)),
                         inputs, 2, repeats)
-            for key in [k for k in row if k.endswith("_ms")]:
-                row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
-            rows.append(row)
-            save(rows)
-            print(json.dumps(row), flush=True)
+            add_row(rows, row, flops, save)
             for q, k, v, _ in inputs:
                 q.grad = k.grad = v.grad = None
     return rows

@@ -113,6 +113,15 @@ def fa4_sparse_row(row: dict, mask, heads: int, inputs: list, bench) -> None:
         row["fa4_sparse_error"] = repr(exc)[:300]
 
 
+def add_row(rows: list[dict], row: dict, flops: float, save) -> None:
+    """Give every `*_ms` time of `row` its TFLOP/s (`flops` per call), append it, save all rows, print it."""
+    for key in [k for k in row if k.endswith("_ms")]:
+        row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
+    rows.append(row)
+    save(rows)
+    print(json.dumps(row), flush=True)
+
+
 def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lambda rows: None) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -148,11 +157,7 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lam
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     row["cudnn_ms"] = bench(
                         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), bhsd)
-            for key in [k for k in row if k.endswith("_ms")]:
-                row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
-            rows.append(row)
-            save(rows)
-            print(json.dumps(row), flush=True)
+            add_row(rows, row, flops, save)
     return rows
 
 
@@ -180,11 +185,7 @@ def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], varia
                 with kernel_options(**variant_overrides(variant)):
                     row[f"{variant}_max_diff"] = float((run(*inputs[0])[0].float() - reference.float()).abs().max())
                     row[f"{variant}_ms"] = bench_ms(run, inputs)
-            for key in [k for k in row if k.endswith("_ms")]:
-                row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
-            rows.append(row)
-            save(rows)
-            print(json.dumps(row), flush=True)
+            add_row(rows, row, flops, save)
     return rows
 
 
