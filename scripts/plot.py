@@ -1,11 +1,11 @@
 """Charts from the JSON results: TFLOP/s per mask per backend, and scaling with sequence length.
 
-    python scripts/plot.py bench/results/fwd_bench_v4_8k.json bench/results/fwd_bench_v4_128k.json \
-        --out docs/fwd_tflops.png
+    python scripts/plot.py bench/results/fwd_bench_v6_overlap_8k.json bench/results/fwd_bench_v6_32k.json \
+        bench/results/fwd_bench_v4_128k.json --out docs/fwd_tflops.png
     python scripts/plot.py runs/*.json --out docs/sweep.png        # records of `python -m flashmask3 -m ...`
 
 Kernel benchmark files (`scripts/bench_fwd.py`) give one bar group per mask and sequence length
-(cute, Flex, FA4, cuDNN) plus a scaling panel; main-job records give fwd TFLOP/s per mask per
+(cute, Flex, FA4 with block sparsity, FA4, cuDNN) plus a scaling panel; main-job records give fwd TFLOP/s per mask per
 backend.
 """
 
@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-BACKENDS = ("cute", "flex", "fa4", "cudnn")
+BACKENDS = ("cute", "flex", "fa4_sparse", "fa4", "cudnn")  # fa4_sparse: FA4 with our block lists
 
 
 def load_rows(paths: list[str]) -> tuple[list[dict], list[dict]]:
@@ -40,14 +40,14 @@ def plot_bench(rows: list[dict], out: str) -> None:
     seqlens = sorted({r["seqlen"] for r in rows})
     masks = list(dict.fromkeys(r["mask"] for r in rows))
     fig, axes = plt.subplots(len(seqlens) + 1, 1, figsize=(13, 3.6 * (len(seqlens) + 1)))
-    width = 0.2
+    width = 0.8 / len(BACKENDS)
     for ax, seqlen in zip(axes, seqlens):
         by_mask = {r["mask"]: r for r in rows if r["seqlen"] == seqlen}
         for i, backend in enumerate(BACKENDS):
             xs = [m for m, name in enumerate(masks) if f"{backend}_tflops" in by_mask.get(name, {})]
             ys = [by_mask[masks[m]][f"{backend}_tflops"] for m in xs]
             if xs:
-                ax.bar([x + (i - 1.5) * width for x in xs], ys, width, label=backend)
+                ax.bar([x + (i - (len(BACKENDS) - 1) / 2) * width for x in xs], ys, width, label=backend, color=f"C{i}")
         ax.set_xticks(range(len(masks)), masks, rotation=25, ha="right", fontsize=8)
         ax.set_ylabel("TFLOP/s (unmasked work)")
         ax.set_title(f"forward, S = {seqlen // 1024}K, hidden 4096, 128K tokens per run")
