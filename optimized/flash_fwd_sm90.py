@@ -344,12 +344,7 @@ class FlashMaskForwardSm90:
             position = Int32(0)
             entry = tile_list.read(position)
             while entry != END_OF_LIST:
-                acc_S = cute.make_rmem_tensor(s_shape, Float32)
-                pipe_k.consumer_wait(state)
-                _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
-                self.end_turn(wg)
-                warpgroup.wait_group(0)
-                pipe_k.consumer_release(state)
+                acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, state, wg)
                 self.mask_scores(acc_S, entry, *mask_args)
                 softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
@@ -381,12 +376,7 @@ class FlashMaskForwardSm90:
         position = Int32(0)
         entry = tile_list.read(position)
         if entry != END_OF_LIST:
-            acc_S = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_k.consumer_wait(k_state)
-            _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
-            self.end_turn(wg)
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(k_state)
+            acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg)
             k_state.advance()
             self.mask_scores(acc_S, entry, *mask_args)
             softmax_rescore(acc_S, row_max, row_sum, scale_log2)  # O is still zero: nothing to rescale
@@ -427,6 +417,18 @@ class FlashMaskForwardSm90:
             pipe_v.consumer_release(v_state)
         else:
             self.end_turn(wg)  # no key tile: hand over the (empty) first turn
+
+    @cute.jit
+    def scores_alone(self, tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, state, wg) -> cute.Tensor:
+        """S = Q K^T of the key tile in `state`'s stage as the turn's only GEMM: hand the turn over,
+        wait for S, release the K stage."""
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        pipe_k.consumer_wait(state)
+        _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+        self.end_turn(wg)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(state)
+        return acc_S
 
     @cute.jit
     def mask_scores(self, acc_S, entry, s_coords, mRowIndices, mask_batch, mask_head, row_start, seqlen_k,
