@@ -3,6 +3,7 @@
     python scripts/bench_bwd.py check                 # dQ/dK/dV, every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
     python scripts/bench_bwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_bwd.py profile --masks causal,sliding_window   # GPU time per kernel
+    python scripts/bench_bwd.py ablate --masks full,causal --variants s_ahead=true   # variants vs the default
 
 Correctness: out, LSE, dQ, dK, dV through `attention(..., backend="cute")` and autograd vs the fp64
 reference within the verify/ tolerance (2x the error of the same computation in the input
@@ -34,7 +35,8 @@ from flashmask3.reference import ColumnMask, masks  # noqa: E402
 from flashmask3.verify import compare, random_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd import add_common_arguments, add_row, bench_ms, fa4_fn, new_record, run_check  # noqa: E402
+from bench_fwd import (  # noqa: E402
+    ablation_table, add_common_arguments, add_row, bench_ms, fa4_fn, new_record, run_ablation, run_check, variant_overrides)
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -119,6 +121,16 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
     return rows
 
 
+def backward_step(mask: ColumnMask, head_dim: int):
+    """The timed call of the backward ablation: the cute forward, then its backward -> (dq, dk, dv)."""
+    scale = head_dim ** -0.5
+
+    def run(q, k, v, dout):
+        out, lse = cute_forward(q, k, v, mask, scale)
+        return cute_backward(dout, q, k, v, out, lse, mask, scale)
+    return run
+
+
 def run_profile(seqlen: int, head_dim: int, mask_names: list[str]) -> dict:
     """GPU time per kernel of one fwd+bwd (torch.profiler), to see where the time goes per mask."""
     from torch.profiler import ProfilerActivity, profile
@@ -145,9 +157,11 @@ def run_profile(seqlen: int, head_dim: int, mask_names: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["check", "bench", "all", "profile"])
+    parser.add_argument("what", choices=["check", "bench", "all", "profile", "ablate"])
     add_common_arguments(parser)
     parser.add_argument("--deterministic", action="store_true", help="bench the deterministic backward")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="OPTION=VALUE[+OPTION=VALUE]",
+                        help="ablate: kernel variants to time (fwd+bwd) against the default")
     args = parser.parse_args()
     result, save = new_record(args, "bwd")
     with kernel_options(**result["kernel_options"]):
@@ -174,6 +188,13 @@ def main() -> None:
                       f"{r.get('cudnn_tflops', float('nan')):6.0f}")
         if args.what == "profile":
             result["profile"] = run_profile(int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","))
+        if args.what == "ablate":
+            for variant in args.variants:
+                variant_overrides(variant)  # a typo fails before any GPU time is spent
+            result["ablate"] = run_ablation([int(s) for s in args.seqlens.split(",")], args.head_dim,
+                                            args.masks.split(","), args.variants, backward_step, 3.5,
+                                            save=lambda rows: save({**result, "ablate": rows}))
+            print(ablation_table(result["ablate"], args.variants))
     save(result)
 
 

@@ -166,24 +166,33 @@ def variant_overrides(variant: str) -> dict:
     return kernel_overrides(variant.split("+"))
 
 
+def forward_step(mask: ColumnMask, head_dim: int):
+    """The timed call of the forward ablation: q, k, v, dout -> (out,)."""
+    return lambda q, k, v, dout: cute_forward(q, k, v, mask, head_dim ** -0.5)[:1]
+
+
 def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], variants: list[str],
-                 save=lambda rows: None) -> list[dict]:
-    """Per mask: the default kernel's time, then each variant's time and largest output difference."""
+                 step=forward_step, flops_per_fwd: float = 1.0, save=lambda rows: None) -> list[dict]:
+    """Per mask: the default kernel's time, then each variant's time and largest output difference.
+    `step(mask, head_dim)` gives the timed call (q, k, v, dout -> a tuple of output tensors);
+    `flops_per_fwd` its FLOPs in forwards (3.5 for fwd+bwd)."""
     rows = []
     heads = 4096 // head_dim
     for seqlen in seqlens:
         batch = max(1, 131072 // seqlen)
-        inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
+        inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)
                   for s in range(2)]
         for name in progress(mask_names, f"ablate {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
-            flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, mask.density())
-            run = functools.partial(cute_forward, mask=mask, softmax_scale=head_dim ** -0.5)
-            reference = run(*inputs[0])[0]
+            flops = flops_per_fwd * attention_flops(batch, heads, seqlen, seqlen, head_dim, mask.density())
+            run = step(mask, head_dim)
+            reference = run(*inputs[0])
             row = {"mask": name, "seqlen": seqlen, "default_ms": bench_ms(run, inputs)}
             for variant in variants:
                 with kernel_options(**variant_overrides(variant)):
-                    row[f"{variant}_max_diff"] = float((run(*inputs[0])[0].float() - reference.float()).abs().max())
+                    outputs = run(*inputs[0])
+                    row[f"{variant}_max_diff"] = max(float((a.float() - b.float()).abs().max())
+                                                     for a, b in zip(outputs, reference))
                     row[f"{variant}_ms"] = bench_ms(run, inputs)
             add_row(rows, row, flops, save)
     return rows

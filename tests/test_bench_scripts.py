@@ -53,6 +53,27 @@ def test_ablation_times_each_variant_under_its_options(monkeypatch):
     assert "k_ahead=true" in bench_fwd.ablation_table(rows, ["num_stages=3", "k_ahead=true"])
 
 
+def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monkeypatch):
+    """`bench_bwd.py ablate` passes its fwd+bwd step (3.5 forwards of FLOPs) to the same loop."""
+    import torch
+
+    from flashmask3.optimized import interface
+
+    class FakeMask:
+        def density(self):
+            return 1.0
+
+    def step(mask, head_dim):  # dK differs by num_stages - 2 (1 with 3 stages), dQ never
+        return lambda q, k, v, dout: (torch.zeros(2), torch.full((2,), interface.options.num_stages - 2.0))
+
+    monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
+    monkeypatch.setattr(bench_fwd, "bench_ms", lambda fn, inputs: [fn(*x) for x in inputs] and 4.0)
+    (row,) = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3"], step, 3.5)
+    assert row["num_stages=3_max_diff"] == 1.0
+    assert row["default_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 4e-3 / 1e12)
+
+
 def test_unknown_kernel_option_names_the_accepted_ones():
     with pytest.raises(SystemExit, match="unknown option 'tile_m'.*intra_wg_overlap"):
         bench_fwd.kernel_overrides(["tile_m=64"])
