@@ -28,9 +28,8 @@ class KernelOptions:
     setmaxnreg: bool = True  # move registers from the producer to the consumers
     skip_tiles: bool = True  # leave fully masked tiles out of the tile lists
     intra_wg_overlap: bool = True  # forward: softmax under the own PV GEMM (FA3); off = the v2-v5 loop
-    tma_store: bool = False  # forward: O through smem + one TMA store per tile (not yet run on the H200)
-    # forward, only with intra_wg_overlap: load K of tile j+1 before V of tile j (not yet run on the H200)
-    k_ahead: bool = False
+    tma_store: bool = True  # forward: O through smem + one TMA store per tile (off: 4-byte stores)
+    k_ahead: bool = True  # forward, with intra_wg_overlap: load K of tile j+1 before V of tile j
     s_ahead: bool = False  # backward: issue step i+1's S GEMM before step i's dQ add (not yet run on the H200)
 
     def __post_init__(self) -> None:
