@@ -34,6 +34,7 @@ from .softmax import rescale_rows, softmax_finalize, softmax_rescore, softmax_up
 LOG2_E = math.log2(math.e)
 _MMA_TURN = 1  # named barriers 1 and 2: whose turn on the tensor cores (0 is sync_threads)
 _EPILOGUE = 3  # named barrier 3: the consumer warpgroups are done with sQ / wrote their part of O
+_BOUNDS_READY = 4  # named barriers 4 and 5: a warpgroup's prefetched column bounds are in smem
 
 
 def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
@@ -103,6 +104,7 @@ class FlashMaskForwardSm90:
         intra_wg_overlap: bool = True,
         tma_store: bool = False,
         k_ahead: bool = False,
+        bounds_prefetch: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -117,6 +119,8 @@ class FlashMaskForwardSm90:
         self.intra_wg_overlap = intra_wg_overlap
         self.tma_store = tma_store
         self.k_ahead = k_ahead and intra_wg_overlap  # the load order only the overlapped loop wants
+        # The overlapped loop's turn barrier is what lets a buffer be refilled: ping-pong only.
+        self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -160,6 +164,10 @@ class FlashMaskForwardSm90:
                 cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim))
         q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         kv_bytes = cute.size_in_bytes(self.dtype, kv_tile)
+        # (key in tile, boundary, buffer, warpgroup): each warpgroup alternates two tiles' bounds.
+        w = self.mask_width
+        bounds_layout = cute.make_layout((self.tile_n, w, 2, self.num_consumer_wgs),
+                                         stride=(w, 1, self.tile_n * w, 2 * self.tile_n * w))
 
         @cute.struct
         class SharedStorage:
@@ -171,13 +179,16 @@ class FlashMaskForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            if const_expr(self.bounds_prefetch):  # per warpgroup, two tiles' column bounds
+                sBounds: cute.struct.Align[cute.struct.MemRange[
+                    Int32, cute.cosize(bounds_layout)], 16]
 
         grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_mQ, tma_mK, tma_mV, mO, mLSE, mRowIndices, mBlockBounds,
             tma_q, tma_k, tma_v, tma_o, tma_mO, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
-            sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
+            sQ_layout, sKV_layout, bounds_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -203,6 +214,7 @@ class FlashMaskForwardSm90:
         mask_batch_stride: Int32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
+        bounds_layout: cute.Layout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -229,6 +241,7 @@ class FlashMaskForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sBounds = storage.sBounds.get_tensor(bounds_layout) if const_expr(self.bounds_prefetch) else None
 
         mask_batch = batch * mask_batch_stride
         mask_head = head // qheads_per_maskhead
@@ -249,7 +262,7 @@ class FlashMaskForwardSm90:
             if const_expr(self.setmaxnreg):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO if const_expr(tma_o is None) else (tma_o, tma_mO), mLSE, mRowIndices, sQ, sK,
-                         transpose_view(sV), tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, tidx - 128,
+                         transpose_view(sV), sBounds, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, tidx - 128,
                          scale_log2, m_block, head, batch, mask_batch, mask_head, tile_list, seqlen_q, seqlen_k)
 
     @cute.jit
@@ -303,10 +316,11 @@ class FlashMaskForwardSm90:
                   tma_bar_ptr=pipe.producer_get_barrier(state))
 
     @cute.jit
-    def consume(self, mO, mLSE, mRowIndices, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
+    def consume(self, mO, mLSE, mRowIndices, sQ, sK, sVt, sBounds, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
                 tidx, scale_log2, m_block, head, batch, mask_batch, mask_head, tile_list, seqlen_q, seqlen_k):
         """Consumer warpgroups: the masked online-softmax main loop and the epilogue. `mO` is the output
-        tensor, or with `tma_store` the (TMA atom, TMA tensor) of it."""
+        tensor, or with `tma_store` the (TMA atom, TMA tensor) of it; `sBounds` the smem for
+        `bounds_prefetch` (or None)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
@@ -337,15 +351,18 @@ class FlashMaskForwardSm90:
             cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
         mask_args = (s_coords, mRowIndices, mask_batch, mask_head, row_start, seqlen_k, causal_offset)
         if const_expr(self.intra_wg_overlap):
+            bounds = None
+            if const_expr(self.bounds_prefetch):
+                bounds = (sBounds[None, None, None, wg], tidx % 128, wg)
             self.overlapped_loop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max,
-                                 row_sum, pipe_k, pipe_v, wg, scale_log2, tile_list, mask_args)
+                                 row_sum, pipe_k, pipe_v, wg, scale_log2, tile_list, mask_args, bounds)
         else:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             position = Int32(0)
             entry = tile_list.read(position)
             while entry != END_OF_LIST:
                 acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, state, wg)
-                self.mask_scores(acc_S, entry, *mask_args)
+                self.mask_scores(acc_S, entry, position, None, *mask_args)
                 softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 pipe_v.consumer_wait(state)
@@ -366,23 +383,26 @@ class FlashMaskForwardSm90:
 
     @cute.jit
     def overlapped_loop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max, row_sum,
-                        pipe_k, pipe_v, wg, scale_log2, tile_list, mask_args):
+                        pipe_k, pipe_v, wg, scale_log2, tile_list, mask_args, bounds):
         """The main loop with intra-warpgroup overlap (FA3; `KernelOptions.intra_wg_overlap`, the
         default): in one turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while its PV runs, and
-        rescales O once the PV is done. Entered inside the warpgroup's first turn."""
+        rescales O once the PV is done. Entered inside the warpgroup's first turn. `bounds`:
+        (smem buffers, lane, warpgroup) with `bounds_prefetch`, else None."""
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         position = Int32(0)
         entry = tile_list.read(position)
         if entry != END_OF_LIST:
+            self.prefetch_bounds(bounds, entry, position, mask_args)
             acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg)
             k_state.advance()
-            self.mask_scores(acc_S, entry, *mask_args)
+            self.mask_scores(acc_S, entry, position, bounds, *mask_args)
             softmax_rescore(acc_S, row_max, row_sum, scale_log2)  # O is still zero: nothing to rescale
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             position += 1
             entry = tile_list.read(position)
+            self.prefetch_bounds(bounds, entry, position, mask_args)
             while entry != END_OF_LIST:
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
                 if const_expr(self.k_ahead):  # K_j comes before V_{j-1}: start the QK before waiting for V
@@ -400,7 +420,7 @@ class FlashMaskForwardSm90:
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
                 pipe_k.consumer_release(k_state)
                 k_state.advance()
-                self.mask_scores(acc_S, entry, *mask_args)
+                self.mask_scores(acc_S, entry, position, bounds, *mask_args)
                 correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
@@ -409,6 +429,7 @@ class FlashMaskForwardSm90:
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 position += 1
                 entry = tile_list.read(position)
+                self.prefetch_bounds(bounds, entry, position, mask_args)
             pipe_v.consumer_wait(v_state)
             self.begin_turn(wg)
             _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
@@ -431,12 +452,37 @@ class FlashMaskForwardSm90:
         return acc_S
 
     @cute.jit
-    def mask_scores(self, acc_S, entry, s_coords, mRowIndices, mask_batch, mask_head, row_start, seqlen_k,
-                    causal_offset):
-        """The element mask, on tiles the mask role listed PARTIAL only."""
+    def prefetch_bounds(self, bounds, entry, position, mask_args):
+        """`bounds_prefetch`: for a PARTIAL tile, each thread of the warpgroup starts a cp.async of one
+        key column's boundaries into the warpgroup's smem buffer of `position` (two alternate), so
+        `mask_scores` reads smem, not global memory, right after the QK GEMM. The turn barrier between
+        refills of a buffer proves the whole warpgroup is done reading it."""
+        if const_expr(bounds is not None):
+            sBounds, lane, _ = bounds
+            _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
+            if entry != END_OF_LIST and (entry & 1) != 0:
+                key = cutlass.min((entry >> 1) * self.tile_n + lane, seqlen_k - 1)
+                atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
+                one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
+                cute.copy(atom, cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
+                          cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy))
+                cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def mask_scores(self, acc_S, entry, position, bounds, s_coords, mRowIndices, mask_batch, mask_head, row_start,
+                    seqlen_k, causal_offset):
+        """The element mask, on tiles the mask role listed PARTIAL only; with `bounds` (see
+        `prefetch_bounds`) the column boundaries come from smem."""
         if (entry & 1) != 0:
+            tile_bounds = None
+            if const_expr(bounds is not None):
+                sBounds, _, wg = bounds
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier(barrier_id=_BOUNDS_READY + wg, number_of_threads=128)
+                tile_bounds = sBounds[None, None, position % 2]
             apply_column_mask(acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start,
-                              (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal, self.mask_width)
+                              (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal, self.mask_width,
+                              tile_bounds=tile_bounds)
 
     @cute.jit
     def begin_turn(self, wg):

@@ -30,6 +30,9 @@ class KernelOptions:
     intra_wg_overlap: bool = True  # forward: softmax under the own PV GEMM (FA3); off = the v2-v5 loop
     tma_store: bool = True  # forward: O through smem + one TMA store per tile (off: 4-byte stores)
     k_ahead: bool = True  # forward, with intra_wg_overlap: load K of tile j+1 before V of tile j
+    # forward, with the overlap and ping-pong: a PARTIAL tile's column bounds cp.async'd to smem a tile
+    # ahead (not yet run on the H200)
+    bounds_prefetch: bool = False
     s_ahead: bool = False  # backward: issue step i+1's S GEMM before step i's dQ add (not yet run on the H200)
 
     def __post_init__(self) -> None:
@@ -103,7 +106,8 @@ def _make_kernel(
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
     return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg,
-                                opts.skip_tiles, opts.intra_wg_overlap, opts.tma_store, opts.k_ahead)
+                                opts.skip_tiles, opts.intra_wg_overlap, opts.tma_store, opts.k_ahead,
+                                opts.bounds_prefetch)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",

@@ -47,21 +47,27 @@ def apply_column_mask(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     keys_on_rows: cutlass.Constexpr[bool] = False,
+    tile_bounds: cute.Tensor | None = None,
 ) -> None:
     """Set hidden scores of the thread's fragment to -inf.
 
     `coords` is the identity tensor of the tile partitioned like the accumulator: (query, key)
     coordinates, or (key, query) with `keys_on_rows` (the backward's transposed scores);
     `mRowIndices` is the mask's int32 [Bm, Hm, Sk, width] `startend_row_indices`. The bounds of
-    each of the thread's keys are loaded once.
+    each of the thread's keys are loaded once, from `tile_bounds` (the tile's (key, boundary) copy
+    in smem) when given.
     """
     s_rows = acc_rows_view(acc_S)
     c_rows = acc_rows_view(coords)
     key_mode = 0 if cutlass.const_expr(keys_on_rows) else 1
     for k in cutlass.range_constexpr(cute.size(s_rows, mode=[key_mode])):
-        key = key_start + (c_rows[k, 0][0] if cutlass.const_expr(keys_on_rows) else c_rows[0, k][1])
+        key_in_tile = c_rows[k, 0][0] if cutlass.const_expr(keys_on_rows) else c_rows[0, k][1]
+        key = key_start + key_in_tile
         in_range = key < seqlen_k
-        bounds = mRowIndices[mask_batch, mask_head, key if in_range else seqlen_k - 1, None]
+        if cutlass.const_expr(tile_bounds is not None):
+            bounds = tile_bounds[key_in_tile, None]
+        else:
+            bounds = mRowIndices[mask_batch, mask_head, key if in_range else seqlen_k - 1, None]
         first = bounds[0]
         second = bounds[1] if cutlass.const_expr(width >= 2) else first
         third = bounds[2] if cutlass.const_expr(width == 4) else first

@@ -24,13 +24,21 @@ def test_unsupported_head_dim_is_refused():
 
 @pytest.mark.parametrize(
     "changes", [dict(num_stages=3), dict(pingpong=False), dict(setmaxnreg=False), dict(intra_wg_overlap=False),
-                dict(intra_wg_overlap=False, pingpong=False), dict(tma_store=True),
-                dict(k_ahead=True), dict(k_ahead=True, num_stages=3, tma_store=True)]
+                dict(intra_wg_overlap=False, pingpong=False), dict(tma_store=False),
+                dict(k_ahead=False), dict(k_ahead=False, num_stages=3, tma_store=False)]
 )
 def test_ablation_variants_compile(changes):
     from flashmask3.optimized import KernelOptions, compile_check
 
     assert compile_check("bf16", 128, True, 1, KernelOptions(**changes)) > 0
+
+
+@pytest.mark.parametrize("causal,width", [(True, 1), (True, 2), (False, 2), (False, 4)])
+def test_bounds_prefetch_compiles_for_every_mask_variant(causal, width):
+    """The cp.async of 1, 2 or 4 boundaries per key column into smem (`bounds_prefetch`)."""
+    from flashmask3.optimized import KernelOptions, compile_check
+
+    assert compile_check("bf16", 128, causal, width, KernelOptions(bounds_prefetch=True)) > 0
 
 
 def test_kernel_options_are_validated_and_restored():
