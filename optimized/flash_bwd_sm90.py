@@ -77,7 +77,6 @@ class FlashMaskBackwardSm90:
         deterministic: bool = False,
         num_stages: int = 2,
         skip_tiles: bool = True,
-        s_ahead: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -88,7 +87,6 @@ class FlashMaskBackwardSm90:
         self.deterministic = deterministic
         self.num_stages = num_stages
         self.skip_tiles = skip_tiles
-        self.s_ahead = s_ahead
         self.num_consumer_wgs = self.tile_n // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -368,29 +366,18 @@ class FlashMaskBackwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         step = Int32(0)
         position = Int32(0)
-        if const_expr(self.s_ahead):  # one S accumulator, written a step ahead
-            acc_S_ahead = cute.make_rmem_tensor(st_shape, Float32)
         for g in cutlass.range(qheads_per_kvhead, unroll=1):
             head = head_kv * qheads_per_kvhead + g
             mask_head = head // qheads_per_maskhead
             entry = tile_list.read(position)
             position += 1
-            if const_expr(self.s_ahead):
-                first_step = True
             while entry != END_OF_LIST:
                 m_block = entry >> 1
                 query_start = m_block * self.tile_m
-                if const_expr(self.s_ahead):
-                    acc_S = acc_S_ahead
-                    acc_dP = cute.make_rmem_tensor(st_shape, Float32)
-                    if first_step:  # later steps' S was issued during the previous step's dQ add
-                        pipe_q.consumer_wait(state)
-                        _wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
-                else:
-                    acc_S = cute.make_rmem_tensor(st_shape, Float32)
-                    acc_dP = cute.make_rmem_tensor(st_shape, Float32)
-                    pipe_q.consumer_wait(state)
-                    _wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
+                acc_S = cute.make_rmem_tensor(st_shape, Float32)
+                acc_dP = cute.make_rmem_tensor(st_shape, Float32)
+                pipe_q.consumer_wait(state)
+                _wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
                 pipe_do.consumer_wait(state)
                 _wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
                 warpgroup.wait_group(1)
@@ -432,18 +419,10 @@ class FlashMaskBackwardSm90:
                 rank = Int32(0)
                 if const_expr(self.deterministic):
                     rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
-                if const_expr(self.s_ahead):  # the next step's S on the tensor cores while dQ is added
-                    entry = tile_list.read(position)
-                    position += 1
-                    first_step = False
-                    if entry != END_OF_LIST:
-                        pipe_q.consumer_wait(state)
-                        _wgmma(tiled_mma_sdp, acc_S_ahead, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
                 self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg)
                 step += 1
-                if const_expr(not self.s_ahead):
-                    entry = tile_list.read(position)
-                    position += 1
+                entry = tile_list.read(position)
+                position += 1
 
         if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=True)

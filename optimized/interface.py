@@ -33,7 +33,6 @@ class KernelOptions:
     # forward, with the overlap and ping-pong: a PARTIAL tile's column bounds cp.async'd to smem a tile
     # ahead (not yet run on the H200)
     bounds_prefetch: bool = False
-    s_ahead: bool = False  # backward: issue step i+1's S GEMM before step i's dQ add (not yet run on the H200)
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -97,8 +96,7 @@ def _make_kernel(
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
-        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
-                                     s_ahead=opts.s_ahead)
+        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles)
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 

@@ -3,7 +3,7 @@
     python scripts/bench_bwd.py check                 # dQ/dK/dV, every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
     python scripts/bench_bwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_bwd.py profile --masks causal,sliding_window   # GPU time per kernel
-    python scripts/bench_bwd.py ablate --masks full,causal --variants s_ahead=true   # variants vs the default
+    python scripts/bench_bwd.py ablate --masks causal --variants skip_tiles=false   # variants vs the default
 
 Correctness: out, LSE, dQ, dK, dV through `attention(..., backend="cute")` and autograd vs the fp64
 reference within the verify/ tolerance (2x the error of the same computation in the input

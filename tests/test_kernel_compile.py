@@ -65,11 +65,3 @@ def test_deterministic_backward_compiles_for_sm90a():
     from flashmask3.optimized import compile_check
 
     assert compile_check("bf16", 128, False, 4, direction="bwd", deterministic=True) > 0
-
-
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_s_ahead_variant_compiles_for_sm90a(deterministic):
-    from flashmask3.optimized import KernelOptions, compile_check
-
-    opts = KernelOptions(s_ahead=True)
-    assert compile_check("bf16", 128, True, 1, opts, direction="bwd", deterministic=deterministic) > 0
