@@ -31,8 +31,8 @@ class KernelOptions:
     tma_store: bool = True  # forward: O through smem + one TMA store per tile (off: 4-byte stores)
     k_ahead: bool = True  # forward, with intra_wg_overlap: load K of tile j+1 before V of tile j
     # forward, with the overlap and ping-pong: a PARTIAL tile's column bounds cp.async'd to smem a tile
-    # ahead (not yet run on the H200)
-    bounds_prefetch: bool = False
+    # ahead (off: read from global memory after the QK GEMM)
+    bounds_prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
