@@ -39,7 +39,7 @@ from cutlass.memory import SmemAllocator
 
 from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout, _tma_pipeline, _tma_tiles, _wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
-from .mask import apply_column_mask
+from .mask import apply_column_mask, load_key_bounds
 from .mask_role import END_OF_LIST, TileList, list_query_tiles
 
 LOG2_E = math.log2(math.e)
@@ -77,6 +77,7 @@ class FlashMaskBackwardSm90:
         deterministic: bool = False,
         num_stages: int = 2,
         skip_tiles: bool = True,
+        bounds_once: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -87,6 +88,7 @@ class FlashMaskBackwardSm90:
         self.deterministic = deterministic
         self.num_stages = num_stages
         self.skip_tiles = skip_tiles
+        self.bounds_once = bounds_once
         self.num_consumer_wgs = self.tile_n // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -369,6 +371,10 @@ class FlashMaskBackwardSm90:
         for g in cutlass.range(qheads_per_kvhead, unroll=1):
             head = head_kv * qheads_per_kvhead + g
             mask_head = head // qheads_per_maskhead
+            key_bounds = None
+            if const_expr(self.bounds_once):  # in flight while the first S GEMM runs
+                key_bounds = load_key_bounds(st_coords, mRowIndices, mask_batch, mask_head, key_start, seqlen_k,
+                                             self.mask_width)
             entry = tile_list.read(position)
             position += 1
             while entry != END_OF_LIST:
@@ -383,7 +389,8 @@ class FlashMaskBackwardSm90:
                 warpgroup.wait_group(1)
                 if (entry & 1) != 0:
                     apply_column_mask(acc_S, st_coords, mRowIndices, mask_batch, mask_head, query_start, key_start,
-                                      seqlen_k, causal_offset, self.causal, self.mask_width, keys_on_rows=True)
+                                      seqlen_k, causal_offset, self.causal, self.mask_width, keys_on_rows=True,
+                                      key_bounds=key_bounds)
                 p_rows = acc_rows_view(acc_S)
                 for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):

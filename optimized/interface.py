@@ -33,6 +33,9 @@ class KernelOptions:
     # forward, with the overlap and ping-pong: a PARTIAL tile's column bounds cp.async'd to smem a tile
     # ahead (off: read from global memory after the QK GEMM)
     bounds_prefetch: bool = True
+    # backward: the thread's key bounds loaded into registers once per head, not per query tile
+    # (not yet run on the H200)
+    bwd_bounds_once: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -96,7 +99,8 @@ def _make_kernel(
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
-        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles)
+        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
+                                     bounds_once=opts.bwd_bounds_once)
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 

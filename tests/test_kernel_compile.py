@@ -66,3 +66,12 @@ def test_deterministic_backward_compiles_for_sm90a():
     from flashmask3.optimized import compile_check
 
     assert compile_check("bf16", 128, False, 4, direction="bwd", deterministic=True) > 0
+
+
+@pytest.mark.parametrize("causal,width,deterministic", [(True, 1, False), (True, 2, True), (False, 4, False)])
+def test_backward_bounds_once_compiles_for_sm90a(causal, width, deterministic):
+    """The backward with its key bounds in registers, loaded once per head (`bwd_bounds_once`)."""
+    from flashmask3.optimized import KernelOptions, compile_check
+
+    opts = KernelOptions(bwd_bounds_once=True)
+    assert compile_check("bf16", 128, causal, width, opts, direction="bwd", deterministic=deterministic) > 0
