@@ -7,7 +7,8 @@ One CTA per (query tile, query head, batch); 3 warpgroups:
   - warpgroup 0, warp 0: producer. TMA-loads the Q tile once, then K and V of each listed key tile
     into a `num_stages`-deep mbarrier pipeline.
   - warpgroups 1-2: consumers, 64 query rows each. S = Q K^T (SS-WGMMA), the element mask only on
-    tiles listed PARTIAL, online softmax in fp32, O += P V (RS-WGMMA, P stays in registers).
+    tiles listed PARTIAL (their column bounds cp.async'd into smem a tile ahead), online softmax in
+    fp32, O += P V (RS-WGMMA, P stays in registers), O out through smem by one TMA store.
 Skipped tiles cost neither loads nor MMAs. setmaxnreg moves registers from warpgroup 0 to the
 consumers.
 """
