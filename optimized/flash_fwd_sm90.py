@@ -106,6 +106,7 @@ class FlashMaskForwardSm90:
         tma_store: bool = False,
         k_ahead: bool = False,
         bounds_prefetch: bool = False,
+        tree_max: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -122,6 +123,7 @@ class FlashMaskForwardSm90:
         self.k_ahead = k_ahead and intra_wg_overlap  # the load order only the overlapped loop wants
         # The overlapped loop's turn barrier is what lets a buffer be refilled: ping-pong only.
         self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
+        self.tree_max = tree_max
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -364,7 +366,7 @@ class FlashMaskForwardSm90:
             while entry != END_OF_LIST:
                 acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, state, wg)
                 self.mask_scores(acc_S, entry, position, None, *mask_args)
-                softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
+                softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2, self.tree_max)
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 pipe_v.consumer_wait(state)
                 self.begin_turn(wg)
@@ -399,7 +401,7 @@ class FlashMaskForwardSm90:
             acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg)
             k_state.advance()
             self.mask_scores(acc_S, entry, position, bounds, *mask_args)
-            softmax_rescore(acc_S, row_max, row_sum, scale_log2)  # O is still zero: nothing to rescale
+            softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.tree_max)  # O is still zero: nothing to rescale
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             position += 1
             entry = tile_list.read(position)
@@ -422,7 +424,7 @@ class FlashMaskForwardSm90:
                 pipe_k.consumer_release(k_state)
                 k_state.advance()
                 self.mask_scores(acc_S, entry, position, bounds, *mask_args)
-                correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2)
+                correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.tree_max)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
                 v_state.advance()

@@ -33,6 +33,7 @@ class KernelOptions:
     # forward, with the overlap and ping-pong: a PARTIAL tile's column bounds cp.async'd to smem a tile
     # ahead (off: read from global memory after the QK GEMM)
     bounds_prefetch: bool = True
+    tree_max: bool = False  # forward: row maxima in four interleaved chains (not yet run on the H200)
     # backward: the thread's key bounds loaded into registers once per head, not per query tile
     # (not yet run on the H200)
     bwd_bounds_once: bool = False
@@ -109,7 +110,7 @@ def _make_kernel(
 
     return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg,
                                 opts.skip_tiles, opts.intra_wg_overlap, opts.tma_store, opts.k_ahead,
-                                opts.bounds_prefetch)
+                                opts.bounds_prefetch, opts.tree_max)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",
