@@ -29,7 +29,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
-from .mask_role import END_OF_LIST, TileList, list_key_tiles
+from .mask_role import END_OF_LIST, TileList, key_tile_count, list_key_tiles, load_block_bounds
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore, softmax_update
 
 LOG2_E = math.log2(math.e)
@@ -107,6 +107,7 @@ class FlashMaskForwardSm90:
         k_ahead: bool = False,
         bounds_prefetch: bool = False,
         tree_max: bool = False,
+        prologue_overlap: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -124,6 +125,7 @@ class FlashMaskForwardSm90:
         # The overlapped loop's turn barrier is what lets a buffer be refilled: ping-pong only.
         self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
         self.tree_max = tree_max
+        self.prologue_overlap = prologue_overlap
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -236,8 +238,19 @@ class FlashMaskForwardSm90:
         pipe_v = _tma_pipeline(storage.mbar_v, self.num_stages, kv_bytes, consumer_warps)
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
                              storage.mbar_tiles.data_ptr())
-        if tidx == 0:
-            tile_list.init(readers=1 + 4 * self.num_consumer_wgs)  # the producer and consumer warps
+        readers = 1 + 4 * self.num_consumer_wgs  # the producer and consumer warps
+        first_bounds = None
+        if const_expr(self.prologue_overlap):
+            # The mask warp inits the ring (a lane per slot pair, beside warp 0's pipeline inits) and
+            # starts its first 32 tiles' bounds loads before the CTA-wide sync, not after it.
+            first_bounds = cute.make_rmem_tensor((2 * self.mask_width,), Int32)
+            if warp_idx == 1:
+                tile_list.init_by_warp(readers)
+                self.preload_bounds(first_bounds, mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead,
+                                                               None, None], m_block, mQ.shape[0], mK.shape[0])
+        else:
+            if tidx == 0:
+                tile_list.init(readers)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -260,13 +273,22 @@ class FlashMaskForwardSm90:
                 row_start = m_block * self.tile_m
                 list_key_tiles(tile_list, mBlockBounds[mask_batch, mask_head, None, None], row_start,
                                cutlass.min(row_start + self.tile_m, seqlen_q), seqlen_k, seqlen_k - seqlen_q,
-                               self.tile_n, self.causal, self.mask_width, self.skip_tiles)
+                               self.tile_n, self.causal, self.mask_width, self.skip_tiles, first_bounds)
         else:
             if const_expr(self.setmaxnreg):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO if const_expr(tma_o is None) else (tma_o, tma_mO), mLSE, mRowIndices, sQ, sK,
                          transpose_view(sV), sBounds, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, tidx - 128,
                          scale_log2, m_block, head, batch, mask_batch, mask_head, tile_list, seqlen_q, seqlen_k)
+
+    @cute.jit
+    def preload_bounds(self, first_bounds, mTileBounds, m_block, seqlen_q, seqlen_k):
+        """`prologue_overlap`: the mask warp's first 32 key tiles' min/max (`list_key_tiles` takes them)."""
+        row_end = cutlass.min((m_block + 1) * self.tile_m, seqlen_q)
+        num_tiles = key_tile_count(cute.size(mTileBounds.shape[0]), row_end, seqlen_k - seqlen_q, self.tile_n,
+                                   self.causal, self.skip_tiles)
+        if num_tiles > 0:
+            load_block_bounds(first_bounds, mTileBounds, cute.arch.lane_idx(), num_tiles, self.mask_width)
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,

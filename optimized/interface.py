@@ -34,6 +34,9 @@ class KernelOptions:
     # ahead (off: read from global memory after the QK GEMM)
     bounds_prefetch: bool = True
     tree_max: bool = False  # forward: row maxima in four interleaved chains (not yet run on the H200)
+    # forward: the mask warp inits its ring by 32 lanes and loads its first bounds before the CTA's
+    # sync (not yet run on the H200)
+    prologue_overlap: bool = False
     # backward: the thread's key bounds loaded into registers once per head, not per query tile
     # (not yet run on the H200)
     bwd_bounds_once: bool = False
@@ -110,7 +113,7 @@ def _make_kernel(
 
     return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg,
                                 opts.skip_tiles, opts.intra_wg_overlap, opts.tma_store, opts.k_ahead,
-                                opts.bounds_prefetch, opts.tree_max)
+                                opts.bounds_prefetch, opts.tree_max, opts.prologue_overlap)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",
