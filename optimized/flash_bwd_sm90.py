@@ -78,6 +78,7 @@ class FlashMaskBackwardSm90:
         num_stages: int = 2,
         skip_tiles: bool = True,
         bounds_once: bool = False,
+        dq_before_dk: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -89,6 +90,7 @@ class FlashMaskBackwardSm90:
         self.num_stages = num_stages
         self.skip_tiles = skip_tiles
         self.bounds_once = bounds_once
+        self.dq_before_dk = dq_before_dk
         self.num_consumer_wgs = self.tile_n // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -407,8 +409,9 @@ class FlashMaskBackwardSm90:
                         ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
-                       zero_init=False)
+                if const_expr(not self.dq_before_dk):
+                    _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
+                           zero_init=False)
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2
@@ -419,14 +422,24 @@ class FlashMaskBackwardSm90:
                 cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 _wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
-                warpgroup.wait_group(0)
-                pipe_q.consumer_release(state)
-                pipe_do.consumer_release(state)
-                state.advance()
+                if const_expr(self.dq_before_dk):  # dK runs on the tensor cores while dQ is added
+                    _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
+                           zero_init=False)
+                    warpgroup.wait_group(1)  # dV and dQ are done; dO is free
+                    pipe_do.consumer_release(state)
+                else:
+                    warpgroup.wait_group(0)
+                    pipe_q.consumer_release(state)
+                    pipe_do.consumer_release(state)
+                    state.advance()
                 rank = Int32(0)
                 if const_expr(self.deterministic):
                     rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
                 self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg)
+                if const_expr(self.dq_before_dk):
+                    warpgroup.wait_group(0)  # dK has read Q
+                    pipe_q.consumer_release(state)
+                    state.advance()
                 step += 1
                 entry = tile_list.read(position)
                 position += 1

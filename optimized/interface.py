@@ -40,6 +40,9 @@ class KernelOptions:
     # backward: the thread's key bounds loaded into registers once per head, not per query tile
     # (not yet run on the H200)
     bwd_bounds_once: bool = False
+    # backward: dQ's GEMM issued before dK's, so the dQ add runs while dK is on the tensor cores (FA4's
+    # SM90 order; not yet run on the H200)
+    dq_before_dk: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -104,7 +107,7 @@ def _make_kernel(
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
         return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
-                                     bounds_once=opts.bwd_bounds_once)
+                                     bounds_once=opts.bwd_bounds_once, dq_before_dk=opts.dq_before_dk)
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 

@@ -69,10 +69,14 @@ def test_deterministic_backward_compiles_for_sm90a():
     assert compile_check("bf16", 128, False, 4, direction="bwd", deterministic=True) > 0
 
 
-@pytest.mark.parametrize("causal,width,deterministic", [(True, 1, False), (True, 2, True), (False, 4, False)])
-def test_backward_bounds_once_compiles_for_sm90a(causal, width, deterministic):
-    """The backward with its key bounds in registers, loaded once per head (`bwd_bounds_once`)."""
+@pytest.mark.parametrize("causal,width,deterministic,changes", [
+    (True, 1, False, dict(bwd_bounds_once=True)), (True, 2, True, dict(bwd_bounds_once=True)),
+    (False, 4, False, dict(bwd_bounds_once=True)), (True, 1, False, dict(dq_before_dk=True)),
+    (False, 2, True, dict(dq_before_dk=True, bwd_bounds_once=True))])
+def test_backward_variants_compile_for_sm90a(causal, width, deterministic, changes):
+    """`bwd_bounds_once` (key bounds in registers, loaded once per head) and `dq_before_dk` (the dQ
+    add under the dK GEMM)."""
     from flashmask3.optimized import KernelOptions, compile_check
 
-    opts = KernelOptions(bwd_bounds_once=True)
+    opts = KernelOptions(**changes)
     assert compile_check("bf16", 128, causal, width, opts, direction="bwd", deterministic=deterministic) > 0
