@@ -103,9 +103,9 @@ class FlashMaskForwardSm90:
         setmaxnreg: bool = True,
         skip_tiles: bool = True,
         intra_wg_overlap: bool = True,
-        tma_store: bool = False,
-        k_ahead: bool = False,
-        bounds_prefetch: bool = False,
+        tma_store: bool = True,
+        k_ahead: bool = True,
+        bounds_prefetch: bool = True,
         tree_max: bool = False,
         prologue_overlap: bool = False,
     ):
