@@ -108,6 +108,7 @@ class FlashMaskForwardSm90:
         bounds_prefetch: bool = True,
         tree_max: bool = False,
         prologue_overlap: bool = False,
+        entry_ahead: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -126,6 +127,7 @@ class FlashMaskForwardSm90:
         self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
         self.tree_max = tree_max
         self.prologue_overlap = prologue_overlap
+        self.entry_ahead = entry_ahead and intra_wg_overlap
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -442,10 +444,14 @@ class FlashMaskForwardSm90:
                     _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
                 _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
+                next_entry = entry
+                if const_expr(self.entry_ahead):  # the ring read and the next bounds' cp.async under the GEMMs
+                    next_entry = tile_list.read(position + 1)
+                    self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
                 pipe_k.consumer_release(k_state)
                 k_state.advance()
-                self.mask_scores(acc_S, entry, position, bounds, *mask_args)
+                self.mask_scores(acc_S, entry, position, bounds, *mask_args, newer_groups=int(self.entry_ahead))
                 correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.tree_max)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
@@ -453,8 +459,11 @@ class FlashMaskForwardSm90:
                 rescale_rows(acc_O, correction)
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 position += 1
-                entry = tile_list.read(position)
-                self.prefetch_bounds(bounds, entry, position, mask_args)
+                if const_expr(self.entry_ahead):
+                    entry = next_entry
+                else:
+                    entry = tile_list.read(position)
+                    self.prefetch_bounds(bounds, entry, position, mask_args)
             pipe_v.consumer_wait(v_state)
             self.begin_turn(wg)
             _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
@@ -491,18 +500,22 @@ class FlashMaskForwardSm90:
                 one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
                 cute.copy(atom, cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
                           cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy))
+                if const_expr(not self.entry_ahead):
+                    cute.arch.cp_async_commit_group()
+            if const_expr(self.entry_ahead):  # a group per entry, empty if unmasked: the mask waits by count
                 cute.arch.cp_async_commit_group()
 
     @cute.jit
     def mask_scores(self, acc_S, entry, position, bounds, s_coords, mRowIndices, mask_batch, mask_head, row_start,
-                    seqlen_k, causal_offset):
+                    seqlen_k, causal_offset, newer_groups: cutlass.Constexpr[int] = 0):
         """The element mask, on tiles the mask role listed PARTIAL only; with `bounds` (see
-        `prefetch_bounds`) the column boundaries come from smem."""
+        `prefetch_bounds`) the column boundaries come from smem, once all but the `newer_groups`
+        latest cp.async groups (a later tile's, with `entry_ahead`) have landed."""
         if (entry & 1) != 0:
             tile_bounds = None
             if const_expr(bounds is not None):
                 sBounds, _, wg = bounds
-                cute.arch.cp_async_wait_group(0)
+                cute.arch.cp_async_wait_group(newer_groups)
                 cute.arch.barrier(barrier_id=_BOUNDS_READY + wg, number_of_threads=128)
                 tile_bounds = sBounds[None, None, position % 2]
             apply_column_mask(acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start,

@@ -37,6 +37,9 @@ class KernelOptions:
     # forward: the mask warp inits its ring by 32 lanes and loads its first bounds before the CTA's
     # sync (not yet run on the H200)
     prologue_overlap: bool = False
+    # forward, with the overlap: the next list entry read (and its bounds' cp.async started) while
+    # this tile's GEMMs run, not after its softmax (not yet run on the H200)
+    entry_ahead: bool = False
     # backward: the thread's key bounds loaded into registers once per head, not per query tile
     # (not yet run on the H200)
     bwd_bounds_once: bool = False
@@ -116,7 +119,7 @@ def _make_kernel(
 
     return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg,
                                 opts.skip_tiles, opts.intra_wg_overlap, opts.tma_store, opts.k_ahead,
-                                opts.bounds_prefetch, opts.tree_max, opts.prologue_overlap)
+                                opts.bounds_prefetch, opts.tree_max, opts.prologue_overlap, opts.entry_ahead)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",
