@@ -119,3 +119,21 @@ def test_gpu_times_bracket_each_call_and_sync_once(monkeypatch):
     assert times == [2.0] * 4
     assert log[:2] == ["call 1", "call 2"] and log.count("sync") == 1 and log[-1] == "sync"
     assert log[2:5] == ["record", "call 1", "record"]
+
+
+def test_device_steps_runs_each_step_under_its_limit_and_logs_it(tmp_path):
+    """`scripts/device_steps.sh` (the H200 call's wrapper): a log per step under $OUT, and a line per
+    step with its exit status; a step past its limit is stopped (status 124) and the next one runs."""
+    import subprocess
+
+    steps = tmp_path / "steps.txt"
+    steps.write_text("step 5 hello echo hi\nstep 1 slow sleep 10\nstep 5 after echo still\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).resolve().parents[1] / "scripts" / "device_steps.sh"
+    result = subprocess.run(["bash", str(script), str(steps)], cwd=tmp_path, capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "COMMIT": "abc1234", "OUT": str(out)}, timeout=60)
+    status = (out / "steps.txt").read_text().splitlines()
+    assert [line.split()[1:3] for line in status] == [["hello", "rc=0"], ["slow", "rc=124"], ["after", "rc=0"]]
+    assert (out / "hello.log").read_text() == "hi\n" and (out / "after.log").read_text() == "still\n"
+    assert result.stdout.rstrip().endswith(status[-1])

@@ -1,0 +1,29 @@
+#!/bin/bash
+# One call on the H200 (the device tool): the CuTe DSL environment, then each line of a steps file
+# as `step SECONDS NAME COMMAND...`, each under its own time limit with its log under $OUT, the
+# logs' tails and a line per step last. The device copy has no .git: pass the commit.
+#
+#   COMMIT=$(git rev-parse --short HEAD) bash scripts/device_steps.sh steps.txt
+#
+# steps.txt, e.g.:
+#   step 60 fwd_check python scripts/bench_fwd.py check
+#   step 200 fwd_ablate python scripts/bench_fwd.py ablate --masks full,causal --variants tree_max=true
+#   step 110 ncu_bwd $NCU --clock-control none -k regex:FlashMaskBackward -c 1 --section SpeedOfLight python scripts/bench_bwd.py profile --masks full
+set -u
+steps=${1:?usage: COMMIT=<sha> bash scripts/device_steps.sh STEPS_FILE}
+bash .dsl/dsl-env.sh >/dev/null
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
+export FLASHMASK3_COMMIT=${COMMIT:?set COMMIT to the commit being run}
+OUT=${OUT:-bench/results}
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+export NCU
+step() {
+    local limit=$1 name=$2 start
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name rc=$? $(( $(date +%s) - start ))s" >> "$OUT/steps.txt"
+}
+source "$steps"
+for log in "$OUT"/*.log; do echo "##### $log"; tail -"${TAILN:-25}" "$log"; done
+cat "$OUT/steps.txt"
