@@ -117,9 +117,11 @@ def _make_kernel(
         return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(cute_dtype, head_dim)
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
-    return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, opts.num_stages, opts.pingpong, opts.setmaxnreg,
-                                opts.skip_tiles, opts.intra_wg_overlap, opts.tma_store, opts.k_ahead,
-                                opts.bounds_prefetch, opts.tree_max, opts.prologue_overlap, opts.entry_ahead)
+    return FlashMaskForwardSm90(
+        cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, pingpong=opts.pingpong,
+        setmaxnreg=opts.setmaxnreg, skip_tiles=opts.skip_tiles, intra_wg_overlap=opts.intra_wg_overlap,
+        tma_store=opts.tma_store, k_ahead=opts.k_ahead, bounds_prefetch=opts.bounds_prefetch, tree_max=opts.tree_max,
+        prologue_overlap=opts.prologue_overlap, entry_ahead=opts.entry_ahead)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",
