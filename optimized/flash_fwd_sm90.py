@@ -109,6 +109,7 @@ class FlashMaskForwardSm90:
         tree_max: bool = False,
         prologue_overlap: bool = False,
         entry_ahead: bool = False,
+        entry_ahead_bounds: bool = True,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -128,6 +129,8 @@ class FlashMaskForwardSm90:
         self.tree_max = tree_max
         self.prologue_overlap = prologue_overlap
         self.entry_ahead = entry_ahead and intra_wg_overlap
+        # The next entry's bounds cp.async'd under the GEMMs too: one cp.async group per entry.
+        self.bounds_ahead = self.entry_ahead and entry_ahead_bounds
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -445,13 +448,14 @@ class FlashMaskForwardSm90:
                 _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
                 next_entry = entry
-                if const_expr(self.entry_ahead):  # the ring read and the next bounds' cp.async under the GEMMs
+                if const_expr(self.entry_ahead):  # the ring read (and the next bounds' cp.async) under the GEMMs
                     next_entry = tile_list.read(position + 1)
-                    self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
+                    if const_expr(self.bounds_ahead):
+                        self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
                 pipe_k.consumer_release(k_state)
                 k_state.advance()
-                self.mask_scores(acc_S, entry, position, bounds, *mask_args, newer_groups=int(self.entry_ahead))
+                self.mask_scores(acc_S, entry, position, bounds, *mask_args, newer_groups=int(self.bounds_ahead))
                 correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.tree_max)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
@@ -461,6 +465,8 @@ class FlashMaskForwardSm90:
                 position += 1
                 if const_expr(self.entry_ahead):
                     entry = next_entry
+                    if const_expr(not self.bounds_ahead):
+                        self.prefetch_bounds(bounds, entry, position, mask_args)
                 else:
                     entry = tile_list.read(position)
                     self.prefetch_bounds(bounds, entry, position, mask_args)
@@ -500,9 +506,9 @@ class FlashMaskForwardSm90:
                 one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
                 cute.copy(atom, cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
                           cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy))
-                if const_expr(not self.entry_ahead):
+                if const_expr(not self.bounds_ahead):
                     cute.arch.cp_async_commit_group()
-            if const_expr(self.entry_ahead):  # a group per entry, empty if unmasked: the mask waits by count
+            if const_expr(self.bounds_ahead):  # a group per entry, empty if unmasked: the mask waits by count
                 cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -510,7 +516,7 @@ class FlashMaskForwardSm90:
                     seqlen_k, causal_offset, newer_groups: cutlass.Constexpr[int] = 0):
         """The element mask, on tiles the mask role listed PARTIAL only; with `bounds` (see
         `prefetch_bounds`) the column boundaries come from smem, once all but the `newer_groups`
-        latest cp.async groups (a later tile's, with `entry_ahead`) have landed."""
+        latest cp.async groups (a later tile's, with `bounds_ahead`) have landed."""
         if (entry & 1) != 0:
             tile_bounds = None
             if const_expr(bounds is not None):

@@ -40,6 +40,8 @@ class KernelOptions:
     # forward, with the overlap: the next list entry read (and its bounds' cp.async started) while
     # this tile's GEMMs run, not after its softmax (not yet run on the H200)
     entry_ahead: bool = False
+    # with entry_ahead: that entry's bounds' cp.async started under the GEMMs too (off: after the softmax)
+    entry_ahead_bounds: bool = True
     # backward: the thread's key bounds loaded into registers once per head, not per query tile
     # (not yet run on the H200)
     bwd_bounds_once: bool = False
@@ -121,7 +123,8 @@ def _make_kernel(
         cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, pingpong=opts.pingpong,
         setmaxnreg=opts.setmaxnreg, skip_tiles=opts.skip_tiles, intra_wg_overlap=opts.intra_wg_overlap,
         tma_store=opts.tma_store, k_ahead=opts.k_ahead, bounds_prefetch=opts.bounds_prefetch, tree_max=opts.tree_max,
-        prologue_overlap=opts.prologue_overlap, entry_ahead=opts.entry_ahead)
+        prologue_overlap=opts.prologue_overlap, entry_ahead=opts.entry_ahead,
+        entry_ahead_bounds=opts.entry_ahead_bounds)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",

@@ -27,7 +27,8 @@ def test_unsupported_head_dim_is_refused():
                 dict(intra_wg_overlap=False, pingpong=False), dict(tma_store=False),
                 dict(k_ahead=False), dict(k_ahead=False, num_stages=3, tma_store=False),
                 dict(tree_max=True), dict(tree_max=True, intra_wg_overlap=False), dict(prologue_overlap=True),
-                dict(entry_ahead=True), dict(entry_ahead=True, bounds_prefetch=False)]
+                dict(entry_ahead=True), dict(entry_ahead=True, bounds_prefetch=False),
+                dict(entry_ahead=True, entry_ahead_bounds=False)]
 )
 def test_ablation_variants_compile(changes):
     from flashmask3.optimized import KernelOptions, compile_check
