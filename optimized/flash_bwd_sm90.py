@@ -39,7 +39,7 @@ from cutlass.memory import SmemAllocator
 
 from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout, _tma_pipeline, _tma_tiles, _wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
-from .mask import apply_column_mask, load_key_bounds
+from .mask import apply_column_mask
 from .mask_role import END_OF_LIST, TileList, list_query_tiles
 
 LOG2_E = math.log2(math.e)
@@ -77,8 +77,6 @@ class FlashMaskBackwardSm90:
         deterministic: bool = False,
         num_stages: int = 2,
         skip_tiles: bool = True,
-        bounds_once: bool = False,
-        dq_before_dk: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -89,8 +87,6 @@ class FlashMaskBackwardSm90:
         self.deterministic = deterministic
         self.num_stages = num_stages
         self.skip_tiles = skip_tiles
-        self.bounds_once = bounds_once
-        self.dq_before_dk = dq_before_dk
         self.num_consumer_wgs = self.tile_n // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -373,10 +369,6 @@ class FlashMaskBackwardSm90:
         for g in cutlass.range(qheads_per_kvhead, unroll=1):
             head = head_kv * qheads_per_kvhead + g
             mask_head = head // qheads_per_maskhead
-            key_bounds = None
-            if const_expr(self.bounds_once):  # in flight while the first S GEMM runs
-                key_bounds = load_key_bounds(st_coords, mRowIndices, mask_batch, mask_head, key_start, seqlen_k,
-                                             self.mask_width)
             entry = tile_list.read(position)
             position += 1
             while entry != END_OF_LIST:
@@ -391,8 +383,7 @@ class FlashMaskBackwardSm90:
                 warpgroup.wait_group(1)
                 if (entry & 1) != 0:
                     apply_column_mask(acc_S, st_coords, mRowIndices, mask_batch, mask_head, query_start, key_start,
-                                      seqlen_k, causal_offset, self.causal, self.mask_width, keys_on_rows=True,
-                                      key_bounds=key_bounds)
+                                      seqlen_k, causal_offset, self.causal, self.mask_width, keys_on_rows=True)
                 p_rows = acc_rows_view(acc_S)
                 for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
@@ -409,9 +400,8 @@ class FlashMaskBackwardSm90:
                         ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                if const_expr(not self.dq_before_dk):
-                    _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
-                           zero_init=False)
+                _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
+                       zero_init=False)
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2
@@ -422,24 +412,14 @@ class FlashMaskBackwardSm90:
                 cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 _wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
-                if const_expr(self.dq_before_dk):  # dK runs on the tensor cores while dQ is added
-                    _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
-                           zero_init=False)
-                    warpgroup.wait_group(1)  # dV and dQ are done; dO is free
-                    pipe_do.consumer_release(state)
-                else:
-                    warpgroup.wait_group(0)
-                    pipe_q.consumer_release(state)
-                    pipe_do.consumer_release(state)
-                    state.advance()
+                warpgroup.wait_group(0)
+                pipe_q.consumer_release(state)
+                pipe_do.consumer_release(state)
+                state.advance()
                 rank = Int32(0)
                 if const_expr(self.deterministic):
                     rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
                 self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg)
-                if const_expr(self.dq_before_dk):
-                    warpgroup.wait_group(0)  # dK has read Q
-                    pipe_q.consumer_release(state)
-                    state.advance()
                 step += 1
                 entry = tile_list.read(position)
                 position += 1

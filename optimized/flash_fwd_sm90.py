@@ -29,7 +29,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
-from .mask_role import END_OF_LIST, TileList, key_tile_count, list_key_tiles, load_block_bounds
+from .mask_role import END_OF_LIST, TileList, list_key_tiles
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore, softmax_update
 
 LOG2_E = math.log2(math.e)
@@ -106,10 +106,7 @@ class FlashMaskForwardSm90:
         tma_store: bool = True,
         k_ahead: bool = True,
         bounds_prefetch: bool = True,
-        tree_max: bool = False,
-        prologue_overlap: bool = False,
         entry_ahead: bool = False,
-        entry_ahead_bounds: bool = True,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -126,11 +123,7 @@ class FlashMaskForwardSm90:
         self.k_ahead = k_ahead and intra_wg_overlap  # the load order only the overlapped loop wants
         # The overlapped loop's turn barrier is what lets a buffer be refilled: ping-pong only.
         self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
-        self.tree_max = tree_max
-        self.prologue_overlap = prologue_overlap
         self.entry_ahead = entry_ahead and intra_wg_overlap
-        # The next entry's bounds cp.async'd under the GEMMs too: one cp.async group per entry.
-        self.bounds_ahead = self.entry_ahead and entry_ahead_bounds
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
@@ -244,18 +237,8 @@ class FlashMaskForwardSm90:
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
                              storage.mbar_tiles.data_ptr())
         readers = 1 + 4 * self.num_consumer_wgs  # the producer and consumer warps
-        first_bounds = None
-        if const_expr(self.prologue_overlap):
-            # The mask warp inits the ring (a lane per slot pair, beside warp 0's pipeline inits) and
-            # starts its first 32 tiles' bounds loads before the CTA-wide sync, not after it.
-            first_bounds = cute.make_rmem_tensor((2 * self.mask_width,), Int32)
-            if warp_idx == 1:
-                tile_list.init_by_warp(readers)
-                self.preload_bounds(first_bounds, mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead,
-                                                               None, None], m_block, mQ.shape[0], mK.shape[0])
-        else:
-            if tidx == 0:
-                tile_list.init(readers)
+        if tidx == 0:
+            tile_list.init(readers)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -278,22 +261,13 @@ class FlashMaskForwardSm90:
                 row_start = m_block * self.tile_m
                 list_key_tiles(tile_list, mBlockBounds[mask_batch, mask_head, None, None], row_start,
                                cutlass.min(row_start + self.tile_m, seqlen_q), seqlen_k, seqlen_k - seqlen_q,
-                               self.tile_n, self.causal, self.mask_width, self.skip_tiles, first_bounds)
+                               self.tile_n, self.causal, self.mask_width, self.skip_tiles)
         else:
             if const_expr(self.setmaxnreg):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO if const_expr(tma_o is None) else (tma_o, tma_mO), mLSE, mRowIndices, sQ, sK,
                          transpose_view(sV), sBounds, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, tidx - 128,
                          scale_log2, m_block, head, batch, mask_batch, mask_head, tile_list, seqlen_q, seqlen_k)
-
-    @cute.jit
-    def preload_bounds(self, first_bounds, mTileBounds, m_block, seqlen_q, seqlen_k):
-        """`prologue_overlap`: the mask warp's first 32 key tiles' min/max (`list_key_tiles` takes them)."""
-        row_end = cutlass.min((m_block + 1) * self.tile_m, seqlen_q)
-        num_tiles = key_tile_count(cute.size(mTileBounds.shape[0]), row_end, seqlen_k - seqlen_q, self.tile_n,
-                                   self.causal, self.skip_tiles)
-        if num_tiles > 0:
-            load_block_bounds(first_bounds, mTileBounds, cute.arch.lane_idx(), num_tiles, self.mask_width)
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
@@ -393,7 +367,7 @@ class FlashMaskForwardSm90:
             while entry != END_OF_LIST:
                 acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, state, wg)
                 self.mask_scores(acc_S, entry, position, None, *mask_args)
-                softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2, self.tree_max)
+                softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 pipe_v.consumer_wait(state)
                 self.begin_turn(wg)
@@ -428,7 +402,7 @@ class FlashMaskForwardSm90:
             acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg)
             k_state.advance()
             self.mask_scores(acc_S, entry, position, bounds, *mask_args)
-            softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.tree_max)  # O is still zero: nothing to rescale
+            softmax_rescore(acc_S, row_max, row_sum, scale_log2)  # O is still zero: nothing to rescale
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             position += 1
             entry = tile_list.read(position)
@@ -448,15 +422,14 @@ class FlashMaskForwardSm90:
                 _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
                 next_entry = entry
-                if const_expr(self.entry_ahead):  # the ring read (and the next bounds' cp.async) under the GEMMs
+                if const_expr(self.entry_ahead):  # the ring read and the next bounds' cp.async under the GEMMs
                     next_entry = tile_list.read(position + 1)
-                    if const_expr(self.bounds_ahead):
-                        self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
+                    self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
                 pipe_k.consumer_release(k_state)
                 k_state.advance()
-                self.mask_scores(acc_S, entry, position, bounds, *mask_args, newer_groups=int(self.bounds_ahead))
-                correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.tree_max)
+                self.mask_scores(acc_S, entry, position, bounds, *mask_args, newer_groups=int(self.entry_ahead))
+                correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
                 v_state.advance()
@@ -465,8 +438,6 @@ class FlashMaskForwardSm90:
                 position += 1
                 if const_expr(self.entry_ahead):
                     entry = next_entry
-                    if const_expr(not self.bounds_ahead):
-                        self.prefetch_bounds(bounds, entry, position, mask_args)
                 else:
                     entry = tile_list.read(position)
                     self.prefetch_bounds(bounds, entry, position, mask_args)
@@ -506,9 +477,9 @@ class FlashMaskForwardSm90:
                 one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
                 cute.copy(atom, cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
                           cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy))
-                if const_expr(not self.bounds_ahead):
+                if const_expr(not self.entry_ahead):
                     cute.arch.cp_async_commit_group()
-            if const_expr(self.bounds_ahead):  # a group per entry, empty if unmasked: the mask waits by count
+            if const_expr(self.entry_ahead):  # a group per entry, empty if unmasked: the mask waits by count
                 cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -516,7 +487,7 @@ class FlashMaskForwardSm90:
                     seqlen_k, causal_offset, newer_groups: cutlass.Constexpr[int] = 0):
         """The element mask, on tiles the mask role listed PARTIAL only; with `bounds` (see
         `prefetch_bounds`) the column boundaries come from smem, once all but the `newer_groups`
-        latest cp.async groups (a later tile's, with `bounds_ahead`) have landed."""
+        latest cp.async groups (a later tile's, with `entry_ahead`) have landed."""
         if (entry & 1) != 0:
             tile_bounds = None
             if const_expr(bounds is not None):

@@ -33,21 +33,9 @@ class KernelOptions:
     # forward, with the overlap and ping-pong: a PARTIAL tile's column bounds cp.async'd to smem a tile
     # ahead (off: read from global memory after the QK GEMM)
     bounds_prefetch: bool = True
-    tree_max: bool = False  # forward: row maxima in four interleaved chains (not yet run on the H200)
-    # forward: the mask warp inits its ring by 32 lanes and loads its first bounds before the CTA's
-    # sync (not yet run on the H200)
-    prologue_overlap: bool = False
     # forward, with the overlap: the next list entry read (and its bounds' cp.async started) while
     # this tile's GEMMs run, not after its softmax (not yet run on the H200)
     entry_ahead: bool = False
-    # with entry_ahead: that entry's bounds' cp.async started under the GEMMs too (off: after the softmax)
-    entry_ahead_bounds: bool = True
-    # backward: the thread's key bounds loaded into registers once per head, not per query tile
-    # (not yet run on the H200)
-    bwd_bounds_once: bool = False
-    # backward: dQ's GEMM issued before dK's, so the dQ add runs while dK is on the tensor cores (FA4's
-    # SM90 order; not yet run on the H200)
-    dq_before_dk: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -111,8 +99,7 @@ def _make_kernel(
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
-        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
-                                     bounds_once=opts.bwd_bounds_once, dq_before_dk=opts.dq_before_dk)
+        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles)
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
@@ -122,9 +109,8 @@ def _make_kernel(
     return FlashMaskForwardSm90(
         cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, pingpong=opts.pingpong,
         setmaxnreg=opts.setmaxnreg, skip_tiles=opts.skip_tiles, intra_wg_overlap=opts.intra_wg_overlap,
-        tma_store=opts.tma_store, k_ahead=opts.k_ahead, bounds_prefetch=opts.bounds_prefetch, tree_max=opts.tree_max,
-        prologue_overlap=opts.prologue_overlap, entry_ahead=opts.entry_ahead,
-        entry_ahead_bounds=opts.entry_ahead_bounds)
+        tma_store=opts.tma_store, k_ahead=opts.k_ahead, bounds_prefetch=opts.bounds_prefetch,
+        entry_ahead=opts.entry_ahead)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",

@@ -48,7 +48,6 @@ def apply_column_mask(
     width: cutlass.Constexpr[int],
     keys_on_rows: cutlass.Constexpr[bool] = False,
     tile_bounds: cute.Tensor | None = None,
-    key_bounds: cute.Tensor | None = None,
 ) -> None:
     """Set hidden scores of the thread's fragment to -inf.
 
@@ -56,7 +55,7 @@ def apply_column_mask(
     coordinates, or (key, query) with `keys_on_rows` (the backward's transposed scores);
     `mRowIndices` is the mask's int32 [Bm, Hm, Sk, width] `startend_row_indices`. The bounds of
     each of the thread's keys are loaded once, from `tile_bounds` (the tile's (key, boundary) copy
-    in smem) or `key_bounds` (the thread's (key, boundary) registers, `load_key_bounds`) when given.
+    in smem) when given.
     """
     s_rows = acc_rows_view(acc_S)
     c_rows = acc_rows_view(coords)
@@ -67,8 +66,6 @@ def apply_column_mask(
         in_range = key < seqlen_k
         if cutlass.const_expr(tile_bounds is not None):
             bounds = tile_bounds[key_in_tile, None]
-        elif cutlass.const_expr(key_bounds is not None):
-            bounds = key_bounds[k, None]
         else:
             bounds = mRowIndices[mask_batch, mask_head, key if in_range else seqlen_k - 1, None]
         first = bounds[0]
@@ -81,25 +78,3 @@ def apply_column_mask(
             hidden = not in_range or _hidden(query, key, first, second, third, fourth, causal_offset, causal, width)
             s_rows[r, c] = -Float32.inf if hidden else s_rows[r, c]
 
-
-@cute.jit
-def load_key_bounds(
-    coords: cute.Tensor,
-    mRowIndices: cute.Tensor,
-    mask_batch: Int32,
-    mask_head: Int32,
-    key_start: Int32,
-    seqlen_k: Int32,
-    width: cutlass.Constexpr[int],
-) -> cute.Tensor:
-    """The boundaries of the thread's keys (the rows of the backward's transposed scores; `coords` as
-    in `apply_column_mask`) in registers, (key, boundary): a backward CTA keeps one key tile, so they
-    are loaded once per head instead of once per query tile. Keys past the end repeat the last one."""
-    c_rows = acc_rows_view(coords)
-    keys = cute.size(c_rows, mode=[0])
-    bounds = cute.make_rmem_tensor((keys, width), Int32)
-    for k in cutlass.range_constexpr(keys):
-        key = cutlass.min(key_start + c_rows[k, 0][0], seqlen_k - 1)
-        for w in cutlass.range_constexpr(width):
-            bounds[k, w] = mRowIndices[mask_batch, mask_head, key, w]
-    return bounds

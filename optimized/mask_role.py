@@ -41,14 +41,6 @@ class TileList:
             cute.arch.mbarrier_init(self.empty + s, readers)
 
     @cute.jit
-    def init_by_warp(self, readers: int) -> None:
-        """`init` by the 32 lanes of one warp, each its `slots / 32` slots, before the init fence."""
-        for s in cutlass.range_constexpr(self.slots // 32):
-            slot = cute.arch.lane_idx() + 32 * s
-            cute.arch.mbarrier_init(self.full + slot, 1)
-            cute.arch.mbarrier_init(self.empty + slot, readers)
-
-    @cute.jit
     def wait_free(self, position: Int32) -> None:
         """Wait until every reader has read the entry `slots` before `position`, hence (readers go in
         order) every earlier one: the slots up to `position` may be written."""
@@ -175,21 +167,15 @@ def list_key_tiles(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     skip_tiles: cutlass.Constexpr[bool],
-    first_bounds: cute.Tensor | None = None,
 ) -> None:
-    """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order.
-    `first_bounds`: the first 32 tiles' `load_block_bounds`, if the warp loaded them already."""
+    """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order."""
     lane = cute.arch.lane_idx()
     num_tiles = key_tile_count(cute.size(mBounds.shape[0]), row_end, causal_offset, tile_n, causal, skip_tiles)
-    bounds = cute.make_rmem_tensor((2 * width,), Int32) if const_expr(first_bounds is None) else first_bounds
+    bounds = cute.make_rmem_tensor((2 * width,), Int32)
     position = Int32(0)
     for first in cutlass.range(0, num_tiles, 32, unroll=1):
         tile = first + lane
-        if const_expr(first_bounds is None):
-            load_block_bounds(bounds, mBounds, tile, num_tiles, width)
-        else:
-            if first > 0:  # the first batch came in before the CTA's sync
-                load_block_bounds(bounds, mBounds, tile, num_tiles, width)
+        load_block_bounds(bounds, mBounds, tile, num_tiles, width)
         listed, partial = tile_flags(bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset,
                                      causal, width, skip_tiles)
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)

@@ -14,28 +14,12 @@ from .layout import acc_rows_view
 
 
 @cute.jit
-def _row_max(s_rows: cute.Tensor, r: int, init: Float32, tree: cutlass.Constexpr[bool]) -> Float32:
-    """The thread's max of row r and `init`: one chain of maxima, or with `tree` four interleaved
-    chains joined at the end (a quarter of the dependent latency; the same value, NaN included)."""
-    if cutlass.const_expr(not tree):
-        return s_rows[r, None].load().reduce(cute.ReductionOp.MAX, init, 0)
-    partial = [s_rows[r, 0], s_rows[r, 1], s_rows[r, 2], s_rows[r, 3]]
-    for i in cutlass.range_constexpr(4, cute.size(s_rows, mode=[1]), 4):
-        for j in cutlass.range_constexpr(4):
-            partial[j] = cute.arch.fmax(partial[j], s_rows[r, i + j], nan=True)
-    left = cute.arch.fmax(partial[0], partial[1], nan=True)
-    right = cute.arch.fmax(partial[2], partial[3], nan=True)
-    return cute.arch.fmax(cute.arch.fmax(left, right, nan=True), init, nan=True)
-
-
-@cute.jit
-def _rescore_row(s_rows: cute.Tensor, r: int, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32,
-                 tree_max: cutlass.Constexpr[bool]):
+def _rescore_row(s_rows: cute.Tensor, r: int, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32):
     """Row r of the scores to exp2(s * scale - new max) in place, its running max and sum updated;
     returns the factor the row of O must be rescaled by. A row with no visible key yet keeps max
     -inf and probabilities 0."""
     row = s_rows[r, None].load()
-    new_max = _row_max(s_rows, r, row_max[r], tree_max)
+    new_max = row.reduce(cute.ReductionOp.MAX, row_max[r], 0)
     new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
     safe_max = 0.0 if new_max == -Float32.inf else new_max
     correction = cute.math.exp2((row_max[r] - safe_max) * scale_log2, fastmath=True)
@@ -48,26 +32,24 @@ def _rescore_row(s_rows: cute.Tensor, r: int, row_max: cute.Tensor, row_sum: cut
 
 @cute.jit
 def softmax_update(
-    acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32,
-    tree_max: cutlass.Constexpr[bool] = False,
+    acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32
 ) -> None:
     """Turn scores into probabilities in place and rescale O for the new row max, row by row."""
     s_rows = acc_rows_view(acc_S)
     o_rows = acc_rows_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        correction = _rescore_row(s_rows, r, row_max, row_sum, scale_log2, tree_max)
+        correction = _rescore_row(s_rows, r, row_max, row_sum, scale_log2)
         o_rows[r, None].store(o_rows[r, None].load() * correction)
 
 
 @cute.jit
-def softmax_rescore(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32,
-                    tree_max: cutlass.Constexpr[bool] = False) -> cute.Tensor:
+def softmax_rescore(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
     """`softmax_update` without touching O (which a GEMM may still be writing): returns the
     per-row factors for `rescale_rows`."""
     s_rows = acc_rows_view(acc_S)
     correction = cute.make_rmem_tensor_like(row_max, Float32)
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        correction[r] = _rescore_row(s_rows, r, row_max, row_sum, scale_log2, tree_max)
+        correction[r] = _rescore_row(s_rows, r, row_max, row_sum, scale_log2)
     return correction
 
 

@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -172,10 +173,11 @@ def forward_step(mask: ColumnMask, head_dim: int):
 
 
 def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], variants: list[str],
-                 step=forward_step, flops_per_fwd: float = 1.0, save=lambda rows: None) -> list[dict]:
+                 step=forward_step, flops_per_fwd: float = 1.0, save=lambda rows: None, rounds: int = 5) -> list[dict]:
     """Per mask: the default kernel's time, then each variant's time and largest output difference.
     `step(mask, head_dim)` gives the timed call (q, k, v, dout -> a tuple of output tensors);
-    `flops_per_fwd` its FLOPs in forwards (3.5 for fwd+bwd)."""
+    `flops_per_fwd` its FLOPs in forwards (3.5 for fwd+bwd). The configurations take turns in
+    `rounds` rounds (median over all), so a drift of the GPU's clock over the run hits them alike."""
     rows = []
     heads = 4096 // head_dim
     for seqlen in seqlens:
@@ -187,13 +189,19 @@ def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], varia
             flops = flops_per_fwd * attention_flops(batch, heads, seqlen, seqlen, head_dim, mask.density())
             run = step(mask, head_dim)
             reference = run(*inputs[0])
-            row = {"mask": name, "seqlen": seqlen, "default_ms": bench_ms(run, inputs)}
+            row = {"mask": name, "seqlen": seqlen}
             for variant in variants:
                 with kernel_options(**variant_overrides(variant)):
                     outputs = run(*inputs[0])
-                    row[f"{variant}_max_diff"] = max(float((a.float() - b.float()).abs().max())
-                                                     for a, b in zip(outputs, reference))
-                    row[f"{variant}_ms"] = bench_ms(run, inputs)
+                row[f"{variant}_max_diff"] = max(float((a.float() - b.float()).abs().max())
+                                                 for a, b in zip(outputs, reference))
+            times = {config: [] for config in ["default", *variants]}
+            for _ in range(rounds):
+                for config in times:
+                    with kernel_options(**({} if config == "default" else variant_overrides(config))):
+                        times[config] += gpu_times_ms(run, inputs, warmup=1, repeats=2)
+            for config, samples in times.items():
+                row[f"{config}_ms"] = statistics.median(samples)
             add_row(rows, row, flops, save)
     return rows
 

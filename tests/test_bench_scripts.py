@@ -24,7 +24,8 @@ def test_ablation_variants_join_kernel_options_with_plus():
 
 def test_ablation_times_each_variant_under_its_options(monkeypatch):
     """The plumbing of `ablate` (the kernel itself needs the H200): each variant runs under its own
-    KernelOptions, and its row holds its time, TFLOP/s and largest difference from the default."""
+    KernelOptions, the configurations take turns round by round, and a row holds each one's median
+    time, TFLOP/s and largest difference from the default."""
     import torch
 
     from flashmask3.optimized import interface
@@ -42,11 +43,19 @@ def test_ablation_times_each_variant_under_its_options(monkeypatch):
     monkeypatch.setattr(bench_fwd, "cute_forward", fake_forward)
     monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
-    monkeypatch.setattr(bench_fwd, "bench_ms", lambda fn, inputs: [fn(*x) for x in inputs] and 2.0)
+    timed = []
+
+    def fake_times(fn, inputs, warmup, repeats):  # 3 stages take 3 ms, the rest 2, one round in 5 slower
+        timed.append(interface.options)
+        [fn(*x) for x in inputs]
+        return [interface.options.num_stages + (len(timed) < 4)] * repeats
+
+    monkeypatch.setattr(bench_fwd, "gpu_times_ms", fake_times)
     rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "k_ahead=true"])
     (row,) = rows
     assert row["num_stages=3_max_diff"] == 1.0 and row["k_ahead=true_max_diff"] == 0.0
-    assert row["default_ms"] == row["k_ahead=true_ms"] == 2.0
+    assert row["default_ms"] == row["k_ahead=true_ms"] == 2.0 and row["num_stages=3_ms"] == 3.0
+    assert [(o.num_stages, o.k_ahead) for o in timed[:3]] == [(2, True), (3, True), (2, True)] and len(timed) == 15
     assert row["default_tflops"] == pytest.approx(4 * 16 * 32 * 8192**2 * 128 * 0.5 / 2e-3 / 1e12)
     assert {o.num_stages for o in seen} == {2, 3} and any(o.k_ahead for o in seen)
     assert interface.options == interface.KernelOptions()
@@ -68,7 +77,8 @@ def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monke
 
     monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
-    monkeypatch.setattr(bench_fwd, "bench_ms", lambda fn, inputs: [fn(*x) for x in inputs] and 4.0)
+    monkeypatch.setattr(bench_fwd, "gpu_times_ms",
+                        lambda fn, inputs, warmup, repeats: [fn(*x) for x in inputs] and [4.0])
     (row,) = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3"], step, 3.5)
     assert row["num_stages=3_max_diff"] == 1.0
     assert row["default_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 4e-3 / 1e12)
