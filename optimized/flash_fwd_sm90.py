@@ -106,7 +106,7 @@ class FlashMaskForwardSm90:
         tma_store: bool = True,
         k_ahead: bool = True,
         bounds_prefetch: bool = True,
-        entry_ahead: bool = False,
+        entry_ahead: bool = True,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")

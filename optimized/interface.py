@@ -33,9 +33,9 @@ class KernelOptions:
     # forward, with the overlap and ping-pong: a PARTIAL tile's column bounds cp.async'd to smem a tile
     # ahead (off: read from global memory after the QK GEMM)
     bounds_prefetch: bool = True
-    # forward, with the overlap: the next list entry read (and its bounds' cp.async started) while
-    # this tile's GEMMs run, not after its softmax (not yet run on the H200)
-    entry_ahead: bool = False
+    # forward, with the overlap: the next list entry read and its bounds' cp.async started while this
+    # tile's GEMMs run, not after its softmax
+    entry_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):

@@ -26,7 +26,7 @@ def test_unsupported_head_dim_is_refused():
     "changes", [dict(num_stages=3), dict(pingpong=False), dict(setmaxnreg=False), dict(intra_wg_overlap=False),
                 dict(intra_wg_overlap=False, pingpong=False), dict(tma_store=False),
                 dict(k_ahead=False), dict(k_ahead=False, num_stages=3, tma_store=False),
-                dict(entry_ahead=True), dict(entry_ahead=True, bounds_prefetch=False)]
+                dict(entry_ahead=False), dict(bounds_prefetch=False)]
 )
 def test_ablation_variants_compile(changes):
     from flashmask3.optimized import KernelOptions, compile_check
