@@ -59,6 +59,24 @@ def gpu_times_ms(fn: Callable, inputs: list[tuple], warmup: int = 3, repeats: in
     return [start.elapsed_time(stop) for start, stop in events]
 
 
+def interleaved_ms(contenders: dict[str, tuple[Callable, list[tuple]]], rounds: int = 5, warmup: int = 3,
+                   repeats: int = 2) -> dict[str, float]:
+    """Median GPU milliseconds per call of each contender (`name: (fn, argument tuples)`), the
+    contenders taking turns: `warmup` untimed calls of each per argument tuple (compilation,
+    autotuning), then `rounds` rounds, every other one in reverse order, in which each runs `repeats`
+    times per argument tuple (`gpu_times_ms`). Timing them one after the other instead lets a drift
+    of the GPU's clock over the run pass for a difference."""
+    for fn, inputs in contenders.values():
+        gpu_times_ms(fn, inputs, warmup, repeats=0)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    order = list(contenders)
+    for turn in range(rounds):
+        for name in order if turn % 2 == 0 else order[::-1]:
+            fn, inputs = contenders[name]
+            times[name] += gpu_times_ms(fn, inputs, warmup=1, repeats=repeats)
+    return {name: statistics.median(samples) for name, samples in times.items()}
+
+
 def time_fn(fn: Callable[[], object], warmup: int = 3, repeats: int = 10, device: torch.device | str = "cpu") -> float:
     """Median seconds per call: CUDA events on a GPU (`gpu_times_ms`), perf_counter on the CPU."""
     if torch.device(device).type == "cuda":

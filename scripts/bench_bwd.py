@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashmask3 as fm  # noqa: E402
 from flashmask3 import peers  # noqa: E402
-from flashmask3.bench import attention_flops, progress  # noqa: E402
+from flashmask3.bench import attention_flops, interleaved_ms, progress  # noqa: E402
 from flashmask3.optimized import compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import backward as cute_backward  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
@@ -36,7 +36,7 @@ from flashmask3.verify import compare, random_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd import (  # noqa: E402
-    ablation_table, add_common_arguments, add_row, bench_ms, fa4_fn, new_record, run_ablation, run_check, variant_overrides)
+    ablation_table, add_common_arguments, add_row, cudnn_fn, fa4_fn, new_record, run_ablation, run_check, variant_overrides)
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -82,16 +82,15 @@ def fwd_bwd(fn):
 
 def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], deterministic: bool,
               save=lambda rows: None) -> list[dict]:
-    """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
+    Per mask, cute and its peers take turns (`interleaved_ms`)."""
     rows = []
     heads = 4096 // head_dim
     for seqlen in seqlens:
         batch = max(1, 131072 // seqlen)
-        sets, repeats = (2, 5) if seqlen <= 8192 else (2, 3)
+        rounds = 5 if seqlen <= 8192 else 3
         inputs = []
-        for s in range(sets):
+        for s in range(2):
             q, k, v, dout = random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)
             inputs.append((q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout))
         scale = 1 / math.sqrt(head_dim)
@@ -101,20 +100,19 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
             flops = 3.5 * attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
             row = {"mask": name, "seqlen": seqlen, "batch": batch, "heads": heads, "head_dim": head_dim,
                    "density": density, "deterministic": deterministic}
-            row["cute_ms"] = bench_ms(fwd_bwd(lambda q, k, v: fm.attention(
-                q, k, v, mask, backend="cute", deterministic=deterministic)), inputs, 2, repeats)
             block_mask = peers.flex_block_mask(mask, batch, heads, seqlen, seqlen, "cuda")
-            row["flex_ms"] = bench_ms(fwd_bwd(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask)),
-                                      inputs, 2, repeats)
+            contenders = {
+                "cute": fwd_bwd(lambda q, k, v: fm.attention(q, k, v, mask, backend="cute", deterministic=deterministic)),
+                "flex": fwd_bwd(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask)),
+            }
             if name in ("full", "causal"):
-                causal = name == "causal"
-                fa4 = fa4_fn(causal)
+                fa4 = fa4_fn(name == "causal")
                 if fa4 is not None:
-                    row["fa4_ms"] = bench_ms(fwd_bwd(fa4), inputs, 2, repeats)
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    row["cudnn_ms"] = bench_ms(fwd_bwd(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)),
-                        inputs, 2, repeats)
+                    contenders["fa4"] = fwd_bwd(fa4)
+                contenders["cudnn"] = fwd_bwd(cudnn_fn(name == "causal"))
+            times = interleaved_ms({key: (fn, inputs) for key, fn in contenders.items()}, rounds, warmup=2, repeats=1)
+            for contender, ms in times.items():
+                row[f"{contender}_ms"] = ms
             add_row(rows, row, flops, save)
             for q, k, v, _ in inputs:
                 q.grad = k.grad = v.grad = None

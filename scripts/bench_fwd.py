@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3 import peers  # noqa: E402
-from flashmask3.bench import attention_flops, git_commit, gpu_times_ms, progress  # noqa: E402
+from flashmask3.bench import attention_flops, git_commit, interleaved_ms, progress  # noqa: E402
 from flashmask3.optimized import KernelOptions, compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
 from flashmask3.reference import ColumnMask, masks  # noqa: E402
@@ -74,12 +72,6 @@ def run_check(case=check_case, first_seed: int = 0) -> list[dict]:
     return rows
 
 
-def bench_ms(fn, inputs, warmup=3, repeats=10) -> float:
-    """Median ms over `repeats` calls per input set, cycling through the sets (`gpu_times_ms`)."""
-    times = sorted(gpu_times_ms(fn, inputs, warmup, repeats))
-    return times[len(times) // 2]
-
-
 def fa4_fn(causal: bool):
     try:
         from flash_attn.cute import flash_attn_func
@@ -101,17 +93,29 @@ def kernel_overrides(pairs: list[str]) -> dict:
     return options
 
 
-def fa4_sparse_row(row: dict, mask, heads: int, inputs: list, bench) -> None:
-    """FA4 with block sparsity on the same mask (issue 3's last peer): its time and its largest
-    difference from our output, or why it could not run."""
+def fa4_sparse_fn(row: dict, mask, heads: int, inputs: list):
+    """FA4 with block sparsity on the same mask (issue 3's last peer): its call, with its largest
+    difference from our output put in `row`; or None, with why it could not run."""
     try:
         fa4 = peers.fa4_block_sparse(mask, heads, "cuda")
         q, k, v = inputs[0]
         row["fa4_sparse_max_diff"] = float((fa4(q, k, v).float() - cute_forward(q, k, v, mask, 1 / math.sqrt(
             q.shape[-1]))[0].float()).abs().max())
-        row["fa4_sparse_ms"] = bench(fa4, inputs)
+        return fa4
     except Exception as exc:  # a peer failure is a result to report, not a reason to stop the bench
         row["fa4_sparse_error"] = repr(exc)[:300]
+        return None
+
+
+def cudnn_fn(causal: bool):
+    """cuDNN's SDPA on (batch, seq, heads, dim) tensors (dense masks only)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+    return run
 
 
 def add_row(rows: list[dict], row: dict, flops: float, save) -> None:
@@ -124,17 +128,15 @@ def add_row(rows: list[dict], row: dict, flops: float, save) -> None:
 
 
 def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lambda rows: None) -> list[dict]:
-    """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
+    Per mask, cute and its peers take turns (`interleaved_ms`)."""
     rows = []
     heads = 4096 // head_dim
     for seqlen in seqlens:
         batch = max(1, 131072 // seqlen)
-        sets, repeats = (3, 10) if seqlen <= 8192 else (2, 4)  # longer runs: fewer, still >= 8 samples
+        sets, rounds, repeats = (3, 5, 2) if seqlen <= 8192 else (2, 4, 1)  # longer runs: fewer, still >= 8 samples
         inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
                   for s in range(sets)]
-        bench = functools.partial(bench_ms, repeats=repeats)
         scale = 1 / math.sqrt(head_dim)
         for name in progress(mask_names, f"bench {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
@@ -142,22 +144,22 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lam
             flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
             row = {"mask": name, "seqlen": seqlen, "batch": batch, "heads": heads, "head_dim": head_dim,
                    "density": density}
-            row["cute_ms"] = bench(lambda q, k, v: cute_forward(q, k, v, mask, scale), inputs)
+            contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, mask, scale), inputs)}
             start = time.perf_counter()
             block_mask = peers.flex_block_mask(mask, batch, heads, seqlen, seqlen, "cuda")
             torch.cuda.synchronize()
             row["flex_block_mask_s"] = time.perf_counter() - start
-            row["flex_ms"] = bench(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask), inputs)
-            fa4_sparse_row(row, mask, heads, inputs, bench)
+            contenders["flex"] = (lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask), inputs)
+            fa4_sparse = fa4_sparse_fn(row, mask, heads, inputs)
+            if fa4_sparse is not None:
+                contenders["fa4_sparse"] = (fa4_sparse, inputs)
             if name in ("full", "causal"):
-                causal = name == "causal"
-                fa4 = fa4_fn(causal)
+                fa4 = fa4_fn(name == "causal")
                 if fa4 is not None:
-                    row["fa4_ms"] = bench(fa4, inputs)
-                bhsd = [tuple(x.transpose(1, 2) for x in inp) for inp in inputs]
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    row["cudnn_ms"] = bench(
-                        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), bhsd)
+                    contenders["fa4"] = (fa4, inputs)
+                contenders["cudnn"] = (cudnn_fn(name == "causal"), inputs)
+            for contender, ms in interleaved_ms(contenders, rounds, repeats=repeats).items():
+                row[f"{contender}_ms"] = ms
             add_row(rows, row, flops, save)
     return rows
 
@@ -165,6 +167,14 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lam
 def variant_overrides(variant: str) -> dict:
     """"k_ahead=true+num_stages=3" -> {"k_ahead": True, "num_stages": 3}."""
     return kernel_overrides(variant.split("+"))
+
+
+def with_options(fn, overrides: dict):
+    """`fn` run under the KernelOptions changes `overrides`."""
+    def run(*args):
+        with kernel_options(**overrides):
+            return fn(*args)
+    return run
 
 
 def forward_step(mask: ColumnMask, head_dim: int):
@@ -190,18 +200,14 @@ def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], varia
             run = step(mask, head_dim)
             reference = run(*inputs[0])
             row = {"mask": name, "seqlen": seqlen}
+            contenders = {"default": (run, inputs)}
             for variant in variants:
-                with kernel_options(**variant_overrides(variant)):
-                    outputs = run(*inputs[0])
+                timed = with_options(run, variant_overrides(variant))
                 row[f"{variant}_max_diff"] = max(float((a.float() - b.float()).abs().max())
-                                                 for a, b in zip(outputs, reference))
-            times = {config: [] for config in ["default", *variants]}
-            for _ in range(rounds):
-                for config in times:
-                    with kernel_options(**({} if config == "default" else variant_overrides(config))):
-                        times[config] += gpu_times_ms(run, inputs, warmup=1, repeats=2)
-            for config, samples in times.items():
-                row[f"{config}_ms"] = statistics.median(samples)
+                                                 for a, b in zip(timed(*inputs[0]), reference))
+                contenders[variant] = (timed, inputs)
+            for config, ms in interleaved_ms(contenders, rounds).items():
+                row[f"{config}_ms"] = ms
             add_row(rows, row, flops, save)
     return rows
 

@@ -20,8 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_fwd import add_common_arguments, bench_ms, fa4_fn, new_record  # noqa: E402
+from bench_fwd import add_common_arguments, fa4_fn, new_record  # noqa: E402
 
+from flashmask3.bench import interleaved_ms  # noqa: E402
 from flashmask3.optimized import kernel_options  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
 from flashmask3.verify import random_inputs  # noqa: E402
@@ -60,9 +61,11 @@ def main() -> None:
                 torch.cuda.synchronize()
                 return
             row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / TILE)}
-            row["cute_ms"] = bench_ms(lambda q, k, v: cute_forward(q, k, v, None, scale), inputs)
+            contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, None, scale), inputs)}
             if fa4 is not None:
-                row["fa4_ms"] = bench_ms(fa4, inputs)
+                contenders["fa4"] = (fa4, inputs)
+            for kernel, ms in interleaved_ms(contenders).items():
+                row[f"{kernel}_ms"] = ms
             rows.append(row)
             print(row, flush=True)
     result["rows"] = rows

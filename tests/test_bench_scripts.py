@@ -8,6 +8,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_fwd  # noqa: E402
 
+from flashmask3 import bench  # noqa: E402
+
 
 def test_kernel_overrides_are_typed_like_the_kernel_options():
     assert bench_fwd.kernel_overrides(["intra_wg_overlap=true", "num_stages=3", "pingpong=0"]) == {
@@ -45,21 +47,21 @@ def test_ablation_times_each_variant_under_its_options(monkeypatch):
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
     timed = []
 
-    def fake_times(fn, inputs, warmup, repeats):  # 3 stages take 3 ms, the rest 2, one round in 5 slower
-        timed.append(interface.options)
+    def fake_times(fn, inputs, warmup, repeats):  # 3 stages take 3 ms, the rest 2
         [fn(*x) for x in inputs]
-        return [interface.options.num_stages + (len(timed) < 4)] * repeats
+        timed.append(seen[-1].num_stages)
+        return [float(seen[-1].num_stages)] * repeats
 
-    monkeypatch.setattr(bench_fwd, "gpu_times_ms", fake_times)
-    rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "k_ahead=true"])
+    monkeypatch.setattr(bench, "gpu_times_ms", fake_times)
+    rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "k_ahead=false"])
     (row,) = rows
-    assert row["num_stages=3_max_diff"] == 1.0 and row["k_ahead=true_max_diff"] == 0.0
-    assert row["default_ms"] == row["k_ahead=true_ms"] == 2.0 and row["num_stages=3_ms"] == 3.0
-    assert [(o.num_stages, o.k_ahead) for o in timed[:3]] == [(2, True), (3, True), (2, True)] and len(timed) == 15
+    assert row["num_stages=3_max_diff"] == 1.0 and row["k_ahead=false_max_diff"] == 0.0
+    assert row["default_ms"] == row["k_ahead=false_ms"] == 2.0 and row["num_stages=3_ms"] == 3.0
+    assert timed == [2, 3, 2] * 6  # a warm-up, then 5 rounds in which the three take turns (odd ones reversed)
     assert row["default_tflops"] == pytest.approx(4 * 16 * 32 * 8192**2 * 128 * 0.5 / 2e-3 / 1e12)
-    assert {o.num_stages for o in seen} == {2, 3} and any(o.k_ahead for o in seen)
+    assert {o.num_stages for o in seen} == {2, 3} and not all(o.k_ahead for o in seen)
     assert interface.options == interface.KernelOptions()
-    assert "k_ahead=true" in bench_fwd.ablation_table(rows, ["num_stages=3", "k_ahead=true"])
+    assert "k_ahead=false" in bench_fwd.ablation_table(rows, ["num_stages=3", "k_ahead=false"])
 
 
 def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monkeypatch):
@@ -77,11 +79,66 @@ def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monke
 
     monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
-    monkeypatch.setattr(bench_fwd, "gpu_times_ms",
-                        lambda fn, inputs, warmup, repeats: [fn(*x) for x in inputs] and [4.0])
+    monkeypatch.setattr(bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: [fn(*x) for x in inputs] and [4.0])
     (row,) = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3"], step, 3.5)
     assert row["num_stages=3_max_diff"] == 1.0
     assert row["default_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 4e-3 / 1e12)
+
+
+def _fake_peers(monkeypatch, module, calls: list, density: float, grad: bool = False):
+    """Every kernel of a bench replaced by one that logs its name and returns a tensor (CPU)."""
+    import torch
+
+    def kernel(name):
+        def run(q, k, v, *rest, **kwargs):
+            calls.append(name)
+            return torch.zeros(2, requires_grad=grad) * 1.0
+        return run
+
+    class FakeMask:
+        def density(self):
+            return density
+
+    monkeypatch.setattr(module, "random_inputs", lambda *a, **k: tuple(torch.zeros(2) for _ in range(4)))
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
+    monkeypatch.setattr(module, "fa4_fn", lambda causal: kernel("fa4"))
+    monkeypatch.setattr(module, "cudnn_fn", lambda causal: kernel("cudnn"))
+    monkeypatch.setattr(bench_fwd.peers, "flex_block_mask", lambda *a: None)
+    monkeypatch.setattr(bench_fwd.peers, "flex_attention", kernel("flex"))
+    monkeypatch.setattr(bench_fwd.peers, "fa4_block_sparse", lambda *a: kernel("fa4_sparse"))
+    monkeypatch.setattr(bench_fwd.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: (
+        [fn(*x) for x in inputs] and [{"cute": 1.0, "flex": 2.0}.get(calls[-1], 0.5)] * repeats * len(inputs)))
+
+
+def test_forward_bench_times_cute_and_each_peer_in_turns(monkeypatch):
+    """`bench_fwd.py bench` (CPU plumbing): per mask cute, Flex and FA4 with block sparsity, plus FA4
+    and cuDNN on the dense masks, each timed in turns; TFLOP/s from each one's median."""
+    calls = []
+    _fake_peers(monkeypatch, bench_fwd, calls, density=0.5)
+    monkeypatch.setattr(bench_fwd, "cute_forward", lambda q, k, v, mask, scale: (
+        calls.append("cute") or bench_fwd.torch.zeros(2), None))
+    full, document = bench_fwd.run_bench([8192], 128, ["full", "document"])
+    assert {k for k in full if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_sparse_ms", "fa4_ms", "cudnn_ms"}
+    assert {k for k in document if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_sparse_ms"}
+    assert full["flex_ms"] == 2.0 and full["cute_tflops"] == pytest.approx(2 * full["flex_tflops"])
+    assert full["fa4_sparse_max_diff"] == 0.0
+    timed = calls[calls.index("fa4_sparse") + 2:]  # after FA4-bs's check against cute
+    assert timed[:15:3] == ["cute", "flex", "fa4_sparse", "fa4", "cudnn"]  # warm-ups (3 input sets) in turn
+
+
+def test_backward_bench_times_fwd_and_bwd_of_cute_and_each_peer(monkeypatch):
+    """`bench_bwd.py bench` (CPU plumbing): forward and backward of each, in turns, 3.5x the FLOPs."""
+    import bench_bwd
+
+    calls = []
+    _fake_peers(monkeypatch, bench_bwd, calls, density=1.0, grad=True)
+    monkeypatch.setattr(bench_bwd.fm, "attention", lambda q, k, v, mask, **kw: (
+        calls.append("cute") or bench_fwd.torch.zeros(2, requires_grad=True) * 1.0))
+    (row,) = bench_bwd.run_bench([8192], 128, ["causal"], deterministic=False)
+    assert {k for k in row if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_ms", "cudnn_ms"}
+    assert row["cute_ms"] == 1.0 and row["cudnn_ms"] == 0.5
+    assert row["cute_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 1e-3 / 1e12)
 
 
 def test_unknown_kernel_option_names_the_accepted_ones():
@@ -108,8 +165,6 @@ def test_record_names_the_kernel_options_and_is_saved_under_out(tmp_path, monkey
 def test_gpu_times_bracket_each_call_and_sync_once(monkeypatch):
     """`gpu_times_ms` (needs CUDA for real): events around every call in order, warm-up untimed,
     one synchronize at the end (no per-call sync that would count the host's launch work)."""
-    from flashmask3 import bench
-
     log = []
 
     class FakeEvent:
@@ -129,6 +184,29 @@ def test_gpu_times_bracket_each_call_and_sync_once(monkeypatch):
     assert times == [2.0] * 4
     assert log[:2] == ["call 1", "call 2"] and log.count("sync") == 1 and log[-1] == "sync"
     assert log[2:5] == ["record", "call 1", "record"]
+
+
+def test_interleaved_timing_takes_turns_so_a_drift_hits_every_contender(monkeypatch):
+    """`interleaved_ms`: an untimed warm-up of each, then rounds in which the contenders take turns,
+    every other round reversed: on a GPU that gets slower call by call, two equal kernels come out
+    equal (timed one after the other, 4 calls each, they would read 2.5 and 6.5 here)."""
+    order = []
+
+    def drifting_times(fn, inputs, warmup, repeats):
+        fn()
+        order.append(fn.__name__)
+        return [float(len(order))] * repeats * len(inputs)
+
+    def a():
+        pass
+
+    def b():
+        pass
+
+    monkeypatch.setattr(bench, "gpu_times_ms", drifting_times)
+    times = bench.interleaved_ms({"a": (a, [()]), "b": (b, [()])}, rounds=4, repeats=1)
+    assert order == ["a", "b"] + ["a", "b", "b", "a"] * 2
+    assert times == {"a": 6.5, "b": 6.5}  # medians of [3, 6, 7, 10] and [4, 5, 8, 9]
 
 
 def test_device_steps_runs_each_step_under_its_limit_and_logs_it(tmp_path):
