@@ -24,7 +24,7 @@ TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref|| over entries where ref is finite; inf if x is not finite there."""
-    x, ref = x.double(), ref.double()
+    x, ref = x.detach().double(), ref.detach().double()
     finite = torch.isfinite(ref)
     if not bool(torch.isfinite(x[finite]).all()):
         return math.inf
