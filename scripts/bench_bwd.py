@@ -9,7 +9,8 @@ Correctness: out, LSE, dQ, dK, dV through `attention(..., backend="cute")` and a
 reference within the verify/ tolerance (2x the error of the same computation in the input
 precision), dK/dV written into NaN-poisoned buffers; `deterministic=True` run twice must agree
 bit for bit. Speed: fwd+bwd (loss.backward through autograd, mask preprocessing and the dQ/Delta passes
-included), CUDA events, median over input sets; TFLOP/s on unmasked work, 3.5x the forward FLOPs.
+included), CUDA events, median over input sets, cute and its peers taking turns round by round;
+TFLOP/s on unmasked work, 3.5x the forward FLOPs.
 Peers in the same run: FlexAttention (compiled, BlockMask built once), FA4 and cuDNN SDPA on
 full/causal. Writes JSON to $OUT (or bench/results/) and prints a table last.
 """
