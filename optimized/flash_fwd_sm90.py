@@ -1,12 +1,12 @@
 """Mask-aware attention forward for Hopper (sm_90a) in the CuTe DSL.
 
-One CTA per (query tile, query head, batch); 3 warpgroups:
+One CTA per (query tile, query head, batch); 3 warpgroups (4 with `q_tile_192`):
   - warpgroup 0, warp 1: the mask role (mask_role.py). Classifies the key tiles for the CTA's query
     tile from the per-key-block min/max of the mask and publishes the ones not fully masked, each
     flagged PARTIAL or not, into a smem ring the other warps read.
   - warpgroup 0, warp 0: producer. TMA-loads the Q tile once, then K and V of each listed key tile
     into a `num_stages`-deep mbarrier pipeline.
-  - warpgroups 1-2: consumers, 64 query rows each. S = Q K^T (SS-WGMMA), the element mask only on
+  - warpgroups 1-2 (1-3): consumers, 64 query rows each. S = Q K^T (SS-WGMMA), the element mask only on
     tiles listed PARTIAL (their column bounds cp.async'd into smem a tile ahead), online softmax in
     fp32, O += P V (RS-WGMMA, P stays in registers), O out through smem by one TMA store.
 Skipped tiles cost neither loads nor MMAs. setmaxnreg moves registers from warpgroup 0 to the
@@ -33,9 +33,10 @@ from .mask_role import END_OF_LIST, TileList, list_key_tiles
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore, softmax_update
 
 LOG2_E = math.log2(math.e)
-_MMA_TURN = 1  # named barriers 1 and 2: whose turn on the tensor cores (0 is sync_threads)
-_EPILOGUE = 3  # named barrier 3: the consumer warpgroups are done with sQ / wrote their part of O
-_BOUNDS_READY = 4  # named barriers 4 and 5: a warpgroup's prefetched column bounds are in smem
+# Named barriers (0 is sync_threads), with n consumer warpgroups: 1..n whose turn on the tensor
+# cores; n + 1 the consumers are done with sQ / wrote their part of O (`epilogue_barrier`); n + 2
+# onwards a warpgroup's prefetched column bounds are in smem (`bounds_barrier`).
+_MMA_TURN = 1
 
 
 def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
@@ -87,10 +88,8 @@ def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.T
 class FlashMaskForwardSm90:
     """Compile-time configuration and kernel of the forward pass."""
 
-    tile_m = 128
+    tile_m = 128  # query rows per CTA (192 with `q_tile_192`)
     tile_n = 128
-    producer_regs = 24
-    consumer_regs = 240
 
     def __init__(
         self,
@@ -107,6 +106,7 @@ class FlashMaskForwardSm90:
         k_ahead: bool = True,
         bounds_prefetch: bool = True,
         entry_ahead: bool = True,
+        q_tile_192: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -124,8 +124,14 @@ class FlashMaskForwardSm90:
         # The overlapped loop's turn barrier is what lets a buffer be refilled: ping-pong only.
         self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
         self.entry_ahead = entry_ahead and intra_wg_overlap
+        if q_tile_192 and head_dim == 64:  # FA3/FA4's SM90 shape at head dim 64: 1.5x the rows per K/V tile
+            self.tile_m = 192
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
+        # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all)
+        self.producer_regs, self.consumer_regs = (24, 240) if self.num_consumer_wgs == 2 else (32, 160)
+        self.epilogue_barrier = _MMA_TURN + self.num_consumer_wgs
+        self.bounds_barrier = self.epilogue_barrier + 1
 
     @cute.jit
     def __call__(
@@ -493,7 +499,7 @@ class FlashMaskForwardSm90:
             if const_expr(bounds is not None):
                 sBounds, _, wg = bounds
                 cute.arch.cp_async_wait_group(newer_groups)
-                cute.arch.barrier(barrier_id=_BOUNDS_READY + wg, number_of_threads=128)
+                cute.arch.barrier(barrier_id=self.bounds_barrier + wg, number_of_threads=128)
                 tile_bounds = sBounds[None, None, position % 2]
             apply_column_mask(acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start,
                               (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal, self.mask_width,
@@ -507,9 +513,12 @@ class FlashMaskForwardSm90:
 
     @cute.jit
     def end_turn(self, wg):
-        """Hand the tensor cores to the other warpgroup (ping-pong)."""
+        """Hand the tensor cores to the next warpgroup (ping-pong; round robin with three)."""
         if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
+            if const_expr(self.num_consumer_wgs == 2):
+                cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
+            else:
+                cute.arch.barrier_arrive(barrier_id=_MMA_TURN + (wg + 1) % self.num_consumer_wgs, number_of_threads=256)
 
     @cute.jit
     def store(self, acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q):
@@ -535,13 +544,13 @@ class FlashMaskForwardSm90:
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         # Both warpgroups' last QK GEMMs (the readers of sQ) are done before it is overwritten.
-        cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=128 * self.num_consumer_wgs)
+        cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
         st_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_pv)
         thr_copy = st_copy.get_slice(tidx)
         cute.copy(st_copy, thr_copy.retile(rO), thr_copy.partition_D(sQ))
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=128 * self.num_consumer_wgs)
+        cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
         if tidx == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
             t_s, t_g = _tma_tiles(tma_o, sQ, gO)

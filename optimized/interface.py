@@ -36,6 +36,9 @@ class KernelOptions:
     # forward, with the overlap: the next list entry read and its bounds' cp.async started while this
     # tile's GEMMs run, not after its softmax
     entry_ahead: bool = True
+    # forward, head dim 64: 192-row query tiles on three consumer warpgroups in round-robin turns
+    # (FA3/FA4's SM90 choice; not yet run on the H200)
+    q_tile_192: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -110,7 +113,7 @@ def _make_kernel(
         cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, pingpong=opts.pingpong,
         setmaxnreg=opts.setmaxnreg, skip_tiles=opts.skip_tiles, intra_wg_overlap=opts.intra_wg_overlap,
         tma_store=opts.tma_store, k_ahead=opts.k_ahead, bounds_prefetch=opts.bounds_prefetch,
-        entry_ahead=opts.entry_ahead)
+        entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192)
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",

@@ -34,6 +34,14 @@ def test_ablation_variants_compile(changes):
     assert compile_check("bf16", 128, True, 1, KernelOptions(**changes)) > 0
 
 
+@pytest.mark.parametrize("dtype,causal,width", [("fp16", True, 1), ("bf16", False, 4)])
+def test_192_row_query_tiles_compile_at_head_dim_64(dtype, causal, width):
+    """`q_tile_192`: three consumer warpgroups in round-robin turns, 160 registers each."""
+    from flashmask3.optimized import KernelOptions, compile_check
+
+    assert compile_check(dtype, 64, causal, width, KernelOptions(q_tile_192=True)) > 0
+
+
 @pytest.mark.parametrize("causal,width", [(True, 1), (False, 4)])
 def test_forward_without_bounds_prefetch_compiles_for_every_mask_variant(causal, width):
     """The element mask reading the 1, 2 or 4 boundaries per key column from global memory (the
