@@ -6,9 +6,10 @@ One CTA per (query tile, query head, batch); 3 warpgroups (4 with `q_tile_192`):
     flagged PARTIAL or not, into a smem ring the other warps read.
   - warpgroup 0, warp 0: producer. TMA-loads the Q tile once, then K and V of each listed key tile
     into a `num_stages`-deep mbarrier pipeline.
-  - warpgroups 1-2 (1-3): consumers, 64 query rows each. S = Q K^T (SS-WGMMA), the element mask only on
-    tiles listed PARTIAL (their column bounds cp.async'd into smem a tile ahead), online softmax in
-    fp32, O += P V (RS-WGMMA, P stays in registers), O out through smem by one TMA store.
+  - warpgroups 1-2 (1-3): consumers, 64 query rows each, taking turns on the tensor cores. S = Q K^T
+    (SS-WGMMA), the element mask only on tiles listed PARTIAL (their column bounds cp.async'd into
+    smem a tile ahead), online softmax in fp32, O += P V (RS-WGMMA, P stays in registers), O out
+    through smem by one TMA store.
 Skipped tiles cost neither loads nor MMAs. setmaxnreg moves registers from warpgroup 0 to the
 consumers.
 """
@@ -124,7 +125,7 @@ class FlashMaskForwardSm90:
         # The overlapped loop's turn barrier is what lets a buffer be refilled: ping-pong only.
         self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
         self.entry_ahead = entry_ahead and intra_wg_overlap
-        if q_tile_192 and head_dim == 64:  # FA3/FA4's SM90 shape at head dim 64: 1.5x the rows per K/V tile
+        if q_tile_192 and head_dim == 64:  # FA3/FA4's SM90 shape at head dim 64: 1.5x the rows per K/V load
             self.tile_m = 192
         self.num_consumer_wgs = self.tile_m // 64
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
@@ -518,7 +519,8 @@ class FlashMaskForwardSm90:
             if const_expr(self.num_consumer_wgs == 2):
                 cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
             else:
-                cute.arch.barrier_arrive(barrier_id=_MMA_TURN + (wg + 1) % self.num_consumer_wgs, number_of_threads=256)
+                next_wg = (wg + 1) % self.num_consumer_wgs
+                cute.arch.barrier_arrive(barrier_id=_MMA_TURN + next_wg, number_of_threads=256)
 
     @cute.jit
     def store(self, acc_O, lse, thr_pv, mO, mLSE, m_block, head, batch, seqlen_q):
@@ -543,7 +545,7 @@ class FlashMaskForwardSm90:
         leaves out rows past seqlen_q (full 128-byte lines instead of 4-byte stores); the LSE as in `store`."""
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # Both warpgroups' last QK GEMMs (the readers of sQ) are done before it is overwritten.
+        # Every consumer warpgroup's last QK GEMM (the readers of sQ) is done before it is overwritten.
         cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
         st_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_pv)
