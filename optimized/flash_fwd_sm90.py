@@ -243,9 +243,8 @@ class FlashMaskForwardSm90:
         pipe_v = _tma_pipeline(storage.mbar_v, self.num_stages, kv_bytes, consumer_warps)
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
                              storage.mbar_tiles.data_ptr())
-        readers = 1 + 4 * self.num_consumer_wgs  # the producer and consumer warps
         if tidx == 0:
-            tile_list.init(readers)
+            tile_list.init(readers=1 + 4 * self.num_consumer_wgs)  # the producer and consumer warps
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

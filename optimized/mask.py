@@ -77,4 +77,3 @@ def apply_column_mask(
             query = query_start + (c_rows[r, c][1] if cutlass.const_expr(keys_on_rows) else c_rows[r, c][0])
             hidden = not in_range or _hidden(query, key, first, second, third, fourth, causal_offset, causal, width)
             s_rows[r, c] = -Float32.inf if hidden else s_rows[r, c]
-

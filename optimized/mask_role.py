@@ -137,25 +137,6 @@ def _end_list(tile_list: TileList, position: Int32) -> None:
 
 
 @cute.jit
-def key_tile_count(num_tiles: Int32, row_end: Int32, causal_offset: Int32, tile_n: cutlass.Constexpr[int],
-                   causal: cutlass.Constexpr[bool], skip_tiles: cutlass.Constexpr[bool]) -> Int32:
-    """How many key tiles the forward mask warp classifies: with the causal part, the tiles past the
-    last row's diagonal are SKIP, so their bounds are not even loaded."""
-    if const_expr(causal and skip_tiles):
-        last_key = row_end - 1 + causal_offset
-        num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
-    return num_tiles
-
-
-@cute.jit
-def load_block_bounds(bounds: cute.Tensor, mBounds: cute.Tensor, tile: Int32, num_tiles: Int32,
-                      width: cutlass.Constexpr[int]) -> None:
-    """`bounds` = the min/max row of key tile `tile` (tiles past `num_tiles` repeat the last one)."""
-    for w in cutlass.range_constexpr(2 * width):
-        bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
-
-
-@cute.jit
 def list_key_tiles(
     tile_list: TileList,
     mBounds: cute.Tensor,  # [Tn, 2 * width] int32: the mask head's key-block min/max
@@ -170,12 +151,17 @@ def list_key_tiles(
 ) -> None:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order."""
     lane = cute.arch.lane_idx()
-    num_tiles = key_tile_count(cute.size(mBounds.shape[0]), row_end, causal_offset, tile_n, causal, skip_tiles)
+    num_tiles = cute.size(mBounds.shape[0])
+    if const_expr(causal and skip_tiles):
+        # Key tiles past the last row's diagonal are SKIP: do not even load their bounds.
+        last_key = row_end - 1 + causal_offset
+        num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
     position = Int32(0)
     for first in cutlass.range(0, num_tiles, 32, unroll=1):
         tile = first + lane
-        load_block_bounds(bounds, mBounds, tile, num_tiles, width)
+        for w in cutlass.range_constexpr(2 * width):
+            bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
         listed, partial = tile_flags(bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset,
                                      causal, width, skip_tiles)
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)

@@ -103,7 +103,8 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
                    "density": density, "deterministic": deterministic}
             block_mask = peers.flex_block_mask(mask, batch, heads, seqlen, seqlen, "cuda")
             contenders = {
-                "cute": fwd_bwd(lambda q, k, v: fm.attention(q, k, v, mask, backend="cute", deterministic=deterministic)),
+                "cute": fwd_bwd(lambda q, k, v: fm.attention(q, k, v, mask, backend="cute",
+                                                             deterministic=deterministic)),
                 "flex": fwd_bwd(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask)),
             }
             if name in ("full", "causal"):

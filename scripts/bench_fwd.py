@@ -8,11 +8,11 @@ Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x 
 same computation in the input precision), on poisoned output buffers. Speed: CUDA events around each
 call, no sync between calls (launch work overlaps the previous call, as in training), warm-up,
 median over several input sets, the contenders (cute and each peer, or the ablation's variants)
-taking turns round by round (`flashmask3.bench.interleaved_ms`); TFLOP/s counts only unmasked work (4 B H Sq Sk D density) and the
-cute time includes the mask preprocessing. `ablate` times kernel variants (KernelOptions changes
-joined by '+') against the default on the same inputs, with each one's largest difference from the
-default's output. Peers in the same run: FlexAttention (compiled, BlockMask 128
-built once outside the timing), FA4 and cuDNN SDPA where the mask is plain full/causal.
+taking turns round by round (`flashmask3.bench.interleaved_ms`); TFLOP/s counts only unmasked work
+(4 B H Sq Sk D density) and the cute time includes the mask preprocessing. `ablate` times kernel
+variants (KernelOptions changes joined by '+') against the default on the same inputs, with each
+one's largest difference from the default's output. Peers in the same run: FlexAttention (compiled,
+BlockMask 128 built once outside the timing), FA4 and cuDNN SDPA where the mask is plain full/causal.
 Writes JSON to $OUT (or bench/results/) and prints a table last.
 """
 
