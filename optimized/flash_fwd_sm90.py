@@ -107,7 +107,7 @@ class FlashMaskForwardSm90:
         k_ahead: bool = True,
         bounds_prefetch: bool = True,
         entry_ahead: bool = True,
-        q_tile_192: bool = False,
+        q_tile_192: bool = True,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")

@@ -37,8 +37,8 @@ class KernelOptions:
     # tile's GEMMs run, not after its softmax
     entry_ahead: bool = True
     # forward, head dim 64: 192-row query tiles on three consumer warpgroups in round-robin turns
-    # (FA3/FA4's SM90 choice; not yet run on the H200)
-    q_tile_192: bool = False
+    # (FA3/FA4's SM90 choice; off = 128 rows on two, as at head dim 128)
+    q_tile_192: bool = True
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
