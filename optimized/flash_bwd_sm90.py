@@ -77,10 +77,14 @@ class FlashMaskBackwardSm90:
         deterministic: bool = False,
         num_stages: int = 2,
         skip_tiles: bool = True,
+        lse_ahead: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
         self.dtype = dtype
+        # The LSE read before the S GEMM is issued: read after it, the loads queue behind the GEMMs'
+        # operand reads from smem and the exponentials wait on them (ncu: short-scoreboard stalls).
+        self.lse_ahead = lse_ahead
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width
@@ -376,7 +380,11 @@ class FlashMaskBackwardSm90:
                 query_start = m_block * self.tile_m
                 acc_S = cute.make_rmem_tensor(st_shape, Float32)
                 acc_dP = cute.make_rmem_tensor(st_shape, Float32)
+                lse = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
                 pipe_q.consumer_wait(state)
+                if const_expr(self.lse_ahead):
+                    for c in cutlass.range_constexpr(cute.size(lse)):
+                        lse[c] = sLSE[st_cols[0, c][1], state.index]
                 _wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
                 pipe_do.consumer_wait(state)
                 _wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
@@ -387,8 +395,8 @@ class FlashMaskBackwardSm90:
                 p_rows = acc_rows_view(acc_S)
                 for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
-                        lse = sLSE[st_cols[0, c][1], state.index]
-                        p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse, fastmath=True)
+                        lse_c = lse[c] if self.lse_ahead else sLSE[st_cols[0, c][1], state.index]
+                        p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_c, fastmath=True)
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
                 warpgroup.wait_group(0)

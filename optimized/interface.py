@@ -39,6 +39,7 @@ class KernelOptions:
     # forward, head dim 64: 192-row query tiles on three consumer warpgroups in round-robin turns
     # (FA3/FA4's SM90 choice; off = 128 rows on two, as at head dim 128)
     q_tile_192: bool = True
+    lse_ahead: bool = False  # backward: the LSE into registers before the S GEMM, not after it (not yet run)
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -102,7 +103,8 @@ def _make_kernel(
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
-        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles)
+        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
+                                     lse_ahead=opts.lse_ahead)
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 

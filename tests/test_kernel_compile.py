@@ -78,3 +78,11 @@ def test_deterministic_backward_compiles_for_sm90a():
     from flashmask3.optimized import compile_check
 
     assert compile_check("bf16", 128, False, 4, direction="bwd", deterministic=True) > 0
+
+
+@pytest.mark.parametrize("causal,width", [(True, 1), (False, 4)])
+def test_backward_with_lse_ahead_compiles(causal, width):
+    """`lse_ahead`: the backward reads the LSE into registers before the S GEMM."""
+    from flashmask3.optimized import KernelOptions, compile_check
+
+    assert compile_check("bf16", 128, causal, width, KernelOptions(lse_ahead=True), direction="bwd") > 0
