@@ -77,14 +77,15 @@ class FlashMaskBackwardSm90:
         deterministic: bool = False,
         num_stages: int = 2,
         skip_tiles: bool = True,
-        lse_ahead: bool = False,
+        lse_ahead: bool = True,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
         self.dtype = dtype
         # The LSE read before the S GEMM is issued: read after it, the loads queue behind the GEMMs'
         # operand reads from smem and the exponentials wait on them (ncu: short-scoreboard stalls).
-        self.lse_ahead = lse_ahead
+        # Not with four bounds per key: the 16 registers it holds make ptxas spill there.
+        self.lse_ahead = lse_ahead and mask_width < 4
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width

@@ -39,7 +39,7 @@ class KernelOptions:
     # forward, head dim 64: 192-row query tiles on three consumer warpgroups in round-robin turns
     # (FA3/FA4's SM90 choice; off = 128 rows on two, as at head dim 128)
     q_tile_192: bool = True
-    lse_ahead: bool = False  # backward: the LSE into registers before the S GEMM, not after it (not yet run)
+    lse_ahead: bool = True  # backward: the LSE into registers before the S GEMM, not after it
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
