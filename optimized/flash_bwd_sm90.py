@@ -45,6 +45,7 @@ from .mask_role import END_OF_LIST, TileList, list_query_tiles
 LOG2_E = math.log2(math.e)
 _DS_READY = 1  # named barrier: both consumer warpgroups wrote their half of dS (0 is sync_threads)
 _DQ_FULL = 2  # named barriers 2, 3: a warpgroup's dQ half is in smem, ready for the bulk reduce-add
+_DQ_EMPTY = 4  # named barriers 4, 5 (with `dq_writer`): the dQ warp's reduce-add has read that half
 
 
 def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int) -> None:
@@ -78,6 +79,7 @@ class FlashMaskBackwardSm90:
         num_stages: int = 2,
         skip_tiles: bool = True,
         lse_ahead: bool = True,
+        dq_writer: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -86,6 +88,9 @@ class FlashMaskBackwardSm90:
         # operand reads from smem and the exponentials wait on them (ncu: short-scoreboard stalls).
         # Not with four bounds per key: the 16 registers it holds make ptxas spill there.
         self.lse_ahead = lse_ahead and mask_width < 4
+        # Warp 2 issues the dQ reduce-adds (FA3/FA4): the consumers arrive on a barrier instead of
+        # waiting on one for the single thread that issues the add.
+        self.dq_writer = dq_writer
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width
@@ -251,7 +256,8 @@ class FlashMaskBackwardSm90:
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
                              storage.mbar_tiles.data_ptr())
         if tidx == 0:
-            tile_list.init(readers=1 + 4 * self.num_consumer_wgs)  # the producer and consumer warps
+            # the producer, the consumer warps and the dQ writer
+            tile_list.init(readers=1 + 4 * self.num_consumer_wgs + int(self.dq_writer))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -279,6 +285,10 @@ class FlashMaskBackwardSm90:
                         tile_list, position, mBlockBounds[mask_batch, mask_head, n_block, None], n_block * self.tile_n,
                         mQ.shape[0], mK.shape[0], mK.shape[0] - mQ.shape[0], self.tile_m, self.tile_n, self.causal,
                         self.mask_width, self.skip_tiles)
+            if const_expr(self.dq_writer):
+                if warp_idx == 2:
+                    self.write_dq(sdQ, mdQaccum, mDqRanks, mSemaphore, tile_list, n_block, head_kv, batch,
+                                  mask_batch, qheads_per_kvhead, qheads_per_maskhead)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, tile_list, mDqRanks, mSemaphore,
@@ -416,8 +426,9 @@ class FlashMaskBackwardSm90:
                 buf = step % 2
                 cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()
-                if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(not self.dq_writer):
+                    if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 _wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
@@ -425,16 +436,24 @@ class FlashMaskBackwardSm90:
                 pipe_q.consumer_release(state)
                 pipe_do.consumer_release(state)
                 state.advance()
-                rank = Int32(0)
-                if const_expr(self.deterministic):
-                    rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
-                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg)
+                if const_expr(self.dq_writer):
+                    cute.arch.barrier(barrier_id=_DQ_EMPTY + wg, number_of_threads=128 + 32)
+                    cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=_DQ_FULL + wg, number_of_threads=128 + 32)
+                else:
+                    rank = Int32(0)
+                    if const_expr(self.deterministic):
+                        rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
+                    self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank,
+                                lane_in_wg, wg)
                 step += 1
                 entry = tile_list.read(position)
                 position += 1
 
-        if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(not self.dq_writer):
+            if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,
                        head_kv, batch, tidx)
 
@@ -451,18 +470,55 @@ class FlashMaskBackwardSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128)
         if lane_in_wg == 0:
-            chunk = cute.cosize(sdQ.layout) // self.num_consumer_wgs
-            if const_expr(self.deterministic):
-                lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
-                while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") < rank * self.num_consumer_wgs:
-                    pass
-            target = mdQaccum.iterator + cute.crd2idx((batch, head, m_block, wg * chunk), mdQaccum.layout)
-            _bulk_reduce_add_f32(sdQ.iterator + wg * chunk, target, chunk * 4)
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0)
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
+            self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
+
+    @cute.jit
+    def reduce_dq_half(self, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg):
+        """One thread: the bulk reduce-add of warpgroup `wg`'s half of the dQ tile in smem (in key
+        order behind the semaphore in deterministic mode)."""
+        chunk = cute.cosize(sdQ.layout) // self.num_consumer_wgs
+        if const_expr(self.deterministic):
+            lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
+            while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") < rank * self.num_consumer_wgs:
+                pass
+        target = mdQaccum.iterator + cute.crd2idx((batch, head, m_block, wg * chunk), mdQaccum.layout)
+        _bulk_reduce_add_f32(sdQ.iterator + wg * chunk, target, chunk * 4)
+        cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.deterministic):
+            cute.arch.cp_async_bulk_wait_group(0)
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def write_dq(self, sdQ, mdQaccum, mDqRanks, mSemaphore, tile_list, n_block, head_kv, batch, mask_batch,
+                 qheads_per_kvhead, qheads_per_maskhead):
+        """dQ writer warp (`dq_writer`): per listed query tile, waits for each consumer warpgroup's dQ
+        half in smem, issues its bulk reduce-add, and frees the smem once the adds have read it."""
+        lane = cute.arch.lane_idx()
+        for wg in cutlass.range_constexpr(self.num_consumer_wgs):  # sdQ starts free
+            cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY + wg, number_of_threads=128 + 32)
+        position = Int32(0)
+        for g in cutlass.range(qheads_per_kvhead, unroll=1):
+            head = head_kv * qheads_per_kvhead + g
+            mask_head = head // qheads_per_maskhead
+            entry = tile_list.read(position)
+            position += 1
+            while entry != END_OF_LIST:
+                m_block = entry >> 1
+                rank = Int32(0)
+                if const_expr(self.deterministic):
+                    rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
+                for wg in cutlass.range_constexpr(self.num_consumer_wgs):
+                    cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128 + 32)
+                    if lane == 0:
+                        self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                for wg in cutlass.range_constexpr(self.num_consumer_wgs):
+                    cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY + wg, number_of_threads=128 + 32)
+                entry = tile_list.read(position)
+                position += 1
 
     @cute.jit
     def store_dkv(self, acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,

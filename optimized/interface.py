@@ -40,6 +40,7 @@ class KernelOptions:
     # (FA3/FA4's SM90 choice; off = 128 rows on two, as at head dim 128)
     q_tile_192: bool = True
     lse_ahead: bool = True  # backward: the LSE into registers before the S GEMM, not after it
+    dq_writer: bool = False  # backward: a warp of its own issues the dQ reduce-adds (not yet run on the H200)
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -104,7 +105,7 @@ def _make_kernel(
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
         return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
-                                     lse_ahead=opts.lse_ahead)
+                                     lse_ahead=opts.lse_ahead, dq_writer=opts.dq_writer)
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
