@@ -73,11 +73,13 @@ def run_determinism(names=("document", "causal", "share_question", "random_evict
 
 
 def fwd_bwd(fn):
-    """q, k, v, dout -> one forward and backward through `fn(q, k, v)` (leaf copies made outside)."""
+    """q, k, v, dout -> one forward and backward through `fn(q, k, v)`, returning dq, dk, dv. Not
+    `backward()` into q.grad: on leaf inputs that adds an elementwise pass over the three gradients to
+    every call after the first (2.2 ms at 8K, `bwd_profile_v4_8k.json`), which training never pays."""
     def run(q, k, v, dout):
         out = fn(q, k, v)
         out = out[0] if isinstance(out, tuple) else out
-        out.backward(dout)
+        return torch.autograd.grad(out, (q, k, v), dout)
     return run
 
 
@@ -116,8 +118,6 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
             for contender, ms in times.items():
                 row[f"{contender}_ms"] = ms
             add_row(rows, row, flops, save)
-            for q, k, v, _ in inputs:
-                q.grad = k.grad = v.grad = None
     return rows
 
 

@@ -85,21 +85,25 @@ def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monke
     assert row["default_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 4e-3 / 1e12)
 
 
-def _fake_peers(monkeypatch, module, calls: list, density: float, grad: bool = False):
-    """Every kernel of a bench replaced by one that logs its name and returns a tensor (CPU)."""
+def _fake_peers(monkeypatch, module, calls: list, density: float) -> list:
+    """Every kernel of a bench replaced by one that logs its name and returns q + k + v (CPU); returns
+    the list that collects the bench's input tensors."""
     import torch
 
     def kernel(name):
         def run(q, k, v, *rest, **kwargs):
             calls.append(name)
-            return torch.zeros(2, requires_grad=grad) * 1.0
+            return q + k + v
         return run
+
+    created = []
 
     class FakeMask:
         def density(self):
             return density
 
-    monkeypatch.setattr(module, "random_inputs", lambda *a, **k: tuple(torch.zeros(2) for _ in range(4)))
+    monkeypatch.setattr(module, "random_inputs", lambda *a, **k: created.extend(torch.zeros(2) for _ in range(4))
+                        or tuple(created[-4:]))
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
     monkeypatch.setattr(module, "fa4_fn", lambda causal: kernel("fa4"))
     monkeypatch.setattr(module, "cudnn_fn", lambda causal: kernel("cudnn"))
@@ -109,6 +113,7 @@ def _fake_peers(monkeypatch, module, calls: list, density: float, grad: bool = F
     monkeypatch.setattr(bench_fwd.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: (
         [fn(*x) for x in inputs] and [{"cute": 1.0, "flex": 2.0}.get(calls[-1], 0.5)] * repeats * len(inputs)))
+    return created
 
 
 def test_forward_bench_times_cute_and_each_peer_in_turns(monkeypatch):
@@ -132,13 +137,23 @@ def test_backward_bench_times_fwd_and_bwd_of_cute_and_each_peer(monkeypatch):
     import bench_bwd
 
     calls = []
-    _fake_peers(monkeypatch, bench_bwd, calls, density=1.0, grad=True)
-    monkeypatch.setattr(bench_bwd.fm, "attention", lambda q, k, v, mask, **kw: (
-        calls.append("cute") or bench_fwd.torch.zeros(2, requires_grad=True) * 1.0))
+    inputs = _fake_peers(monkeypatch, bench_bwd, calls, density=1.0)
+    monkeypatch.setattr(bench_bwd.fm, "attention", lambda q, k, v, mask, **kw: calls.append("cute") or q + k + v)
     (row,) = bench_bwd.run_bench([8192], 128, ["causal"], deterministic=False)
     assert {k for k in row if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_ms", "cudnn_ms"}
     assert row["cute_ms"] == 1.0 and row["cudnn_ms"] == 0.5
     assert row["cute_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 1e-3 / 1e12)
+    # the gradients are returned, never accumulated into the inputs' .grad (an extra pass per call)
+    assert len(inputs) == 8 and all(t.grad is None for t in inputs)
+
+
+def test_fwd_bwd_returns_the_gradients():
+    import bench_bwd
+
+    q, k, v = (bench_fwd.torch.tensor([1.0, 2.0], requires_grad=True) for _ in range(3))
+    dq, dk, dv = bench_bwd.fwd_bwd(lambda q, k, v: q * k + v)(q, k, v, bench_fwd.torch.tensor([1.0, 3.0]))
+    assert dq.tolist() == [1.0, 6.0] and dk.tolist() == [1.0, 6.0] and dv.tolist() == [1.0, 3.0]
+    assert q.grad is None
 
 
 def test_unknown_kernel_option_names_the_accepted_ones():
