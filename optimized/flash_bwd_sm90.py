@@ -16,7 +16,8 @@ the mask bounds of only its own two keys:
     dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
                                                      warpgroups each take half of the head dim)
 and add dQ_tile into an fp32 dQ accumulator in global memory: each thread writes its fragment to smem
-as is, and one bulk reduce-add per warpgroup moves it (the accumulator keeps the fragment order;
+as is, and one bulk reduce-add per warpgroup moves it (issued by one of its threads or, with
+`dq_writer`, by warp 2 of warpgroup 0; the accumulator keeps the fragment order;
 the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
 key tiles of one query tile add in key order (a per-query-tile semaphore), so dQ is bitwise
 reproducible. Delta = rowsum(dO * O), the base-2 LSE and the final dQ come from the pre/post
@@ -438,8 +439,7 @@ class FlashMaskBackwardSm90:
                 state.advance()
                 if const_expr(self.dq_writer):
                     cute.arch.barrier(barrier_id=_DQ_EMPTY + wg, number_of_threads=128 + 32)
-                    cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
-                    cute.arch.fence_view_async_shared()
+                    self.stage_dq(acc_dQ, sdQ_thread)
                     cute.arch.barrier_arrive(barrier_id=_DQ_FULL + wg, number_of_threads=128 + 32)
                 else:
                     rank = Int32(0)
@@ -466,11 +466,16 @@ class FlashMaskBackwardSm90:
         one (in key order) have added into this query tile, adds, waits for the add to land, then
         counts itself done.
         """
-        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
-        cute.arch.fence_view_async_shared()
+        self.stage_dq(acc_dQ, sdQ_thread)
         cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128)
         if lane_in_wg == 0:
             self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
+
+    @cute.jit
+    def stage_dq(self, acc_dQ, sdQ_thread):
+        """The thread's dQ fragment into its smem slots, visible to the bulk copies (async proxy)."""
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
+        cute.arch.fence_view_async_shared()
 
     @cute.jit
     def reduce_dq_half(self, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg):
