@@ -456,6 +456,8 @@ class FlashMaskBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,
                        head_kv, batch, tidx)
+        if const_expr(self.dq_writer):  # pairs the dQ warp's last arrive: no barrier left half-arrived
+            cute.arch.barrier(barrier_id=_DQ_EMPTY + wg, number_of_threads=128 + 32)
 
     @cute.jit
     def add_dq(self, acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg):
