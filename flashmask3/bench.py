@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -24,6 +25,28 @@ def git_commit() -> str:
         return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def result_json(record: dict) -> str:
+    """A result record as JSON for bench/results/: floats to 4 significant digits and each row of a
+    top-level list on one line, so a committed record stays a few KB."""
+    def rounded(value):
+        if isinstance(value, float):
+            return float(f"{value:.4g}")
+        if isinstance(value, dict):
+            return {key: rounded(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [rounded(item) for item in value]
+        return value
+
+    fields = []
+    for key, value in rounded(record).items():
+        if isinstance(value, list) and value:
+            value_json = "[\n  " + ",\n  ".join(json.dumps(row) for row in value) + "\n ]"
+        else:
+            value_json = json.dumps(value)
+        fields.append(f"{json.dumps(key)}: {value_json}")
+    return "{\n " + ",\n ".join(fields) + "\n}\n"
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, density: float) -> float:

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3 import peers  # noqa: E402
-from flashmask3.bench import attention_flops, git_commit, interleaved_ms, progress  # noqa: E402
+from flashmask3.bench import attention_flops, git_commit, interleaved_ms, progress, result_json  # noqa: E402
 from flashmask3.optimized import KernelOptions, compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
 from flashmask3.reference import ColumnMask, masks  # noqa: E402
@@ -239,7 +239,7 @@ def new_record(args: argparse.Namespace, prefix: str):
     path = out_dir / f"{prefix}_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     result = {"commit": git_commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "kernel_options": kernel_overrides(args.kernel)}
-    return result, lambda data: path.write_text(json.dumps(data, indent=1))
+    return result, lambda data: path.write_text(result_json(data))
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashmask3.bench import git_commit  # noqa: E402
+from flashmask3.bench import git_commit, result_json  # noqa: E402
 from flashmask3.distributed import CPConfig, chunk_loads, make_plan  # noqa: E402
 from flashmask3.distributed.context_parallel import _Layout  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> None:
               "source_commit": measured.get("commit"), "fits": fits, "rows": rows}
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "cp_calibration.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "cp_calibration.json").write_text(result_json(result))
     for name, fit in fits.items():
         print(f"{name:24s} R^2 {fit['r2']:.3f}  rms {fit['rms_error_s'] * 1e3:.3f} ms  "
               + "  ".join(f"{k} {v:.3g}" for k, v in fit["coef"].items()))

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashmask3.bench import git_commit, progress  # noqa: E402
+from flashmask3.bench import git_commit, progress, result_json  # noqa: E402
 from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan  # noqa: E402
 from flashmask3.distributed.context_parallel import _attend, _Layout  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
               "rows": rows}
-    (out_dir / "cp_rank_times.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "cp_rank_times.json").write_text(result_json(result))
     print(f"{'mask':20s} {'R':>3s} {'assignment':>10s} {'max ms':>8s} {'mean ms':>8s} {'measured':>8s} {'modeled':>8s}")
     for r in rows:
         print(f"{r['mask']:20s} {r['ranks']:3d} {r['assignment']:>10s} {max(r['rank_ms']):8.2f} "

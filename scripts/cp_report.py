@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan  # noqa: E402
 from flashmask3.distributed.context_parallel import _Layout  # noqa: E402
 from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict  # noqa: E402
-from flashmask3.bench import git_commit, progress  # noqa: E402
+from flashmask3.bench import git_commit, progress, result_json  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
@@ -83,7 +83,7 @@ def main() -> None:
     if args.model:
         result["model"] = {"kind": "cost model, not a measurement", "hardware": Hardware().__dict__,
                            "mask_aware_rank_time": RankTimeFit().__dict__}
-    (out_dir / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json").write_text(json.dumps(result, indent=1))
+    (out_dir / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json").write_text(result_json(result))
     model = " model TFLOP/s/GPU: mask-aware ring allgather" if args.model else ""
     print(f"{'mask':24s} {'R':>3s} {'contig':>7s} {'zigzag':>7s} {'balanced':>8s} {'bal ms':>7s} {'AG MB':>8s} "
           f"{'MA MB':>8s}{model}")

@@ -177,6 +177,17 @@ def test_record_names_the_kernel_options_and_is_saved_under_out(tmp_path, monkey
     assert json.loads(path.read_text())["bench"] == [{"mask": "full"}]
 
 
+def test_result_json_rounds_floats_and_puts_each_row_on_one_line():
+    import json
+
+    record = {"commit": "abc", "kernel_options": {}, "bench": [{"mask": "full", "ms": 39.284849, "n": 3},
+                                                              {"mask": "causal", "ms": 0.000123456}]}
+    text = bench.result_json(record)
+    assert json.loads(text) == {"commit": "abc", "kernel_options": {},
+                                "bench": [{"mask": "full", "ms": 39.28, "n": 3}, {"mask": "causal", "ms": 0.0001235}]}
+    assert '  {"mask": "full", "ms": 39.28, "n": 3},' in text.splitlines()
+
+
 def test_gpu_times_bracket_each_call_and_sync_once(monkeypatch):
     """`gpu_times_ms` (needs CUDA for real): events around every call in order, warm-up untimed,
     one synchronize at the end (no per-call sync that would count the host's launch work)."""
