@@ -82,6 +82,18 @@ def gpu_times_ms(fn: Callable, inputs: list[tuple], warmup: int = 3, repeats: in
     return [start.elapsed_time(stop) for start, stop in events]
 
 
+def host_us(fn: Callable, inputs: list[tuple], calls: int = 20) -> float:
+    """Host microseconds per call of fn(*x) (its launch work, Python included): `calls` calls issued
+    after a sync and timed on the host clock while the GPU runs behind them."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        fn(*inputs[i % len(inputs)])
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def interleaved_ms(contenders: dict[str, tuple[Callable, list[tuple]]], rounds: int = 5, warmup: int = 3,
                    repeats: int = 2) -> dict[str, float]:
     """Median GPU milliseconds per call of each contender (`name: (fn, argument tuples)`), the

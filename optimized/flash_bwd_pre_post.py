@@ -144,8 +144,9 @@ class BackwardPostprocess:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
-def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int) -> tuple[list, list]:
-    """Fake arguments (symbolic sizes) to compile the preprocess and the postprocess without a GPU."""
+def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, stream) -> tuple[list, list]:
+    """Fake arguments (symbolic sizes; `stream`, a fake one) to compile the preprocess and the
+    postprocess without a GPU."""
     b, sq, h, tm = (cute.sym_int32() for _ in range(4))
 
     def fake(dt, shape):
@@ -155,6 +156,5 @@ def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int) -> tuple[l
     q_like = fake(dtype, (b, sq, h, head_dim))
     accum = fake(Float32, (b, h, tm, 64 * head_dim))
     rows = fake(Float32, (b, h, sq))
-    stream = cute.runtime.make_fake_stream()
     return [q_like, q_like, rows, rows, rows, accum, stream], [accum, q_like, Float32(0.1), stream]
 

@@ -41,6 +41,9 @@ class KernelOptions:
     q_tile_192: bool = True
     lse_ahead: bool = True  # backward: the LSE into registers before the S GEMM, not after it
     dq_writer: bool = False  # backward: a warp of its own issues the dQ reduce-adds (not yet run on the H200)
+    # host: launch through TVM-FFI, torch tensors passed as they are, instead of a Python DLPack
+    # wrapper per tensor (~23 us each; FA4's launch path; not yet run on the H200)
+    tvm_ffi: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -91,7 +94,8 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
 def _to_cute(t: torch.Tensor):
     from cutlass.cute.runtime import from_dlpack
 
-    return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    return from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=options.tvm_ffi).mark_layout_dynamic(
+        leading_dim=t.dim() - 1)
 
 
 def _make_kernel(
@@ -119,18 +123,44 @@ def _make_kernel(
         entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192)
 
 
-def _kernel(dtype: torch.dtype, head_dim: int, causal: bool, width: int, args: list, direction: str = "fwd",
-            deterministic: bool = False):
-    key = (direction, dtype, head_dim, causal, width, options, deterministic)
-    if key not in _compiled:
-        import cutlass.cute as cute
+def _launch(direction: str, dtype: torch.dtype, head_dim: int, causal: bool, width: int,
+            tensors: list[torch.Tensor], scalars: list[float | int], deterministic: bool = False) -> None:
+    """Run one kernel on the current stream, compiling it on first use per configuration (the
+    scalars: floats are Float32, ints Int32). With `tvm_ffi` the compiled function takes the torch
+    tensors and Python scalars as they are; else each call wraps them for the DSL first."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
 
+    key = (direction, dtype, head_dim, causal, width, options, deterministic)
+    if options.tvm_ffi and key not in _compiled:
+        try:
+            import tvm_ffi  # noqa: F401
+        except ImportError as error:
+            raise ImportError("kernel option tvm_ffi=True needs apache-tvm-ffi (pip install 'flashmask3[gpu]')"
+                              ) from error
+    if key not in _compiled or not options.tvm_ffi:
+        cute_args = [*(_to_cute(t) for t in tensors), *(Float32(x) if isinstance(x, float) else Int32(x)
+                                                          for x in scalars)]
+    if key not in _compiled:
         name = "bf16" if dtype == torch.bfloat16 else "fp16"
         kernel = _make_kernel(name, head_dim, causal, width, options, direction, deterministic)
         start = time.perf_counter()
-        _compiled[key] = cute.compile(kernel, *args)
+        if options.tvm_ffi:  # the stream: torch's current one, found by TVM-FFI at each call
+            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+            _compiled[key] = cute.compile(kernel, *cute_args, stream, options="--enable-tvm-ffi")
+        else:
+            _compiled[key] = cute.compile(kernel, *cute_args, _torch_stream(tensors[0].device))
         compile_seconds[key] = time.perf_counter() - start
-    return _compiled[key]
+    if options.tvm_ffi:
+        _compiled[key](*(t.detach() for t in tensors), *scalars)
+    else:
+        _compiled[key](*cute_args, _torch_stream(tensors[0].device))
+
+
+def _torch_stream(device: torch.device):
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
 def forward(
@@ -146,9 +176,6 @@ def forward(
 
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
     """
-    import cuda.bindings.driver as cuda
-    from cutlass import Float32, Int32
-
     from .flash_fwd_sm90 import FlashMaskForwardSm90 as Kernel
 
     b, sq, hq, d = q.shape
@@ -160,11 +187,8 @@ def forward(
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     row_indices = mask.startend_row_indices.contiguous()
-    tensors = [_to_cute(t) for t in (q, k, v, out, lse, row_indices, bounds)]
-    scalars = [Float32(softmax_scale), Int32(hq // hkv), Int32(hq // mask.heads), Int32(mask.batch // b)]
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel = _kernel(q.dtype, d, mask.causal, row_indices.shape[-1], [*tensors, *scalars, stream])
-    kernel(*tensors, *scalars, stream)
+    scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
+    _launch("fwd", q.dtype, d, mask.causal, row_indices.shape[-1], [q, k, v, out, lse, row_indices, bounds], scalars)
     return out, lse
 
 
@@ -186,9 +210,6 @@ def backward(
     `deterministic=True` makes the key tiles add into dQ in a fixed order: bitwise identical
     gradients run to run. `dk` / `dv` may be given (contiguous, k's shape) to write into.
     """
-    import cuda.bindings.driver as cuda
-    from cutlass import Float32, Int32
-
     from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
 
     b, sq, hq, d = q.shape
@@ -204,22 +225,16 @@ def backward(
     lse2 = torch.empty(b, hq, sq_pad, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
     dq_accum = torch.empty(b, hq, tiles_m, Kernel.tile_m * d, dtype=torch.float32, device=q.device)
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    pre_args = [*(_to_cute(t) for t in (out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum)), stream]
-    _kernel(q.dtype, d, False, 2, pre_args, "bwd_pre")(*pre_args)
+    _launch("bwd_pre", q.dtype, d, False, 2, [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum], [])
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     row_indices = mask.startend_row_indices.contiguous()
-    tensors = [_to_cute(t) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks,
-                                     semaphore)]
-    scalars = [Float32(softmax_scale), Int32(hq // hkv), Int32(hq // mask.heads), Int32(mask.batch // b)]
-    kernel = _kernel(q.dtype, d, mask.causal, row_indices.shape[-1], [*tensors, *scalars, stream], "bwd",
-                     deterministic)
-    kernel(*tensors, *scalars, stream)
+    tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore]
+    scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
+    _launch("bwd", q.dtype, d, mask.causal, row_indices.shape[-1], tensors, scalars, deterministic)
     dq = torch.empty_like(q)
-    post_args = [_to_cute(dq_accum), _to_cute(dq), Float32(softmax_scale), stream]
-    _kernel(q.dtype, d, False, 2, post_args, "bwd_post")(*post_args)
+    _launch("bwd_post", q.dtype, d, False, 2, [dq_accum, dq], [float(softmax_scale)])
     return dq, dk, dv
 
 
@@ -292,13 +307,15 @@ def compile_check(
             q_like, kv_like, kv_like, q_like, fake(cutlass.Float32, (b, hq, sq)), row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
         ]
-    args = [*tensors, Float32(0.1), Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream()]
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=opts.tvm_ffi)
+    args = [*tensors, Float32(0.1), Int32(1), Int32(1), Int32(1), stream]
+    flags = {"options": "--enable-tvm-ffi"} if opts.tvm_ffi else {}
     start = time.perf_counter()
-    cute.compile(_make_kernel(dtype, head_dim, causal, width, opts, direction, deterministic), *args)
+    cute.compile(_make_kernel(dtype, head_dim, causal, width, opts, direction, deterministic), *args, **flags)
     if direction == "bwd":
         from .flash_bwd_pre_post import prepost_compile_args
 
-        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim)
-        cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_pre"), *pre_args)
-        cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_post"), *post_args)
+        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream)
+        cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_pre"), *pre_args, **flags)
+        cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_post"), *post_args, **flags)
     return time.perf_counter() - start

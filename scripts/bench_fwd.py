@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3 import peers  # noqa: E402
-from flashmask3.bench import attention_flops, git_commit, interleaved_ms, progress, result_json  # noqa: E402
+from flashmask3.bench import attention_flops, git_commit, host_us, interleaved_ms, progress, result_json  # noqa: E402
 from flashmask3.optimized import KernelOptions, compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
 from flashmask3.reference import ColumnMask, masks  # noqa: E402
@@ -185,7 +185,8 @@ def forward_step(mask: ColumnMask, head_dim: int):
 
 def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], variants: list[str],
                  step=forward_step, flops_per_fwd: float = 1.0, save=lambda rows: None, rounds: int = 5) -> list[dict]:
-    """Per mask: the default kernel's time, then each variant's time and largest output difference.
+    """Per mask: the default kernel's time, then each variant's time and largest output difference,
+    and each one's host time per call (launch work).
     `step(mask, head_dim)` gives the timed call (q, k, v, dout -> a tuple of output tensors);
     `flops_per_fwd` its FLOPs in forwards (3.5 for fwd+bwd). The configurations take turns in
     `rounds` rounds (median over all), so a drift of the GPU's clock over the run hits them alike."""
@@ -209,6 +210,8 @@ def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], varia
                 contenders[variant] = (timed, inputs)
             for config, ms in interleaved_ms(contenders, rounds).items():
                 row[f"{config}_ms"] = ms
+            for config, (fn, config_inputs) in contenders.items():
+                row[f"{config}_host_us"] = host_us(fn, config_inputs)
             add_row(rows, row, flops, save)
     return rows
 

@@ -53,8 +53,10 @@ def test_ablation_times_each_variant_under_its_options(monkeypatch):
         return [float(seen[-1].num_stages)] * repeats
 
     monkeypatch.setattr(bench, "gpu_times_ms", fake_times)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "k_ahead=false"])
     (row,) = rows
+    assert all(row[f"{c}_host_us"] > 0 for c in ("default", "num_stages=3", "k_ahead=false"))
     assert row["num_stages=3_max_diff"] == 1.0 and row["k_ahead=false_max_diff"] == 0.0
     assert row["default_ms"] == row["k_ahead=false_ms"] == 2.0 and row["num_stages=3_ms"] == 3.0
     assert timed == [2, 3, 2] * 6  # a warm-up, then 5 rounds in which the three take turns (odd ones reversed)
@@ -80,6 +82,7 @@ def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monke
     monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
     monkeypatch.setattr(bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: [fn(*x) for x in inputs] and [4.0])
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     (row,) = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3"], step, 3.5)
     assert row["num_stages=3_max_diff"] == 1.0
     assert row["default_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 4e-3 / 1e12)

@@ -94,3 +94,46 @@ def test_backward_with_dq_writer_compiles(deterministic):
 
     assert compile_check("bf16", 128, False, 2, KernelOptions(dq_writer=True), direction="bwd",
                          deterministic=deterministic) > 0
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_kernels_compile_for_the_tvm_ffi_launch(direction):
+    """`tvm_ffi`: compiled with --enable-tvm-ffi and the env stream, to take torch tensors directly."""
+    pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi not installed")
+    from flashmask3.optimized import KernelOptions, compile_check
+
+    assert compile_check("bf16", 128, True, 1, KernelOptions(tvm_ffi=True), direction=direction) > 0
+
+
+@pytest.mark.parametrize("tvm_ffi", [False, True])
+def test_launch_compiles_once_and_passes_what_each_launch_path_takes(monkeypatch, tvm_ffi):
+    """`_launch` (CPU plumbing, the compiled function faked): one compile per configuration; the
+    DLPack path passes DSL tensors, typed scalars and the torch stream, the TVM-FFI path the torch
+    tensors and Python scalars as they are (its stream is the env stream)."""
+    import cutlass.cute as cute
+    import torch
+
+    from flashmask3.optimized import interface, kernel_options
+
+    compiled, calls = [], []
+
+    def fake_compile(kernel, *args, **flags):
+        compiled.append((type(kernel).__name__, args, flags))
+        return lambda *call_args: calls.append(call_args)
+
+    monkeypatch.setattr(cute, "compile", fake_compile)
+    monkeypatch.setattr(interface, "_torch_stream", lambda device: "torch stream")
+    monkeypatch.setattr(interface, "_compiled", {})
+    out, dq = torch.zeros(2, 8, 2, 64, dtype=torch.float32), torch.zeros(2, 8, 2, 64, dtype=torch.bfloat16)
+    with kernel_options(tvm_ffi=tvm_ffi):
+        for _ in range(2):
+            interface._launch("bwd_post", torch.bfloat16, 64, False, 2, [out, dq], [0.125])
+    (name, args, flags), = compiled
+    assert name == "BackwardPostprocess" and len(args) == 4 and len(calls) == 2
+    if tvm_ffi:
+        assert flags == {"options": "--enable-tvm-ffi"}
+        assert calls[1][0] is not out and calls[1][0].data_ptr() == out.data_ptr() and calls[1][2:] == (0.125,)
+        assert len(calls[1]) == 3
+    else:
+        assert flags == {} and args[-1] == "torch stream" and calls[1][-1] == "torch stream"
+        assert not isinstance(calls[1][0], torch.Tensor) and len(calls[1]) == 4
