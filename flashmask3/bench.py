@@ -82,7 +82,7 @@ def gpu_times_ms(fn: Callable, inputs: list[tuple], warmup: int = 3, repeats: in
     return [start.elapsed_time(stop) for start, stop in events]
 
 
-def host_us(fn: Callable, inputs: list[tuple], calls: int = 20) -> float:
+def host_us(fn: Callable, inputs: list[tuple], calls: int = 10) -> float:
     """Host microseconds per call of fn(*x) (its launch work, Python included): `calls` calls issued
     after a sync and timed on the host clock while the GPU runs behind them."""
     torch.cuda.synchronize()
