@@ -37,7 +37,7 @@ from flashmask3.verify import compare, random_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd import (  # noqa: E402
-    ablation_table, add_common_arguments, add_row, cudnn_fn, fa4_fn, new_record, run_ablation, run_check, variant_overrides)
+    ablation_table, add_common_arguments, add_row, dense_peers, new_record, run_ablation, run_check, variant_overrides)
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -109,11 +109,7 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
                                                              deterministic=deterministic)),
                 "flex": fwd_bwd(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask)),
             }
-            if name in ("full", "causal"):
-                fa4 = fa4_fn(name == "causal")
-                if fa4 is not None:
-                    contenders["fa4"] = fwd_bwd(fa4)
-                contenders["cudnn"] = fwd_bwd(cudnn_fn(name == "causal"))
+            contenders.update({peer: fwd_bwd(fn) for peer, fn in dense_peers(name).items()})
             times = interleaved_ms({key: (fn, inputs) for key, fn in contenders.items()}, rounds, warmup=2, repeats=1)
             for contender, ms in times.items():
                 row[f"{contender}_ms"] = ms

@@ -82,6 +82,16 @@ def fa4_fn(causal: bool):
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
 
 
+def dense_peers(mask_name: str) -> dict:
+    """The peers that take only a plain full or causal mask, {name: fn(q, k, v)}: FA4 (when its
+    wheel is there) and cuDNN's SDPA; none for the other masks."""
+    if mask_name not in ("full", "causal"):
+        return {}
+    causal = mask_name == "causal"
+    fa4 = fa4_fn(causal)
+    return {**({"fa4": fa4} if fa4 is not None else {}), "cudnn": cudnn_fn(causal)}
+
+
 def kernel_overrides(pairs: list[str]) -> dict:
     """["intra_wg_overlap=true", "num_stages=3"] -> KernelOptions changes, values typed like the fields."""
     fields = {f.name: f.type for f in dataclasses.fields(KernelOptions)}
@@ -154,11 +164,7 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lam
             fa4_sparse = fa4_sparse_fn(row, mask, heads, inputs)
             if fa4_sparse is not None:
                 contenders["fa4_sparse"] = (fa4_sparse, inputs)
-            if name in ("full", "causal"):
-                fa4 = fa4_fn(name == "causal")
-                if fa4 is not None:
-                    contenders["fa4"] = (fa4, inputs)
-                contenders["cudnn"] = (cudnn_fn(name == "causal"), inputs)
+            contenders.update({peer: (fn, inputs) for peer, fn in dense_peers(name).items()})
             for contender, ms in interleaved_ms(contenders, rounds, repeats=repeats).items():
                 row[f"{contender}_ms"] = ms
             add_row(rows, row, flops, save)

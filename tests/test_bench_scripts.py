@@ -108,8 +108,8 @@ def _fake_peers(monkeypatch, module, calls: list, density: float) -> list:
     monkeypatch.setattr(module, "random_inputs", lambda *a, **k: created.extend(torch.zeros(2) for _ in range(4))
                         or tuple(created[-4:]))
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
-    monkeypatch.setattr(module, "fa4_fn", lambda causal: kernel("fa4"))
-    monkeypatch.setattr(module, "cudnn_fn", lambda causal: kernel("cudnn"))
+    monkeypatch.setattr(bench_fwd, "fa4_fn", lambda causal: kernel("fa4"))  # behind `dense_peers`
+    monkeypatch.setattr(bench_fwd, "cudnn_fn", lambda causal: kernel("cudnn"))
     monkeypatch.setattr(bench_fwd.peers, "flex_block_mask", lambda *a: None)
     monkeypatch.setattr(bench_fwd.peers, "flex_attention", kernel("flex"))
     monkeypatch.setattr(bench_fwd.peers, "fa4_block_sparse", lambda *a: kernel("fa4_sparse"))
