@@ -392,9 +392,9 @@ class FlashMaskBackwardSm90:
                 query_start = m_block * self.tile_m
                 acc_S = cute.make_rmem_tensor(st_shape, Float32)
                 acc_dP = cute.make_rmem_tensor(st_shape, Float32)
-                lse = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
                 pipe_q.consumer_wait(state)
                 if const_expr(self.lse_ahead):
+                    lse = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
                     for c in cutlass.range_constexpr(cute.size(lse)):
                         lse[c] = sLSE[st_cols[0, c][1], state.index]
                 _wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
@@ -442,9 +442,7 @@ class FlashMaskBackwardSm90:
                     self.stage_dq(acc_dQ, sdQ_thread)
                     cute.arch.barrier_arrive(barrier_id=_DQ_FULL + wg, number_of_threads=128 + 32)
                 else:
-                    rank = Int32(0)
-                    if const_expr(self.deterministic):
-                        rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
+                    rank = self.dq_rank(mDqRanks, mask_batch, mask_head, n_block, m_block)
                     self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank,
                                 lane_in_wg, wg)
                 step += 1
@@ -472,6 +470,14 @@ class FlashMaskBackwardSm90:
         cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128)
         if lane_in_wg == 0:
             self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
+
+    @cute.jit
+    def dq_rank(self, mDqRanks, mask_batch, mask_head, n_block, m_block) -> Int32:
+        """This key tile's place in query tile `m_block`'s dQ sum (deterministic mode; else 0)."""
+        rank = Int32(0)
+        if const_expr(self.deterministic):
+            rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
+        return rank
 
     @cute.jit
     def stage_dq(self, acc_dQ, sdQ_thread):
@@ -512,9 +518,7 @@ class FlashMaskBackwardSm90:
             position += 1
             while entry != END_OF_LIST:
                 m_block = entry >> 1
-                rank = Int32(0)
-                if const_expr(self.deterministic):
-                    rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
+                rank = self.dq_rank(mDqRanks, mask_batch, mask_head, n_block, m_block)
                 for wg in cutlass.range_constexpr(self.num_consumer_wgs):
                     cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128 + 32)
                     if lane == 0:
