@@ -175,3 +175,22 @@ def test_cute_backend_refuses_unsupported_inputs_by_name():
         fm.attention(q, k, v, backend="cute")
     # "auto" falls back instead of failing.
     torch.testing.assert_close(fm.attention(q, k, v), fm.attention(q, k, v, backend="reference"))
+
+
+def test_cute_backend_names_a_missing_launch_package(monkeypatch):
+    """A Hopper machine without apache-tvm-ffi: the reason names the package and the switch that
+    does without it, so "auto" falls back and backend="cute" says what to install."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from flashmask3.optimized import interface, kernel_options
+
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "tvm_ffi" else real_find_spec(name))
+    q = SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.bfloat16, shape=(1, 128, 2, 128))
+    assert "apache-tvm-ffi" in interface.unsupported_reason(q, q)
+    assert "kernel_options(tvm_ffi=False)" in interface.unsupported_reason(q, q)
+    with kernel_options(tvm_ffi=False):
+        assert interface.unsupported_reason(q, q) is None
