@@ -254,3 +254,36 @@ def test_device_steps_runs_each_step_under_its_limit_and_logs_it(tmp_path):
     assert [line.split()[1:3] for line in status] == [["hello", "rc=0"], ["slow", "rc=124"], ["after", "rc=0"]]
     assert (out / "hello.log").read_text() == "hi\n" and (out / "after.log").read_text() == "still\n"
     assert result.stdout.rstrip().endswith(status[-1])
+
+
+def test_ncu_source_summary_finds_the_hot_loop_and_its_stalls():
+    """A small `--page source --csv` dump: program output before the header, a producer loop, the
+    hot consumer loop closed by a predicated backward branch, and an unconditional out-of-line
+    retry jump spanning both (not a loop of its own)."""
+    import ncu_source_summary
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_barrier", "stall_wait", "stall_barrier (Not Issued)"]
+    body = [  # address, source, samples, barrier, wait
+        ("0x1000", "MOV R1, c[0x0][0x28]", 1, 0, 1),
+        ("0x1010", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2", 10, 0, 10),
+        ("0x1020", "@!P0 BRA 0x1010", 5, 0, 5),
+        ("0x1030", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24", 30, 0, 30),
+        ("0x1040", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 40, 40, 0),
+        ("0x1050", "MUFU.EX2 R3, R4", 20, 0, 20),
+        ("0x1060", "@P1 BRA 0x1030", 2, 0, 2),
+        ("0x1070", "EXIT", 0, 0, 0),
+        ("0x1080", "BRA 0x1000", 0, 0, 0),
+    ]
+    lines = ["==PROF== Connected to process 1", '{"mask": "full"}',
+             ",".join(f'"{h}"' for h in header)]
+    lines += [",".join(f'"{v}"' for v in (a, s, n, 1, b, w, 0)) for a, s, n, b, w in body]
+    instructions = ncu_source_summary.read_instructions(lines)
+    assert ncu_source_summary.hottest_loop(instructions) == (0x30, 0x60)
+    summary = ncu_source_summary.summarize(instructions, top=2).splitlines()
+    assert summary[0] == "samples: 108 in all, 92 (85%) in the hottest loop (SASS +0x30..+0x60)"
+    assert summary[1] == "loop stall reasons: wait 56.5%, barrier 43.5%"
+    assert summary[2] == "loop samples by opcode: WARPGROUP 43.5%, HGMMA 32.6%, MUFU 21.7%, BRA 2.2%"
+    assert summary[4].split() == ["43.5%", "barrier", "WARPGROUP.DEPBAR.LE", "gsb0,", "0x0"]
+    with pytest.raises(ValueError, match="not an ncu"):
+        ncu_source_summary.read_instructions(["no header here"])
