@@ -128,6 +128,11 @@ def _make_kernel(
         entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192)
 
 
+def forward_tile_rows(head_dim: int) -> int:
+    """Query rows per forward CTA at this head dim under the current kernel options (needs the DSL)."""
+    return _make_kernel("bf16", head_dim, False, 2, options).tile_m
+
+
 def _launch(direction: str, dtype: torch.dtype, head_dim: int, causal: bool, width: int,
             tensors: list[torch.Tensor], scalars: list[float | int], deterministic: bool = False) -> None:
     """Run one kernel on the current stream, compiling it on first use per configuration (the

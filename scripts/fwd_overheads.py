@@ -24,15 +24,15 @@ from bench_fwd import add_common_arguments, fa4_fn, new_record  # noqa: E402
 
 from flashmask3.bench import interleaved_ms  # noqa: E402
 from flashmask3.optimized import kernel_options  # noqa: E402
-from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
+from flashmask3.optimized.interface import forward as cute_forward, forward_tile_rows  # noqa: E402
 from flashmask3.verify import random_inputs  # noqa: E402
 
-TOKENS, TILE, SMS = 131072, 128, 132
+TOKENS, TILE_N, SMS = 131072, 128, 132
 
 
 def per_wave_fit(rows: list[dict], key: str) -> dict:
     """Least squares of (time per wave of CTAs) on (key tiles per CTA): fixed us + us per tile."""
-    xs = [r["seqlen"] / TILE for r in rows]
+    xs = [r["seqlen"] / TILE_N for r in rows]
     ys = [r[key] * 1e3 / (r["ctas"] / SMS) for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -50,6 +50,7 @@ def main() -> None:
     fa4 = fa4_fn(causal=False)
     rows = []
     with kernel_options(**result["kernel_options"]):
+        tile_m = forward_tile_rows(args.head_dim)  # 192 at head dim 64 (q_tile_192), else 128
         for seqlen in [int(s) for s in args.seqlens.split(",")]:
             batch = TOKENS // seqlen
             inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda",
@@ -60,7 +61,7 @@ def main() -> None:
                     fa4(*inputs[0])
                 torch.cuda.synchronize()
                 return
-            row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / TILE)}
+            row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / tile_m)}
             contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, None, scale), inputs)}
             if fa4 is not None:
                 contenders["fa4"] = (fa4, inputs)

@@ -15,6 +15,16 @@ def test_forward_kernel_compiles_for_sm90a(dtype, head_dim, causal, width):
     assert 0 < seconds < 120
 
 
+def test_forward_tile_rows_follow_the_head_dim_and_q_tile_192():
+    """The query rows per forward CTA that the overhead fit divides by: 192 only at head dim 64."""
+    from flashmask3.optimized import kernel_options
+    from flashmask3.optimized.interface import forward_tile_rows
+
+    assert (forward_tile_rows(64), forward_tile_rows(128)) == (192, 128)
+    with kernel_options(q_tile_192=False):
+        assert forward_tile_rows(64) == 128
+
+
 def test_unsupported_head_dim_is_refused():
     from flashmask3.optimized.flash_fwd_sm90 import FlashMaskForwardSm90
 
