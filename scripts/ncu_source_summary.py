@@ -3,11 +3,22 @@
     $NCU --clock-control none -k regex:FlashMaskForward -c 1 --section SourceCounters \\
         --section WarpStateStats --page source --print-source sass --csv \\
         python scripts/bench_fwd.py ablate --seqlens 8192 --masks full > ncu.csv
-    python scripts/ncu_source_summary.py ncu.csv [--top 16]
+    python scripts/ncu_source_summary.py ncu.csv [--top 16] [--lines kernel.sass]
 
 The CSV (~0.6 MB) is not worth committing; this summary is. The hot loop is found as the
 loop whose body holds the most samples (the consumers' per-tile or per-step loop); its share of
 all samples, its stall reasons, its samples by opcode and its hottest instructions are printed.
+
+`--lines` adds the loop's samples per Python source line. It takes `nvdisasm -g` of the same kernel
+compiled with line info, which needs no GPU (nvdisasm: PyPI nvidia-cuda-nvdisasm):
+
+    CUTE_DSL_ARCH=sm_90a CUTE_DSL_LINEINFO=1 CUTE_DSL_KEEP=cubin CUTE_DSL_DUMP_DIR=/tmp/k python -c \\
+        "from flashmask3.optimized import compile_check; compile_check('bf16', 128, False, 2)"
+    nvdisasm -g -c /tmp/k/*FlashMaskForward*.cubin > kernel.sass
+
+A compile with fake tensors differs from the profiled one in a few parameter loads, so the two
+instruction streams are aligned by opcode and operands other than registers, constants and
+immediates; the share of loop samples left unaligned is printed.
 """
 
 from __future__ import annotations
@@ -15,6 +26,8 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import difflib
+import re
 import sys
 from dataclasses import dataclass
 
@@ -119,13 +132,72 @@ def summarize(instructions: list[Instruction], top: int = 16) -> str:
     return "\n".join(lines)
 
 
+_LINE = re.compile(r'\s*//## File "([^"]+)", line (\d+)')
+_SASS = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+_VOLATILE_OPERAND = re.compile(r"^[-|!]*(U?R\d+|U?P\d+|UPT|PT|RZ|URZ|c\[|0x|\d)")
+_REGISTER = re.compile(r"U?R\d+")
+
+
+def read_line_info(lines) -> list[tuple[str, str]]:
+    """(instruction, "file.py:line") in order from `nvdisasm -g` output."""
+    where, listing = "?", []
+    for line in lines:
+        if match := _LINE.match(line):
+            where = f"{match.group(1).rsplit('/', 1)[-1]}:{match.group(2)}"
+        elif match := _SASS.match(line):
+            listing.append((match.group(2), where))
+    return listing
+
+
+def _shape(source: str) -> str:
+    """An instruction without its predicate, registers, constants and immediates (registers inside
+    an operand such as gdesc[UR8] blanked): what a compile with other parameter loads keeps."""
+    words = [w.rstrip(",") for w in source.split() if not w.startswith("@")]
+    kept = words[:1] + [w for w in words[1:] if not _VOLATILE_OPERAND.match(w)]
+    return _REGISTER.sub("#", " ".join(kept))
+
+
+def loop_lines(instructions: list[Instruction], listing: list[tuple[str, str]], top: int = 16) -> str:
+    """The hottest loop's samples per source line, through an alignment of the two instruction streams."""
+    matcher = difflib.SequenceMatcher(None, [_shape(i.source) for i in instructions],
+                                      [_shape(source) for source, _ in listing], autojunk=False)
+    where = {}
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            where[block.a + k] = listing[block.b + k][1]
+    first, last = hottest_loop(instructions)
+    per_line = collections.Counter()
+    reasons = collections.defaultdict(collections.Counter)
+    in_loop = 0.0
+    for index, inst in enumerate(instructions):
+        if first <= inst.offset <= last:
+            in_loop += inst.samples
+            line = where.get(index, "unaligned")
+            per_line[line] += inst.samples
+            reasons[line].update(inst.stalls)
+    lines = [f"loop samples per source line ({100 * per_line['unaligned'] / in_loop:.0f}% unaligned; "
+             "main stall reasons of each):"]
+    for line, samples in per_line.most_common(top + 1):
+        if line == "unaligned":
+            continue
+        total = sum(reasons[line].values()) or 1.0
+        main = ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in reasons[line].most_common(2))
+        lines.append(f"  {100 * samples / in_loop:5.1f}% {line:28s} ({main})")
+    return "\n".join(lines[:top + 1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("csv", help="ncu --page source --csv output")
-    parser.add_argument("--top", type=int, default=16, help="hottest loop instructions to list")
+    parser.add_argument("--top", type=int, default=16, help="hottest loop instructions (and lines) to list")
+    parser.add_argument("--lines", help="nvdisasm -g output of the kernel compiled with line info")
     args = parser.parse_args()
     with open(args.csv, newline="") as f:
-        print(summarize(read_instructions(f), args.top))
+        instructions = read_instructions(f)
+    print(summarize(instructions, args.top))
+    if args.lines:
+        with open(args.lines) as f:
+            print(loop_lines(instructions, read_line_info(f), args.top))
 
 
 if __name__ == "__main__":

@@ -287,3 +287,37 @@ def test_ncu_source_summary_finds_the_hot_loop_and_its_stalls():
     assert summary[4].split() == ["43.5%", "barrier", "WARPGROUP.DEPBAR.LE", "gsb0,", "0x0"]
     with pytest.raises(ValueError, match="not an ncu"):
         ncu_source_summary.read_instructions(["no header here"])
+
+
+def test_ncu_source_summary_attributes_the_loop_to_source_lines():
+    """`--lines`: nvdisasm -g of a compile with line info, whose parameter loads differ from the
+    profiled kernel's (an extra instruction, other registers), still aligns with the profile."""
+    import ncu_source_summary
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_barrier", "stall_wait"]
+    body = [("0x100", "ULDC.64 UR8, c[0x0][0x518]", 1, 0, 1),
+            ("0x110", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24", 30, 0, 30),
+            ("0x120", "MUFU.EX2 R3, R4", 50, 0, 50),
+            ("0x130", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 20, 20, 0),
+            ("0x140", "@P1 BRA 0x110", 0, 0, 0)]
+    lines = [",".join(f'"{h}"' for h in header)] + [",".join(f'"{v}"' for v in row) for row in body]
+    instructions = ncu_source_summary.read_instructions(lines)
+    sass = """
+        //## File "/repo/optimized/flash_fwd_sm90.py", line 12
+        /*0000*/                   ULDC UR8, c[0x0][0x514] ;
+        /*0010*/                   ULDC UR9, c[0x0][0x518] ;
+        //## File "/repo/optimized/flash_fwd_sm90.py", line 84
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R40, gdesc[UR12], R40 ;
+        //## File "/repo/optimized/softmax.py", line 26
+        /*0030*/                   MUFU.EX2 R7, R9 ;
+        //## File "/repo/optimized/flash_fwd_sm90.py", line 439
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0050*/              @P0  BRA 0x20 ;
+    """.splitlines()
+    listing = ncu_source_summary.read_line_info(sass)
+    assert listing[2] == ("HGMMA.64x128x16.F32.BF16 R40, gdesc[UR12], R40", "flash_fwd_sm90.py:84")
+    report = ncu_source_summary.loop_lines(instructions, listing).splitlines()
+    assert report[0].startswith("loop samples per source line (0% unaligned")
+    assert [line.split()[:2] for line in report[1:]] == [
+        ["50.0%", "softmax.py:26"], ["30.0%", "flash_fwd_sm90.py:84"], ["20.0%", "flash_fwd_sm90.py:439"]]
+    assert report[1].endswith("(wait 100%, barrier 0%)")
