@@ -181,7 +181,7 @@ def loop_lines(instructions: list[Instruction], listing: list[tuple[str, str]], 
         if line == "unaligned":
             continue
         total = sum(reasons[line].values()) or 1.0
-        main = ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in reasons[line].most_common(2))
+        main = ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in reasons[line].most_common(2) if n)
         lines.append(f"  {100 * samples / in_loop:5.1f}% {line:28s} ({main})")
     return "\n".join(lines[:top + 1])
 
