@@ -44,8 +44,13 @@ class Instruction:
 
     @property
     def opcode(self) -> str:
-        words = [w for w in self.source.split() if not w.startswith("@")]  # drop the predicate
+        words = _unpredicated(self.source)
         return words[0].split(".")[0] if words else "?"
+
+
+def _unpredicated(source: str) -> list[str]:
+    """The instruction's words without its guard predicate (@P0, @!UP1)."""
+    return [w for w in source.split() if not w.startswith("@")]
 
 
 def _branch_target(source: str) -> int | None:
@@ -152,7 +157,7 @@ def read_line_info(lines) -> list[tuple[str, str]]:
 def _shape(source: str) -> str:
     """An instruction without its predicate, registers, constants and immediates (registers inside
     an operand such as gdesc[UR8] blanked): what a compile with other parameter loads keeps."""
-    words = [w.rstrip(",") for w in source.split() if not w.startswith("@")]
+    words = [w.rstrip(",") for w in _unpredicated(source)]
     kept = words[:1] + [w for w in words[1:] if not _VOLATILE_OPERAND.match(w)]
     return _REGISTER.sub("#", " ".join(kept))
 
