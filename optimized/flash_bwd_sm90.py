@@ -16,9 +16,8 @@ the mask bounds of only its own two keys:
     dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
                                                      warpgroups each take half of the head dim)
 and add dQ_tile into an fp32 dQ accumulator in global memory: each thread writes its fragment to smem
-as is, and one bulk reduce-add per warpgroup moves it (issued by one of its threads or, with
-`dq_writer`, by warp 2 of warpgroup 0; the accumulator keeps the fragment order;
-the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
+as is, and one bulk reduce-add per warpgroup moves it (issued by one of its threads; the
+accumulator keeps the fragment order; the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
 key tiles of one query tile add in key order (a per-query-tile semaphore), so dQ is bitwise
 reproducible. Delta = rowsum(dO * O), the base-2 LSE and the final dQ come from the pre/post
 kernels (flash_bwd_pre_post.py).
@@ -46,7 +45,6 @@ from .mask_role import END_OF_LIST, TileList, list_query_tiles
 LOG2_E = math.log2(math.e)
 _DS_READY = 1  # named barrier: both consumer warpgroups wrote their half of dS (0 is sync_threads)
 _DQ_FULL = 2  # named barriers 2, 3: a warpgroup's dQ half is in smem, ready for the bulk reduce-add
-_DQ_EMPTY = 4  # named barriers 4, 5 (with `dq_writer`): the dQ warp's reduce-add has read that half
 
 
 def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int) -> None:
@@ -80,7 +78,6 @@ class FlashMaskBackwardSm90:
         num_stages: int = 2,
         skip_tiles: bool = True,
         lse_ahead: bool = True,
-        dq_writer: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -89,9 +86,6 @@ class FlashMaskBackwardSm90:
         # operand reads from smem and the exponentials wait on them (ncu: short-scoreboard stalls).
         # Not with four bounds per key: the 16 registers it holds make ptxas spill there.
         self.lse_ahead = lse_ahead and mask_width < 4
-        # Warp 2 issues the dQ reduce-adds (FA3/FA4): the consumers arrive on a barrier instead of
-        # waiting on one for the single thread that issues the add.
-        self.dq_writer = dq_writer
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width
@@ -257,8 +251,7 @@ class FlashMaskBackwardSm90:
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
                              storage.mbar_tiles.data_ptr())
         if tidx == 0:
-            # the producer, the consumer warps and the dQ writer
-            tile_list.init(readers=1 + 4 * self.num_consumer_wgs + int(self.dq_writer))
+            tile_list.init(readers=1 + 4 * self.num_consumer_wgs)  # the producer and consumer warps
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -286,10 +279,6 @@ class FlashMaskBackwardSm90:
                         tile_list, position, mBlockBounds[mask_batch, mask_head, n_block, None], n_block * self.tile_n,
                         mQ.shape[0], mK.shape[0], mK.shape[0] - mQ.shape[0], self.tile_m, self.tile_n, self.causal,
                         self.mask_width, self.skip_tiles)
-            if const_expr(self.dq_writer):
-                if warp_idx == 2:
-                    self.write_dq(sdQ, mdQaccum, mDqRanks, mSemaphore, tile_list, n_block, head_kv, batch,
-                                  mask_batch, qheads_per_kvhead, qheads_per_maskhead)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, tile_list, mDqRanks, mSemaphore,
@@ -427,9 +416,8 @@ class FlashMaskBackwardSm90:
                 buf = step % 2
                 cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()
-                if const_expr(not self.dq_writer):
-                    if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 _wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
@@ -437,25 +425,17 @@ class FlashMaskBackwardSm90:
                 pipe_q.consumer_release(state)
                 pipe_do.consumer_release(state)
                 state.advance()
-                if const_expr(self.dq_writer):
-                    cute.arch.barrier(barrier_id=_DQ_EMPTY + wg, number_of_threads=128 + 32)
-                    self.stage_dq(acc_dQ, sdQ_thread)
-                    cute.arch.barrier_arrive(barrier_id=_DQ_FULL + wg, number_of_threads=128 + 32)
-                else:
-                    rank = self.dq_rank(mDqRanks, mask_batch, mask_head, n_block, m_block)
-                    self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank,
-                                lane_in_wg, wg)
+                rank = self.dq_rank(mDqRanks, mask_batch, mask_head, n_block, m_block)
+                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank,
+                            lane_in_wg, wg)
                 step += 1
                 entry = tile_list.read(position)
                 position += 1
 
-        if const_expr(not self.dq_writer):
-            if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,
                        head_kv, batch, tidx)
-        if const_expr(self.dq_writer):  # pairs the dQ warp's last arrive: no barrier left half-arrived
-            cute.arch.barrier(barrier_id=_DQ_EMPTY + wg, number_of_threads=128 + 32)
 
     @cute.jit
     def add_dq(self, acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg):
@@ -501,35 +481,6 @@ class FlashMaskBackwardSm90:
             cute.arch.cp_async_bulk_wait_group(0)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
-
-    @cute.jit
-    def write_dq(self, sdQ, mdQaccum, mDqRanks, mSemaphore, tile_list, n_block, head_kv, batch, mask_batch,
-                 qheads_per_kvhead, qheads_per_maskhead):
-        """dQ writer warp (`dq_writer`): per listed query tile, waits for each consumer warpgroup's dQ
-        half in smem, issues its bulk reduce-add, and frees the smem once the adds have read it."""
-        lane = cute.arch.lane_idx()
-        for wg in cutlass.range_constexpr(self.num_consumer_wgs):  # sdQ starts free
-            cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY + wg, number_of_threads=128 + 32)
-        position = Int32(0)
-        for g in cutlass.range(qheads_per_kvhead, unroll=1):
-            head = head_kv * qheads_per_kvhead + g
-            mask_head = head // qheads_per_maskhead
-            entry = tile_list.read(position)
-            position += 1
-            while entry != END_OF_LIST:
-                m_block = entry >> 1
-                rank = self.dq_rank(mDqRanks, mask_batch, mask_head, n_block, m_block)
-                for wg in cutlass.range_constexpr(self.num_consumer_wgs):
-                    cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128 + 32)
-                    if lane == 0:
-                        self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
-                if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
-                for wg in cutlass.range_constexpr(self.num_consumer_wgs):
-                    cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY + wg, number_of_threads=128 + 32)
-                entry = tile_list.read(position)
-                position += 1
 
     @cute.jit
     def store_dkv(self, acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,

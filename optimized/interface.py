@@ -41,8 +41,6 @@ class KernelOptions:
     # (FA3/FA4's SM90 choice; off = 128 rows on two, as at head dim 128)
     q_tile_192: bool = True
     lse_ahead: bool = True  # backward: the LSE into registers before the S GEMM, not after it
-    # backward: a warp of its own issues the dQ reduce-adds (measured: -1% to +2%, off)
-    dq_writer: bool = False
     # host: launch through TVM-FFI, torch tensors passed as they are, instead of a Python DLPack
     # wrapper per tensor (~23 us each; FA4's launch path): 2.3-2.6x less host time per call
     tvm_ffi: bool = True
@@ -114,7 +112,7 @@ def _make_kernel(
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
         return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
-                                     lse_ahead=opts.lse_ahead, dq_writer=opts.dq_writer)
+                                     lse_ahead=opts.lse_ahead)
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 

@@ -97,15 +97,6 @@ def test_backward_without_lse_ahead_compiles():
     assert compile_check("bf16", 128, True, 1, KernelOptions(lse_ahead=False), direction="bwd") > 0
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_with_dq_writer_compiles(deterministic):
-    """`dq_writer`: warp 2 issues the dQ reduce-adds behind full/empty named barriers."""
-    from flashmask3.optimized import KernelOptions, compile_check
-
-    assert compile_check("bf16", 128, False, 2, KernelOptions(dq_writer=True), direction="bwd",
-                         deterministic=deterministic) > 0
-
-
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_kernels_compile_for_the_tvm_ffi_launch(direction):
     """`tvm_ffi`: compiled with --enable-tvm-ffi and the env stream, to take torch tensors directly."""
