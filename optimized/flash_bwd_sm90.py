@@ -16,8 +16,8 @@ the mask bounds of only its own two keys:
     dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
                                                      warpgroups each take half of the head dim)
 and add dQ_tile into an fp32 dQ accumulator in global memory: each thread writes its fragment to smem
-as is, and one bulk reduce-add per warpgroup moves it (issued by one of its threads; the
-accumulator keeps the fragment order; the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
+as is, and one bulk reduce-add per warpgroup moves it (the accumulator keeps the fragment order;
+the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
 key tiles of one query tile add in key order (a per-query-tile semaphore), so dQ is bitwise
 reproducible. Delta = rowsum(dO * O), the base-2 LSE and the final dQ come from the pre/post
 kernels (flash_bwd_pre_post.py).
@@ -425,9 +425,10 @@ class FlashMaskBackwardSm90:
                 pipe_q.consumer_release(state)
                 pipe_do.consumer_release(state)
                 state.advance()
-                rank = self.dq_rank(mDqRanks, mask_batch, mask_head, n_block, m_block)
-                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank,
-                            lane_in_wg, wg)
+                rank = Int32(0)
+                if const_expr(self.deterministic):
+                    rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
+                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg)
                 step += 1
                 entry = tile_list.read(position)
                 position += 1
@@ -446,41 +447,22 @@ class FlashMaskBackwardSm90:
         one (in key order) have added into this query tile, adds, waits for the add to land, then
         counts itself done.
         """
-        self.stage_dq(acc_dQ, sdQ_thread)
-        cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128)
-        if lane_in_wg == 0:
-            self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
-
-    @cute.jit
-    def dq_rank(self, mDqRanks, mask_batch, mask_head, n_block, m_block) -> Int32:
-        """This key tile's place in query tile `m_block`'s dQ sum (deterministic mode; else 0)."""
-        rank = Int32(0)
-        if const_expr(self.deterministic):
-            rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
-        return rank
-
-    @cute.jit
-    def stage_dq(self, acc_dQ, sdQ_thread):
-        """The thread's dQ fragment into its smem slots, visible to the bulk copies (async proxy)."""
         cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
         cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def reduce_dq_half(self, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg):
-        """One thread: the bulk reduce-add of warpgroup `wg`'s half of the dQ tile in smem (in key
-        order behind the semaphore in deterministic mode)."""
-        chunk = cute.cosize(sdQ.layout) // self.num_consumer_wgs
-        if const_expr(self.deterministic):
-            lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
-            while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") < rank * self.num_consumer_wgs:
-                pass
-        target = mdQaccum.iterator + cute.crd2idx((batch, head, m_block, wg * chunk), mdQaccum.layout)
-        _bulk_reduce_add_f32(sdQ.iterator + wg * chunk, target, chunk * 4)
-        cute.arch.cp_async_bulk_commit_group()
-        if const_expr(self.deterministic):
-            cute.arch.cp_async_bulk_wait_group(0)
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
+        cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128)
+        if lane_in_wg == 0:
+            chunk = cute.cosize(sdQ.layout) // self.num_consumer_wgs
+            if const_expr(self.deterministic):
+                lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
+                while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") < rank * self.num_consumer_wgs:
+                    pass
+            target = mdQaccum.iterator + cute.crd2idx((batch, head, m_block, wg * chunk), mdQaccum.layout)
+            _bulk_reduce_add_f32(sdQ.iterator + wg * chunk, target, chunk * 4)
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def store_dkv(self, acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,
