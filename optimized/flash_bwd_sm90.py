@@ -1,8 +1,9 @@
 """Mask-aware attention backward for Hopper (sm_90a) in the CuTe DSL.
 
 Column-parallel, FlashAttention-2/3 style: one CTA per (key tile of 128, KV head, batch) keeps
-K, V and the dK, dV accumulators on chip and walks the query tiles (64 rows) that can see it, for
-every query head of its KV group (so GQA sums dK/dV in registers, no extra pass).
+K, V and the dK, dV accumulators on chip and walks the query tiles (`tile_m` rows: 64, or 128 at head
+dim 64) that can see it, for every query head of its KV group (so GQA sums dK/dV in registers,
+no extra pass).
 
 Warpgroup 0, warp 1 is the mask role (mask_role.py): per query head, it classifies the query tiles
 against the key tile from the key block's min/max and publishes the ones not fully masked, flagged
@@ -63,7 +64,6 @@ def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int)
 class FlashMaskBackwardSm90:
     """Compile-time configuration and kernel of the backward pass."""
 
-    tile_m = 64  # query rows per step
     tile_n = 128  # keys per CTA, 64 per consumer warpgroup
     producer_regs = 24
     consumer_regs = 240
@@ -78,14 +78,21 @@ class FlashMaskBackwardSm90:
         num_stages: int = 2,
         skip_tiles: bool = True,
         lse_ahead: bool = True,
+        tile_m: int = 64,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
+        # Query rows per step. 128 halves the steps (and their barriers, list reads and dQ adds) per
+        # key tile; its S^T and dP^T (64 registers each) fit beside dK, dV only at head dim 64.
+        if tile_m not in (64, 128) or (tile_m == 128 and head_dim != 64):
+            raise ValueError(f"tile_m must be 64, or 128 at head_dim 64; got {tile_m} at head_dim {head_dim}")
+        self.tile_m = tile_m
         self.dtype = dtype
         # The LSE read before the S GEMM is issued: read after it, the loads queue behind the GEMMs'
         # operand reads from smem and the exponentials wait on them (ncu: short-scoreboard stalls).
-        # Not with four bounds per key: the 16 registers it holds make ptxas spill there.
-        self.lse_ahead = lse_ahead and mask_width < 4
+        # Not with four bounds per key, nor with 128-row steps: the 16 (32) registers it holds make
+        # ptxas spill there (at 128 rows, 128 bytes inside the loop).
+        self.lse_ahead = lse_ahead and mask_width < 4 and tile_m == 64
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width

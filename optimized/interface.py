@@ -41,6 +41,9 @@ class KernelOptions:
     # (FA3/FA4's SM90 choice; off = 128 rows on two, as at head dim 128)
     q_tile_192: bool = True
     lse_ahead: bool = True  # backward: the LSE into registers before the S GEMM, not after it
+    # backward, head dim 64: 128-row query steps (FA3/FA4's SM90 choice there; off = 64 rows, as at
+    # head dim 128)
+    bwd_q_tile_128: bool = False
     # host: launch through TVM-FFI, torch tensors passed as they are, instead of a Python DLPack
     # wrapper per tensor (~23 us each; FA4's launch path): 2.3-2.6x less host time per call
     tvm_ffi: bool = True
@@ -112,11 +115,12 @@ def _make_kernel(
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
         return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
-                                     lse_ahead=opts.lse_ahead)
+                                     lse_ahead=opts.lse_ahead, tile_m=backward_tile_rows(head_dim, opts))
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
-        return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(cute_dtype, head_dim)
+        return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(
+            cute_dtype, head_dim, backward_tile_rows(head_dim, opts))
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
     return FlashMaskForwardSm90(
@@ -129,6 +133,11 @@ def _make_kernel(
 def forward_tile_rows(head_dim: int) -> int:
     """Query rows per forward CTA at this head dim under the current kernel options (needs the DSL)."""
     return _make_kernel("bf16", head_dim, False, 2, options).tile_m
+
+
+def backward_tile_rows(head_dim: int, opts: KernelOptions | None = None) -> int:
+    """Query rows per backward step at this head dim under `opts` (default: the current options)."""
+    return 128 if head_dim == 64 and (opts or options).bwd_q_tile_128 else 64
 
 
 def _launch(direction: str, dtype: torch.dtype, head_dim: int, causal: bool, width: int,
@@ -218,15 +227,15 @@ def backward(
     sk, hkv = k.shape[1], k.shape[2]
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
-    tiles_m = -(-sq // Kernel.tile_m)
+    tile_m = backward_tile_rows(d)
+    tiles_m = -(-sq // tile_m)
     bounds = block_minmax(mask, Kernel.tile_n)
     # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
-    ranks = dq_ranks(mask, Kernel.tile_m, Kernel.tile_n, options.skip_tiles) if deterministic else bounds[:1, :1, :1]
+    ranks = dq_ranks(mask, tile_m, Kernel.tile_n, options.skip_tiles) if deterministic else bounds[:1, :1, :1]
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
-    sq_pad = tiles_m * Kernel.tile_m
-    lse2 = torch.empty(b, hq, sq_pad, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(b, hq, tiles_m * tile_m, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
-    dq_accum = torch.empty(b, hq, tiles_m, Kernel.tile_m * d, dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty(b, hq, tiles_m, tile_m * d, dtype=torch.float32, device=q.device)
     _launch("bwd_pre", q.dtype, d, False, 2, [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum], [])
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -300,7 +309,8 @@ def compile_check(
         tensors = [
             q_like, kv_like, kv_like, q_like,
             fake(cutlass.Float32, (b, hq, sq)), fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, hq, tm, 64 * head_dim)), kv_like, kv_like, row_indices,
+            fake(cutlass.Float32, (b, hq, tm, backward_tile_rows(head_dim, opts) * head_dim)), kv_like, kv_like,
+            row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)), fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
         ]
@@ -317,7 +327,7 @@ def compile_check(
     if direction == "bwd":
         from .flash_bwd_pre_post import prepost_compile_args
 
-        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream)
+        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, backward_tile_rows(head_dim, opts), stream)
         cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_pre"), *pre_args, **flags)
         cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_post"), *post_args, **flags)
     return time.perf_counter() - start

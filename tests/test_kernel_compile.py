@@ -97,6 +97,28 @@ def test_backward_without_lse_ahead_compiles():
     assert compile_check("bf16", 128, True, 1, KernelOptions(lse_ahead=False), direction="bwd") > 0
 
 
+@pytest.mark.parametrize("causal,width,deterministic", [(True, 1, False), (False, 4, False), (False, 2, True)])
+def test_backward_with_128_row_steps_compiles_at_head_dim_64(causal, width, deterministic):
+    """`bwd_q_tile_128`: 128 query rows per backward step at head dim 64 (pre/post kernels included)."""
+    from flashmask3.optimized import KernelOptions, compile_check
+
+    opts = KernelOptions(bwd_q_tile_128=True)
+    assert compile_check("fp16", 64, causal, width, opts, direction="bwd", deterministic=deterministic) > 0
+
+
+def test_backward_tile_rows_and_their_limit():
+    """128-row backward steps only at head dim 64 (at 128, S^T and dP^T would not fit beside dK, dV)."""
+    from flashmask3.optimized import KernelOptions
+    from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90
+    from flashmask3.optimized.interface import backward_tile_rows
+
+    opts = KernelOptions(bwd_q_tile_128=True)
+    assert (backward_tile_rows(64), backward_tile_rows(128)) == (64, 64)
+    assert (backward_tile_rows(64, opts), backward_tile_rows(128, opts)) == (128, 64)
+    with pytest.raises(ValueError, match="tile_m must be 64, or 128 at head_dim 64"):
+        FlashMaskBackwardSm90(cutlass.BFloat16, 128, True, 1, tile_m=128)
+
+
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_kernels_compile_for_the_tvm_ffi_launch(direction):
     """`tvm_ffi`: compiled with --enable-tvm-ffi and the env stream, to take torch tensors directly."""
