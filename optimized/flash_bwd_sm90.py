@@ -15,7 +15,8 @@ the mask bounds of only its own two keys:
     P^T = exp2(S^T * scale * log2 e - LSE * log2 e)  (element mask only on PARTIAL tiles)
     dV += P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q   (RS-WGMMA: P^T, dS^T stay in registers)
     dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
-                                                     warpgroups each take half of the head dim)
+                                                     warpgroups each take half of the head dim, or
+                                                     of the query rows with 128-row steps)
 and add dQ_tile into an fp32 dQ accumulator in global memory: each thread writes its fragment to smem
 as is, and one bulk reduce-add per warpgroup moves it (the accumulator keeps the fragment order;
 the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
@@ -103,10 +104,15 @@ class FlashMaskBackwardSm90:
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
     def dq_tiled_mma(self) -> cute.TiledMma:
-        """dQ = dS K: queries x head dim, the warpgroups split the head dim."""
+        """dQ = dS K: queries x head dim. The warpgroups split the head dim at 64-row steps, the query
+        rows at 128 (FA4's choice at head dim 64): a 64 x 64 GEMM per warpgroup reads half the smem per
+        FLOP of a 128 x 32 one."""
+        wgs = self.num_consumer_wgs
+        split_rows = self.tile_m == 64 * wgs
         return sm90.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, self.num_consumer_wgs, 1), tiler_mn=(64, self.head_dim // self.num_consumer_wgs),
+            atom_layout_mnk=(wgs, 1, 1) if split_rows else (1, wgs, 1),
+            tiler_mn=(64, self.head_dim) if split_rows else (64, self.head_dim // wgs),
         )
 
     def dq_slot_layout(self) -> cute.Layout:
