@@ -321,3 +321,40 @@ def test_ncu_source_summary_attributes_the_loop_to_source_lines():
     assert [line.split()[:2] for line in report[1:]] == [
         ["50.0%", "softmax.py:26"], ["30.0%", "flash_fwd_sm90.py:84"], ["20.0%", "flash_fwd_sm90.py:439"]]
     assert report[1].endswith("(wait 100%)") and report[3].endswith("(barrier 100%)")
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x10], R2 ;
+        /*0030*/              @!P0 BRA `(.L_x_9) ;
+        /*0040*/                   FSEL R3, R3, -INF , P1 ;
+.L_x_2:
+        /*0050*/                   MUFU.EX2 R4, R4 ;
+        /*0060*/                   MUFU.EX2 R5, R5 ;
+        /*0070*/               @P1 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+.L_x_9:
+        /*0090*/                   NANOSLEEP.SYNCS 0x989680 ;
+        /*00a0*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_sass_path_splits_blocks_at_branches_and_finds_the_loop():
+    """`sass_path.py`: blocks start at labels and after branches (so a path can skip what a branch
+    jumps over); the hot loop closes with a predicated backward branch (the unconditional one comes
+    back from an out-of-line retry); a path's opcodes are summed and compared with another's."""
+    import sass_path
+
+    blocks = sass_path.read_blocks(SASS.splitlines())
+    assert [(name, len(body)) for name, body in blocks] == [
+        ("start", 1), ("L_x_1", 3), ("L_x_1+3", 1), ("L_x_2", 3), ("L_x_2+3", 1), ("L_x_9", 2)]
+    assert [name for name, _ in sass_path.hot_loop(blocks)] == ["L_x_1", "L_x_1+3", "L_x_2"]
+    unmasked = sass_path.path_opcodes(blocks, ["L_x_1", "L_x_2"])
+    assert unmasked == {"HGMMA": 1, "SYNCS": 1, "BRA": 2, "MUFU": 2}
+    masked = sass_path.path_opcodes(blocks, ["L_x_1", "L_x_1+3", "L_x_2"])
+    assert sass_path.compare(masked, unmasked).splitlines()[1:] == [
+        "(all)             7        6     +1", "FSEL              1        0     +1"]
+    with pytest.raises(ValueError, match="no such block: L_x_7"):
+        sass_path.path_opcodes(blocks, ["L_x_7"])
