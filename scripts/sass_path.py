@@ -7,10 +7,10 @@
     python scripts/sass_path.py ours.sass                  # the hot loop's basic blocks
     python scripts/sass_path.py ours.sass --path L_x_39,L_x_248 [--against fa4.sass --against-path ...]
 
-Without `--path`: the loop (a backward branch) holding the most MUFU and HGMMA instructions, block
-by block: its label, size, commonest opcodes and its control and synchronization instructions, so
-the blocks one iteration takes (e.g. past the element mask of an unmasked tile) can be picked by
-hand. With `--path`: the opcode counts summed over those blocks; with `--against`, another kernel's
+Without `--path`: the loop (a backward branch) holding the most MUFU and HGMMA instructions, first
+its size and whether ptxas serialized its WGMMAs (an arrive per HGMMA), then block by block: its
+label, size, commonest opcodes and its control and synchronization instructions, so the blocks one
+iteration takes (e.g. past the element mask of an unmasked tile) can be picked by hand. With `--path`: the opcode counts summed over those blocks; with `--against`, another kernel's
 path beside it and the difference per opcode (how FA4's per-tile path was compared with ours,
 bench/NOTES.md).
 """
@@ -94,6 +94,17 @@ def describe_blocks(blocks: list[tuple[str, list[str]]], top: int = 6) -> str:
     return "\n".join(rows)
 
 
+def loop_summary(loop: list[tuple[str, list[str]]]) -> str:
+    """One line on the loop: its size, HGMMAs and warpgroup arrives. An arrive per HGMMA means ptxas
+    serialized the WGMMAs (its C7512 warning: too few registers to keep them in flight)."""
+    ops = collections.Counter(opcode(x) for _, body in loop for x in body)
+    arrives = sum(x.startswith("WARPGROUP.ARRIVE") for _, body in loop for x in body)
+    line = f"hot loop: {sum(ops.values())} instructions, {ops['HGMMA']} HGMMA, {arrives} WARPGROUP.ARRIVE"
+    if ops["HGMMA"] > 1 and arrives >= ops["HGMMA"]:
+        line += " (an arrive per HGMMA: the WGMMAs are serialized)"
+    return line
+
+
 def compare(ours: collections.Counter, theirs: collections.Counter) -> str:
     rows = [f"{'opcode':12s} {'path':>6s} {'against':>8s} {'diff':>6s}",
             f"{'(all)':12s} {sum(ours.values()):6d} {sum(theirs.values()):8d} "
@@ -114,7 +125,8 @@ def main() -> None:
     with open(args.sass) as f:
         blocks = read_blocks(f)
     if not args.path:
-        print(describe_blocks(hot_loop(blocks)))
+        loop = hot_loop(blocks)
+        print(loop_summary(loop) + "\n" + describe_blocks(loop))
         return
     ours = path_opcodes(blocks, args.path.split(","))
     if not args.against:

@@ -358,3 +358,7 @@ def test_sass_path_splits_blocks_at_branches_and_finds_the_loop():
         "(all)             7        6     +1", "FSEL              1        0     +1"]
     with pytest.raises(ValueError, match="no such block: L_x_7"):
         sass_path.path_opcodes(blocks, ["L_x_7"])
+    assert sass_path.loop_summary(sass_path.hot_loop(blocks)) == "hot loop: 7 instructions, 1 HGMMA, 0 WARPGROUP.ARRIVE"
+    serialized = [("L_x_1", ["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32 R24, R8, gdesc[UR4], R24",
+                             "WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 2)]
+    assert sass_path.loop_summary(serialized).endswith("(an arrive per HGMMA: the WGMMAs are serialized)")
