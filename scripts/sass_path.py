@@ -10,9 +10,9 @@
 Without `--path`: the loop (a backward branch) holding the most MUFU and HGMMA instructions, first
 its size and whether ptxas serialized its WGMMAs (an arrive per HGMMA), then block by block: its
 label, size, commonest opcodes and its control and synchronization instructions, so the blocks one
-iteration takes (e.g. past the element mask of an unmasked tile) can be picked by hand. With `--path`: the opcode counts summed over those blocks; with `--against`, another kernel's
-path beside it and the difference per opcode (how FA4's per-tile path was compared with ours,
-bench/NOTES.md).
+iteration takes (e.g. past the element mask of an unmasked tile) can be picked by hand. With
+`--path`: the opcode counts summed over those blocks; with `--against`, another kernel's path beside
+it and the difference per opcode (how FA4's per-tile path was compared with ours, bench/NOTES.md).
 """
 
 from __future__ import annotations
