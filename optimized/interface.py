@@ -46,8 +46,8 @@ class KernelOptions:
     tile_runs: bool = False
     lse_ahead: bool = True  # backward: the LSE into registers before the S GEMM, not after it
     # backward, head dim 64: 128-row query steps (FA3/FA4's SM90 choice there; off = 64 rows, as at
-    # head dim 128). Correct, but ptxas serializes its WGMMAs (C7512, registers): +2-3% on the dense
-    # masks, -2% on partial-heavy ones as built; it needs P and dS in smem first (bench/NOTES.md)
+    # head dim 128). Correct, but ptxas serializes its WGMMAs (C7512: the exponentials' 32 live LSE
+    # values exceed the registers): +2-3% on the dense masks, -2% on partial-heavy ones as built
     bwd_q_tile_128: bool = False
     # host: launch through TVM-FFI, torch tensors passed as they are, instead of a Python DLPack
     # wrapper per tensor (~23 us each; FA4's launch path): 2.3-2.6x less host time per call
