@@ -44,13 +44,18 @@ class Instruction:
 
     @property
     def opcode(self) -> str:
-        words = _unpredicated(self.source)
-        return words[0].split(".")[0] if words else "?"
+        return opcode(self.source)
 
 
 def _unpredicated(source: str) -> list[str]:
     """The instruction's words without its guard predicate (@P0, @!UP1)."""
     return [w for w in source.split() if not w.startswith("@")]
+
+
+def opcode(source: str) -> str:
+    """The opcode without its guard predicate and modifiers: `@!P0 SYNCS.ARRIVE.TRANS64 ...` -> SYNCS."""
+    words = _unpredicated(source)
+    return words[0].split(".")[0] if words else "?"
 
 
 def _branch_target(source: str) -> int | None:
@@ -138,7 +143,7 @@ def summarize(instructions: list[Instruction], top: int = 16) -> str:
 
 
 _LINE = re.compile(r'\s*//## File "([^"]+)", line (\d+)')
-_SASS = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+SASS_LINE = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 _VOLATILE_OPERAND = re.compile(r"^[-|!]*(U?R\d+|U?P\d+|UPT|PT|RZ|URZ|c\[|0x|\d)")
 _REGISTER = re.compile(r"U?R\d+")
 
@@ -149,7 +154,7 @@ def read_line_info(lines) -> list[tuple[str, str]]:
     for line in lines:
         if match := _LINE.match(line):
             where = f"{match.group(1).rsplit('/', 1)[-1]}:{match.group(2)}"
-        elif match := _SASS.match(line):
+        elif match := SASS_LINE.match(line):
             listing.append((match.group(2), where))
     return listing
 

@@ -21,16 +21,11 @@ import argparse
 import collections
 import re
 
+from ncu_source_summary import SASS_LINE, opcode
+
 _LABEL = re.compile(r"^\s*\.(L_x_\d+):")
-_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH_TO = re.compile(r"\bBRA\b.*?\(?\.(L_x_\d+)")
 _NOTABLE = ("BRA", "BAR", "SYNCS", "WARPGROUP", "DEPBAR", "HGMMA", "EXIT")
-
-
-def opcode(instruction: str) -> str:
-    """The opcode without its guard predicate and modifiers: `@!P0 SYNCS.ARRIVE.TRANS64 ...` -> SYNCS."""
-    words = [w for w in instruction.split() if not w.startswith("@")]
-    return words[0].split(".")[0] if words else "?"
 
 
 def read_blocks(lines) -> list[tuple[str, list[str]]]:
@@ -45,7 +40,7 @@ def read_blocks(lines) -> list[tuple[str, list[str]]]:
             label, since_label = found.group(1), 0
             blocks.append((label, []))
             continue
-        inst = _INSTRUCTION.match(line)
+        inst = SASS_LINE.match(line)
         if inst:
             if blocks[-1][1] and opcode(blocks[-1][1][-1]) == "BRA":
                 blocks.append((f"{label}+{since_label}", []))
