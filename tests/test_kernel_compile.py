@@ -218,8 +218,9 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
     from pathlib import Path
 
     spec = importlib.util.find_spec("nvidia")
-    nvdisasm = next((Path(p) / "cu13" / "bin" / "nvdisasm" for p in (spec.submodule_search_locations or [])
-                     if (Path(p) / "cu13" / "bin" / "nvdisasm").exists()), None) if spec else None
+    packages = (spec.submodule_search_locations or []) if spec else []
+    candidates = [Path(p) / "cu13" / "bin" / "nvdisasm" for p in packages]
+    nvdisasm = next((c for c in candidates if c.exists()), None)
     if nvdisasm is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
