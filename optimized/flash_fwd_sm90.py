@@ -30,7 +30,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
-from .mask_role import END_OF_LIST, TileList, entry_tile, list_key_tiles
+from .mask_role import END_OF_LIST, TileList, list_key_tiles
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore, softmax_update
 
 LOG2_E = math.log2(math.e)
@@ -108,7 +108,6 @@ class FlashMaskForwardSm90:
         bounds_prefetch: bool = True,
         entry_ahead: bool = True,
         q_tile_192: bool = True,
-        tile_runs: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -126,9 +125,6 @@ class FlashMaskForwardSm90:
         # The overlapped loop's turn barrier is what lets a buffer be refilled: ping-pong only.
         self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
         self.entry_ahead = entry_ahead and intra_wg_overlap
-        # Runs of tiles as one list entry: read by the K-ahead producer and the overlapped loop with
-        # the entry read ahead (the defaults) only.
-        self.tile_runs = tile_runs and self.entry_ahead and self.k_ahead
         if q_tile_192 and head_dim == 64:  # FA3/FA4's SM90 shape at head dim 64: 1.5x the rows per K/V load
             self.tile_m = 192
         self.num_consumer_wgs = self.tile_m // 64
@@ -271,7 +267,7 @@ class FlashMaskForwardSm90:
                 row_start = m_block * self.tile_m
                 list_key_tiles(tile_list, mBlockBounds[mask_batch, mask_head, None, None], row_start,
                                cutlass.min(row_start + self.tile_m, seqlen_q), seqlen_k, seqlen_k - seqlen_q,
-                               self.tile_n, self.causal, self.mask_width, self.skip_tiles, self.tile_runs)
+                               self.tile_n, self.causal, self.mask_width, self.skip_tiles)
         else:
             if const_expr(self.setmaxnreg):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -300,18 +296,20 @@ class FlashMaskForwardSm90:
         if const_expr(self.k_ahead):
             v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
             if entry != END_OF_LIST:
-                self.load_tile(tma_k, tKgK, tKsK, pipe_k, state, entry_tile(entry, self.tile_runs))
+                self.load_tile(tma_k, tKgK, tKsK, pipe_k, state, entry >> 1)
                 state.advance()
                 previous = entry
-                entry, position = self.next_entry(tile_list, entry, position)
+                position += 1
+                entry = tile_list.read(position)
                 while entry != END_OF_LIST:
-                    self.load_tile(tma_k, tKgK, tKsK, pipe_k, state, entry_tile(entry, self.tile_runs))
+                    self.load_tile(tma_k, tKgK, tKsK, pipe_k, state, entry >> 1)
                     state.advance()
-                    self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, entry_tile(previous, self.tile_runs))
+                    self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, previous >> 1)
                     v_state.advance()
                     previous = entry
-                    entry, position = self.next_entry(tile_list, entry, position)
-                self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, entry_tile(previous, self.tile_runs))
+                    position += 1
+                    entry = tile_list.read(position)
+                self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, previous >> 1)
         else:
             while entry != END_OF_LIST:
                 self.load_tile(tma_k, tKgK, tKsK, pipe_k, state, entry >> 1)
@@ -319,16 +317,6 @@ class FlashMaskForwardSm90:
                 state.advance()
                 position += 1
                 entry = tile_list.read(position)
-
-    @cute.jit
-    def next_entry(self, tile_list, entry, position):
-        """(entry, ring position) of the listed tile after `entry`'s, which is at ring `position`."""
-        if const_expr(self.tile_runs):
-            entry, position = tile_list.next_tile(entry, position)
-        else:
-            position = position + 1
-            entry = tile_list.read(position)
-        return entry, position
 
     @cute.jit
     def load_tile(self, tma, gmem_tiles, smem_stages, pipe, state, n_block):
@@ -413,8 +401,7 @@ class FlashMaskForwardSm90:
         (smem buffers, lane, warpgroup) with `bounds_prefetch`, else None."""
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        position = Int32(0)  # tiles begun; a PARTIAL tile's bounds go to buffer position % 2
-        ring = Int32(0)  # `tile_runs`: the ring position of `entry` (a run's tiles share it)
+        position = Int32(0)
         entry = tile_list.read(position)
         if entry != END_OF_LIST:
             self.prefetch_bounds(bounds, entry, position, mask_args)
@@ -424,10 +411,7 @@ class FlashMaskForwardSm90:
             softmax_rescore(acc_S, row_max, row_sum, scale_log2)  # O is still zero: nothing to rescale
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             position += 1
-            if const_expr(self.tile_runs):
-                entry, ring = tile_list.next_tile(entry, ring)
-            else:
-                entry = tile_list.read(position)
+            entry = tile_list.read(position)
             self.prefetch_bounds(bounds, entry, position, mask_args)
             while entry != END_OF_LIST:
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
@@ -443,12 +427,9 @@ class FlashMaskForwardSm90:
                     _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
                 _wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
-                next_entry, next_ring = entry, ring
+                next_entry = entry
                 if const_expr(self.entry_ahead):  # the ring read and the next bounds' cp.async under the GEMMs
-                    if const_expr(self.tile_runs):
-                        next_entry, next_ring = tile_list.next_tile(entry, ring)
-                    else:
-                        next_entry = tile_list.read(position + 1)
+                    next_entry = tile_list.read(position + 1)
                     self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
                 pipe_k.consumer_release(k_state)
@@ -462,7 +443,7 @@ class FlashMaskForwardSm90:
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 position += 1
                 if const_expr(self.entry_ahead):
-                    entry, ring = next_entry, next_ring
+                    entry = next_entry
                 else:
                     entry = tile_list.read(position)
                     self.prefetch_bounds(bounds, entry, position, mask_args)
@@ -497,7 +478,7 @@ class FlashMaskForwardSm90:
             sBounds, lane, _ = bounds
             _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
             if entry != END_OF_LIST and (entry & 1) != 0:
-                key = cutlass.min(entry_tile(entry, self.tile_runs) * self.tile_n + lane, seqlen_k - 1)
+                key = cutlass.min((entry >> 1) * self.tile_n + lane, seqlen_k - 1)
                 atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
                 one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
                 cute.copy(atom, cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
@@ -521,8 +502,8 @@ class FlashMaskForwardSm90:
                 cute.arch.barrier(barrier_id=self.bounds_barrier + wg, number_of_threads=128)
                 tile_bounds = sBounds[None, None, position % 2]
             apply_column_mask(acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start,
-                              entry_tile(entry, self.tile_runs) * self.tile_n, seqlen_k, causal_offset, self.causal,
-                              self.mask_width, tile_bounds=tile_bounds)
+                              (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal, self.mask_width,
+                              tile_bounds=tile_bounds)
 
     @cute.jit
     def begin_turn(self, wg):

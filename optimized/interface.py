@@ -40,10 +40,6 @@ class KernelOptions:
     # forward, head dim 64: 192-row query tiles on three consumer warpgroups in round-robin turns
     # (FA3/FA4's SM90 choice; off = 128 rows on two, as at head dim 128)
     q_tile_192: bool = True
-    # forward: consecutive key tiles of one class (within 32) as one tile-list entry, stepped through
-    # without the ring (a dense mask: one ring read per 32 tiles instead of one per tile); needs the
-    # overlap, `k_ahead` and `entry_ahead`, and keys fewer than 2**15 tiles (longer: off for the call)
-    tile_runs: bool = False
     lse_ahead: bool = True  # backward: the LSE into registers before the S GEMM, not after it
     # backward, head dim 64: 128-row query steps (FA3/FA4's SM90 choice there; off = 64 rows, as at
     # head dim 128). Correct, but ptxas serializes its WGMMAs (C7512: the exponentials' 32 live LSE
@@ -132,7 +128,7 @@ def _make_kernel(
         cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, pingpong=opts.pingpong,
         setmaxnreg=opts.setmaxnreg, skip_tiles=opts.skip_tiles, intra_wg_overlap=opts.intra_wg_overlap,
         tma_store=opts.tma_store, k_ahead=opts.k_ahead, bounds_prefetch=opts.bounds_prefetch,
-        entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192, tile_runs=opts.tile_runs)
+        entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192)
 
 
 def forward_tile_rows(head_dim: int) -> int:
@@ -196,9 +192,6 @@ def forward(
 
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    if options.tile_runs and not _runs_fit(sk):
-        with kernel_options(tile_runs=False):
-            return forward(q, k, v, mask, softmax_scale, out, lse)
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     bounds = block_minmax(mask, Kernel.tile_n)
@@ -209,14 +202,6 @@ def forward(
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("fwd", q.dtype, d, mask.causal, row_indices.shape[-1], [q, k, v, out, lse, row_indices, bounds], scalars)
     return out, lse
-
-
-def _runs_fit(seqlen_k: int) -> bool:
-    """Whether a run entry's 15-bit tile numbers (`tile_runs`) reach every key tile."""
-    from .flash_fwd_sm90 import FlashMaskForwardSm90 as Kernel
-    from .mask_role import MAX_RUN_TILES
-
-    return -(-seqlen_k // Kernel.tile_n) <= MAX_RUN_TILES
 
 
 def backward(

@@ -7,10 +7,6 @@ FlashMask's rule, exactly `ColumnMask.block_classes`): SKIP tiles are left out, 
 published in order as `tile << 1 | partial` into a small smem ring (`TileList`), then -1. The TMA
 producer and the consumer warps read the same ring, so skipped tiles cost neither loads nor MMAs and
 UNMASKED tiles cost no mask arithmetic.
-
-With `runs` (the forward's `tile_runs`), an entry stands for a run of consecutive tiles of one class
-within a batch of 32: `current << 16 | last << 1 | partial`, and a reader steps through the run
-without touching the ring (`TileList.next_tile`): a dense mask costs one ring read per 32 tiles.
 """
 
 from dataclasses import dataclass
@@ -20,16 +16,6 @@ import cutlass.cute as cute
 from cutlass import Boolean, Int32, const_expr
 
 END_OF_LIST = -1
-RUN_SHIFT = 16  # runs: the current tile's field; tiles must stay below 2**15
-MAX_RUN_TILES = 1 << (RUN_SHIFT - 1)
-
-
-@cute.jit
-def entry_tile(entry: Int32, runs: cutlass.Constexpr[bool]) -> Int32:
-    """The (current) tile of a list entry."""
-    if const_expr(runs):
-        return entry >> RUN_SHIFT
-    return entry >> 1
 
 
 @dataclass(frozen=True)
@@ -77,17 +63,6 @@ class TileList:
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(self.empty + slot)
         return entry
-
-    @cute.jit
-    def next_tile(self, entry: Int32, position: Int32):
-        """Runs: (the entry of the tile after `entry`'s, its ring position): the run's next tile, or
-        the ring's next entry once the run is done. `entry` must not be END_OF_LIST."""
-        if (entry >> RUN_SHIFT) != ((entry >> 1) & (MAX_RUN_TILES - 1)):
-            entry = entry + (1 << RUN_SHIFT)
-        else:
-            position = position + 1
-            entry = self.read(position)
-        return entry, position
 
 
 @cute.jit
@@ -138,9 +113,8 @@ def tile_flags(
 
 
 @cute.jit
-def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, partial, last=None) -> Int32:
-    """Publish the warp's listed tiles in lane order after `position`, each `tile << 1 | partial` (or,
-    with the run's `last` tile, a run's entry); return the next position.
+def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, partial) -> Int32:
+    """Publish the warp's listed tiles in lane order after `position`; return the next position.
 
     The whole warp waits once for room (not each lane on its own slot): a warp whose lanes wait on
     different barriers keeps waking up, and it shares its SM quarter with two consumer warps.
@@ -151,31 +125,8 @@ def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, pa
     if count > 0:
         tile_list.wait_free(position + count - 1)
         if listed:
-            at = position + cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
-            if const_expr(last is None):
-                tile_list.put(at, (tile << 1) | Int32(partial))
-            else:
-                tile_list.put(at, (tile << RUN_SHIFT) | (last << 1) | Int32(partial))
+            tile_list.put(position + cute.arch.popc(ballot & ((Int32(1) << lane) - 1)), (tile << 1) | Int32(partial))
     return position + count
-
-
-@cute.jit
-def _run_start(tile: Int32, listed, partial):
-    """Runs: (starts a run, the run's last tile) for this lane's tile. A run is the listed tiles of one class
-    from a starting lane up to the next start or unlisted lane of the batch (runs stay in a batch, so
-    each batch's entries are published as soon as it is classified)."""
-    lane = cute.arch.lane_idx()
-    listed_bits = cute.arch.vote_ballot_sync(listed)
-    partial_bits = cute.arch.vote_ballot_sync(listed and partial)
-    below = lane - 1 if lane > 0 else 0
-    same_as_below = lane > 0 and ((listed_bits >> below) & 1) != 0 and ((partial_bits >> below) & 1) == Int32(partial)
-    starts = listed and not same_as_below
-    start_bits = cute.arch.vote_ballot_sync(starts)
-    above = ~((Int32(2) << lane) - 1)  # lanes lane+1..31 (0 for lane 31: the shift wraps)
-    stops = (start_bits | ~listed_bits) & above
-    # lowest stop lane - 1, or 31: popc of the bits below the lowest set bit
-    last_lane = cute.arch.popc((stops & -stops) - 1) - 1 if stops != 0 else Int32(31)
-    return starts, tile - lane + last_lane
 
 
 @cute.jit
@@ -197,10 +148,8 @@ def list_key_tiles(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     skip_tiles: cutlass.Constexpr[bool],
-    runs: cutlass.Constexpr[bool] = False,
 ) -> None:
-    """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order (with
-    `runs`, as runs of one class)."""
+    """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
     if const_expr(causal and skip_tiles):
@@ -215,11 +164,7 @@ def list_key_tiles(
             bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
         listed, partial = tile_flags(bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset,
                                      causal, width, skip_tiles)
-        if const_expr(runs):
-            starts, last = _run_start(tile, listed and tile < num_tiles, partial)
-            position = _publish_batch(tile_list, position, tile, starts, partial, last)
-        else:
-            position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
+        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
     _end_list(tile_list, position)
 
 

@@ -97,42 +97,6 @@ def test_backward_without_lse_ahead_compiles():
     assert compile_check("bf16", 128, True, 1, KernelOptions(lse_ahead=False), direction="bwd") > 0
 
 
-@pytest.mark.parametrize("dtype,head_dim,causal,width", [("bf16", 128, False, 2), ("bf16", 128, True, 1),
-                                                        ("fp16", 64, False, 4)])
-def test_forward_with_tile_runs_compiles(dtype, head_dim, causal, width):
-    """`tile_runs`: the mask warp lists runs of one class, the producer and consumers step through them."""
-    from flashmask3.optimized import KernelOptions, compile_check
-
-    assert compile_check(dtype, head_dim, causal, width, KernelOptions(tile_runs=True)) > 0
-
-
-def test_tile_runs_need_the_loop_that_reads_them():
-    """Runs are read by the overlapped loop with the entry read ahead and the K-ahead producer only."""
-    from flashmask3.optimized.flash_fwd_sm90 import FlashMaskForwardSm90
-
-    assert FlashMaskForwardSm90(cutlass.BFloat16, 128, True, 1, tile_runs=True).tile_runs
-    for off in (dict(intra_wg_overlap=False), dict(entry_ahead=False), dict(k_ahead=False)):
-        assert not FlashMaskForwardSm90(cutlass.BFloat16, 128, True, 1, tile_runs=True, **off).tile_runs
-
-
-def test_tile_runs_are_left_off_for_keys_beyond_their_tile_numbers(monkeypatch):
-    """A run entry holds 15-bit tile numbers: 4,194,304 keys (2**15 tiles of 128) fit, one more does
-    not, and `forward` then runs without runs instead of misreading the list (the launch faked)."""
-    import torch
-
-    from flashmask3.optimized import interface, kernel_options
-
-    assert interface._runs_fit(2**15 * 128) and not interface._runs_fit(2**15 * 128 + 1)
-    seen = []
-    monkeypatch.setattr(interface, "_runs_fit", lambda seqlen_k: False)
-    monkeypatch.setattr(interface, "_launch", lambda *args, **kw: seen.append(interface.options.tile_runs))
-    q = torch.zeros(1, 128, 2, 64, dtype=torch.bfloat16)
-    with kernel_options(tile_runs=True):
-        interface.forward(q, q, q, None, 0.125)
-        assert interface.options.tile_runs
-    assert seen == [False]
-
-
 @pytest.mark.parametrize("causal,width,deterministic", [(True, 1, False), (False, 4, False), (False, 2, True)])
 def test_backward_with_128_row_steps_compiles_at_head_dim_64(causal, width, deterministic):
     """`bwd_q_tile_128`: 128 query rows per backward step at head dim 64 (pre/post kernels included)."""
