@@ -37,8 +37,12 @@ class TileList:
     def init(self, readers: int) -> None:
         """One thread, before the CTA's mbarrier init fence."""
         for s in range(self.slots):  # unrolled at trace time
-            cute.arch.mbarrier_init(self.full + s, 1)
-            cute.arch.mbarrier_init(self.empty + s, readers)
+            self.init_slot(s, readers)
+
+    def init_slot(self, slot, readers: int) -> None:
+        """The two barriers of one slot (`spread_init`: one lane of the warps taking turns, before the fence)."""
+        cute.arch.mbarrier_init(self.full + slot, 1)
+        cute.arch.mbarrier_init(self.empty + slot, readers)
 
     @cute.jit
     def wait_free(self, position: Int32) -> None:
