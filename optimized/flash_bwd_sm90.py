@@ -80,7 +80,6 @@ class FlashMaskBackwardSm90:
         skip_tiles: bool = True,
         lse_ahead: bool = True,
         tile_m: int = 64,
-        spread_init: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -95,7 +94,6 @@ class FlashMaskBackwardSm90:
         # Not with four bounds per key, nor with 128-row steps: the 16 (32) registers it holds make
         # ptxas spill there (at 128 rows, 128 bytes inside the loop).
         self.lse_ahead = lse_ahead and mask_width < 4 and tile_m == 64
-        self.spread_init = spread_init
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width
@@ -265,13 +263,7 @@ class FlashMaskBackwardSm90:
         pipe_do = _tma_pipeline(storage.mbar_do, self.num_stages, q_bytes, consumer_warps)
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
                              storage.mbar_tiles.data_ptr())
-        readers = 1 + 4 * self.num_consumer_wgs  # the producer and consumer warps
-        if const_expr(self.spread_init):
-            for slot in cutlass.range(warp_idx, TileList.slots, self.num_threads // 32, unroll=1):
-                with cute.arch.elect_one():
-                    tile_list.init_slot(slot, readers)
-        elif tidx == 0:
-            tile_list.init(readers)
+        tile_list.init(1 + 4 * self.num_consumer_wgs, warp_idx, self.num_threads // 32)  # read by producer, consumers
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

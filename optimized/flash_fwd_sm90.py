@@ -108,7 +108,6 @@ class FlashMaskForwardSm90:
         bounds_prefetch: bool = True,
         entry_ahead: bool = True,
         q_tile_192: bool = True,
-        spread_init: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -126,7 +125,6 @@ class FlashMaskForwardSm90:
         # The overlapped loop's turn barrier is what lets a buffer be refilled: ping-pong only.
         self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
         self.entry_ahead = entry_ahead and intra_wg_overlap
-        self.spread_init = spread_init
         if q_tile_192 and head_dim == 64:  # FA3/FA4's SM90 shape at head dim 64: 1.5x the rows per K/V load
             self.tile_m = 192
         self.num_consumer_wgs = self.tile_m // 64
@@ -245,13 +243,7 @@ class FlashMaskForwardSm90:
         pipe_v = _tma_pipeline(storage.mbar_v, self.num_stages, kv_bytes, consumer_warps)
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
                              storage.mbar_tiles.data_ptr())
-        readers = 1 + 4 * self.num_consumer_wgs  # the producer and consumer warps
-        if const_expr(self.spread_init):
-            for slot in cutlass.range(warp_idx, TileList.slots, self.num_threads // 32, unroll=1):
-                with cute.arch.elect_one():
-                    tile_list.init_slot(slot, readers)
-        elif tidx == 0:
-            tile_list.init(readers)
+        tile_list.init(1 + 4 * self.num_consumer_wgs, warp_idx, self.num_threads // 32)  # read by producer, consumers
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

@@ -48,9 +48,6 @@ class KernelOptions:
     # host: launch through TVM-FFI, torch tensors passed as they are, instead of a Python DLPack
     # wrapper per tensor (~23 us each; FA4's launch path): 2.3-2.6x less host time per call
     tvm_ffi: bool = True
-    # forward and backward: the tile ring's 128 mbarriers initialized by every warp, slots taken in turn
-    # (off: thread 0 initializes all of them, one after the other, before the CTA's first sync)
-    spread_init: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -119,8 +116,7 @@ def _make_kernel(
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
         return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
-                                     lse_ahead=opts.lse_ahead, tile_m=backward_tile_rows(head_dim, opts),
-                                     spread_init=opts.spread_init)
+                                     lse_ahead=opts.lse_ahead, tile_m=backward_tile_rows(head_dim, opts))
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
@@ -132,7 +128,7 @@ def _make_kernel(
         cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, pingpong=opts.pingpong,
         setmaxnreg=opts.setmaxnreg, skip_tiles=opts.skip_tiles, intra_wg_overlap=opts.intra_wg_overlap,
         tma_store=opts.tma_store, k_ahead=opts.k_ahead, bounds_prefetch=opts.bounds_prefetch,
-        entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192, spread_init=opts.spread_init)
+        entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192)
 
 
 def forward_tile_rows(head_dim: int) -> int:
