@@ -30,7 +30,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
-from .mask_role import END_OF_LIST, TileList, key_tiles_to_classify, list_key_tiles, load_batch_bounds
+from .mask_role import END_OF_LIST, TileList, list_key_tiles
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore, softmax_update
 
 LOG2_E = math.log2(math.e)
@@ -108,7 +108,6 @@ class FlashMaskForwardSm90:
         bounds_prefetch: bool = True,
         entry_ahead: bool = True,
         q_tile_192: bool = True,
-        bounds_early: bool = False,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
@@ -126,7 +125,6 @@ class FlashMaskForwardSm90:
         # The overlapped loop's turn barrier is what lets a buffer be refilled: ping-pong only.
         self.bounds_prefetch = bounds_prefetch and intra_wg_overlap and pingpong
         self.entry_ahead = entry_ahead and intra_wg_overlap
-        self.bounds_early = bounds_early
         if q_tile_192 and head_dim == 64:  # FA3/FA4's SM90 shape at head dim 64: 1.5x the rows per K/V load
             self.tile_m = 192
         self.num_consumer_wgs = self.tile_m // 64
@@ -245,20 +243,6 @@ class FlashMaskForwardSm90:
         pipe_v = _tma_pipeline(storage.mbar_v, self.num_stages, kv_bytes, consumer_warps)
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
                              storage.mbar_tiles.data_ptr())
-        mask_batch = batch * mask_batch_stride
-        mask_head = head // qheads_per_maskhead
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        row_start = m_block * self.tile_m
-        row_end = cutlass.min(row_start + self.tile_m, seqlen_q)
-        mBounds = mBlockBounds[mask_batch, mask_head, None, None]
-        num_key_tiles = key_tiles_to_classify(mBounds, row_end, seqlen_k - seqlen_q, self.tile_n, self.causal,
-                                              self.skip_tiles)
-        first_bounds = cute.make_rmem_tensor((2 * self.mask_width,), Int32)
-        if const_expr(self.bounds_early):
-            # The mask warp's first loads go out before the CTA's barrier setup, which hides their latency:
-            # no key tile can load before the first batch is classified.
-            if warp_idx == 1:
-                load_batch_bounds(first_bounds, mBounds, 0, num_key_tiles, self.mask_width)
         tile_list.init(1 + 4 * self.num_consumer_wgs, warp_idx, self.num_threads // 32)  # read by producer, consumers
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -268,6 +252,10 @@ class FlashMaskForwardSm90:
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sBounds = storage.sBounds.get_tensor(bounds_layout) if const_expr(self.bounds_prefetch) else None
 
+        mask_batch = batch * mask_batch_stride
+        mask_head = head // qheads_per_maskhead
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+
         if warp_idx < 4:
             if const_expr(self.setmaxnreg):
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -275,9 +263,10 @@ class FlashMaskForwardSm90:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
                           m_block, head, head // qheads_per_kvhead, batch, tile_list)
             if warp_idx == 1:
-                list_key_tiles(tile_list, mBounds, first_bounds, num_key_tiles, row_start, row_end, seqlen_k,
-                               seqlen_k - seqlen_q, self.tile_n, self.causal, self.mask_width, self.skip_tiles,
-                               self.bounds_early)
+                row_start = m_block * self.tile_m
+                list_key_tiles(tile_list, mBlockBounds[mask_batch, mask_head, None, None], row_start,
+                               cutlass.min(row_start + self.tile_m, seqlen_q), seqlen_k, seqlen_k - seqlen_q,
+                               self.tile_n, self.causal, self.mask_width, self.skip_tiles)
         else:
             if const_expr(self.setmaxnreg):
                 cute.arch.setmaxregister_increase(self.consumer_regs)

@@ -48,9 +48,6 @@ class KernelOptions:
     # host: launch through TVM-FFI, torch tensors passed as they are, instead of a Python DLPack
     # wrapper per tensor (~23 us each; FA4's launch path): 2.3-2.6x less host time per call
     tvm_ffi: bool = True
-    # forward: the mask warp's first key-block bounds loaded before the CTA's barrier setup (off: after
-    # it, so a CTA's first key tile waits for the barriers, then the load, then the TMA)
-    bounds_early: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages not in (2, 3):
@@ -131,7 +128,7 @@ def _make_kernel(
         cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, pingpong=opts.pingpong,
         setmaxnreg=opts.setmaxnreg, skip_tiles=opts.skip_tiles, intra_wg_overlap=opts.intra_wg_overlap,
         tma_store=opts.tma_store, k_ahead=opts.k_ahead, bounds_prefetch=opts.bounds_prefetch,
-        entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192, bounds_early=opts.bounds_early)
+        entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192)
 
 
 def forward_tile_rows(head_dim: int) -> int:

@@ -140,38 +140,9 @@ def _end_list(tile_list: TileList, position: Int32) -> None:
 
 
 @cute.jit
-def key_tiles_to_classify(
-    mBounds: cute.Tensor,
-    row_end: Int32,
-    causal_offset: Int32,
-    tile_n: cutlass.Constexpr[int],
-    causal: cutlass.Constexpr[bool],
-    skip_tiles: cutlass.Constexpr[bool],
-) -> Int32:
-    """The forward mask warp's key tile count for query rows ending at `row_end`."""
-    num_tiles = cute.size(mBounds.shape[0])
-    if const_expr(causal and skip_tiles):
-        # Key tiles past the last row's diagonal are SKIP: do not even load their bounds.
-        last_key = row_end - 1 + causal_offset
-        num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
-    return num_tiles
-
-
-@cute.jit
-def load_batch_bounds(bounds: cute.Tensor, mBounds: cute.Tensor, first: Int32, num_tiles: Int32,
-                      width: cutlass.Constexpr[int]) -> None:
-    """Each lane's key tile `first + lane` min/max into `bounds` (the last tile's past the end)."""
-    tile = cutlass.max(cutlass.min(first + cute.arch.lane_idx(), num_tiles - 1), 0)
-    for w in cutlass.range_constexpr(2 * width):
-        bounds[w] = mBounds[tile, w]
-
-
-@cute.jit
 def list_key_tiles(
     tile_list: TileList,
     mBounds: cute.Tensor,  # [Tn, 2 * width] int32: the mask head's key-block min/max
-    bounds: cute.Tensor,  # (2 * width,) int32 registers; holds the first batch's when `first_loaded`
-    num_tiles: Int32,  # `key_tiles_to_classify`
     row_start: Int32,
     row_end: Int32,
     seqlen_k: Int32,
@@ -180,18 +151,20 @@ def list_key_tiles(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     skip_tiles: cutlass.Constexpr[bool],
-    first_loaded: cutlass.Constexpr[bool],
 ) -> None:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order."""
     lane = cute.arch.lane_idx()
+    num_tiles = cute.size(mBounds.shape[0])
+    if const_expr(causal and skip_tiles):
+        # Key tiles past the last row's diagonal are SKIP: do not even load their bounds.
+        last_key = row_end - 1 + causal_offset
+        num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
+    bounds = cute.make_rmem_tensor((2 * width,), Int32)
     position = Int32(0)
     for first in cutlass.range(0, num_tiles, 32, unroll=1):
         tile = first + lane
-        if const_expr(first_loaded):
-            if first > 0:
-                load_batch_bounds(bounds, mBounds, first, num_tiles, width)
-        else:
-            load_batch_bounds(bounds, mBounds, first, num_tiles, width)
+        for w in cutlass.range_constexpr(2 * width):
+            bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
         listed, partial = tile_flags(bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset,
                                      causal, width, skip_tiles)
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)

@@ -87,7 +87,7 @@ def test_ablation_experiments_compose(experiment):
         assert set(params) >= {"kernel.skip_tiles", "kernel.pingpong", "kernel.setmaxnreg", "kernel.num_stages",
                                "kernel.intra_wg_overlap", "kernel.tma_store",
                                "kernel.k_ahead", "kernel.bounds_prefetch", "kernel.entry_ahead", "kernel.q_tile_192",
-                               "kernel.lse_ahead", "kernel.bwd_q_tile_128", "kernel.bounds_early"}
+                               "kernel.lse_ahead", "kernel.bwd_q_tile_128"}
     if experiment == "cp_ablation":
         assert cfg.cp.scheme == "mask_aware" and set(params) >= {"cp.assignment", "cp.prune", "cp.overlap"}
 
