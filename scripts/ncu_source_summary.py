@@ -3,13 +3,13 @@
     $NCU --clock-control none -k regex:FlashMaskForward -c 1 --section SourceCounters \\
         --section WarpStateStats --page source --print-source sass --csv \\
         python scripts/bench_fwd.py ablate --seqlens 8192 --masks full > ncu.csv
-    python scripts/ncu_source_summary.py ncu.csv [--top 16] [--lines kernel.sass]
+    python scripts/ncu_source_summary.py ncu.csv [--top 16] [--lines kernel.sass [--outside]]
 
 The CSV (~0.6 MB) is not worth committing; this summary is. The hot loop is found as the
 loop whose body holds the most samples (the consumers' per-tile or per-step loop); its share of
 all samples, its stall reasons, its samples by opcode and its hottest instructions are printed.
 
-`--lines` adds the loop's samples per Python source line. It takes `nvdisasm -g` of the same kernel
+`--lines` adds the loop's samples per Python source line (`--outside`: the rest of the kernel's). It takes `nvdisasm -g` of the same kernel
 compiled with line info, which needs no GPU (nvdisasm: PyPI nvidia-cuda-nvdisasm):
 
     CUTE_DSL_ARCH=sm_90a CUTE_DSL_LINEINFO=1 CUTE_DSL_KEEP=cubin CUTE_DSL_DUMP_DIR=/tmp/k python -c \\
@@ -167,8 +167,11 @@ def _shape(source: str) -> str:
     return _REGISTER.sub("#", " ".join(kept))
 
 
-def loop_lines(instructions: list[Instruction], listing: list[tuple[str, str]], top: int = 16) -> str:
-    """The hottest loop's samples per source line, through an alignment of the two instruction streams."""
+def loop_lines(instructions: list[Instruction], listing: list[tuple[str, str]], top: int = 16,
+               outside: bool = False) -> str:
+    """The hottest loop's samples per source line, through an alignment of the two instruction streams
+    (`outside`: the samples outside it instead, the prologue, epilogue and the other roles' loops, as
+    shares of all samples; waiting warps are sampled too, so a share is presence, not critical path)."""
     matcher = difflib.SequenceMatcher(None, [_shape(i.source) for i in instructions],
                                       [_shape(source) for source, _ in listing], autojunk=False)
     where = {}
@@ -178,21 +181,23 @@ def loop_lines(instructions: list[Instruction], listing: list[tuple[str, str]], 
     first, last = hottest_loop(instructions)
     per_line = collections.Counter()
     reasons = collections.defaultdict(collections.Counter)
-    in_loop = 0.0
+    in_region = 0.0
     for index, inst in enumerate(instructions):
-        if first <= inst.offset <= last:
-            in_loop += inst.samples
+        if (first <= inst.offset <= last) != outside:
+            in_region += inst.samples
             line = where.get(index, "unaligned")
             per_line[line] += inst.samples
             reasons[line].update(inst.stalls)
-    lines = [f"loop samples per source line ({100 * per_line['unaligned'] / in_loop:.0f}% unaligned; "
+    share_of = sum(inst.samples for inst in instructions) if outside else in_region
+    title = "samples outside the loop" if outside else "loop samples"
+    lines = [f"{title} per source line ({100 * per_line['unaligned'] / in_region:.0f}% unaligned; "
              "main stall reasons of each):"]
     for line, samples in per_line.most_common(top + 1):
         if line == "unaligned":
             continue
         total = sum(reasons[line].values()) or 1.0
         main = ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in reasons[line].most_common(2) if n)
-        lines.append(f"  {100 * samples / in_loop:5.1f}% {line:28s} ({main})")
+        lines.append(f"  {100 * samples / share_of:5.1f}% {line:28s} ({main})")
     return "\n".join(lines[:top + 1])
 
 
@@ -201,13 +206,15 @@ def main() -> None:
     parser.add_argument("csv", help="ncu --page source --csv output")
     parser.add_argument("--top", type=int, default=16, help="hottest loop instructions (and lines) to list")
     parser.add_argument("--lines", help="nvdisasm -g output of the kernel compiled with line info")
+    parser.add_argument("--outside", action="store_true",
+                        help="with --lines: the samples outside the hot loop per line, as shares of all")
     args = parser.parse_args()
     with open(args.csv, newline="") as f:
         instructions = read_instructions(f)
     print(summarize(instructions, args.top))
     if args.lines:
         with open(args.lines) as f:
-            print(loop_lines(instructions, read_line_info(f), args.top))
+            print(loop_lines(instructions, read_line_info(f), args.top, args.outside))
 
 
 if __name__ == "__main__":

@@ -299,7 +299,8 @@ def test_ncu_source_summary_attributes_the_loop_to_source_lines():
             ("0x110", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24", 30, 0, 30),
             ("0x120", "MUFU.EX2 R3, R4", 50, 0, 50),
             ("0x130", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 20, 20, 0),
-            ("0x140", "@P1 BRA 0x110", 0, 0, 0)]
+            ("0x140", "@P1 BRA 0x110", 0, 0, 0),
+            ("0x150", "EXIT", 3, 3, 0)]
     lines = [",".join(f'"{h}"' for h in header)] + [",".join(f'"{v}"' for v in row) for row in body]
     instructions = ncu_source_summary.read_instructions(lines)
     sass = """
@@ -313,6 +314,8 @@ def test_ncu_source_summary_attributes_the_loop_to_source_lines():
         //## File "/repo/optimized/flash_fwd_sm90.py", line 439
         /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
         /*0050*/              @P0  BRA 0x20 ;
+        //## File "/repo/optimized/flash_fwd_sm90.py", line 560
+        /*0060*/                   EXIT ;
     """.splitlines()
     listing = ncu_source_summary.read_line_info(sass)
     assert listing[2] == ("HGMMA.64x128x16.F32.BF16 R40, gdesc[UR12], R40", "flash_fwd_sm90.py:84")
@@ -321,6 +324,10 @@ def test_ncu_source_summary_attributes_the_loop_to_source_lines():
     assert [line.split()[:2] for line in report[1:]] == [
         ["50.0%", "softmax.py:26"], ["30.0%", "flash_fwd_sm90.py:84"], ["20.0%", "flash_fwd_sm90.py:439"]]
     assert report[1].endswith("(wait 100%)") and report[3].endswith("(barrier 100%)")
+    outside = ncu_source_summary.loop_lines(instructions, listing, outside=True).splitlines()
+    # Outside the loop: the EXIT (3 of all 104 samples); the ULDC.64 has no counterpart in the listing.
+    assert outside[0].startswith("samples outside the loop per source line (25% unaligned")
+    assert outside[1:] == ["    2.9% flash_fwd_sm90.py:560        (barrier 100%)"]
 
 
 SASS = """
