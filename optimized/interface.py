@@ -306,12 +306,12 @@ def compile_check(
 
     q_like, kv_like = fake(cute_dtype, (b, sq, hq, head_dim)), fake(cute_dtype, (b, sk, hkv, head_dim))
     row_indices = fake(cutlass.Int32, (bm, hm, sk, width))
+    bwd_tile_m = backward_tile_rows(head_dim, opts)
     if direction == "bwd":
         tensors = [
             q_like, kv_like, kv_like, q_like,
             fake(cutlass.Float32, (b, hq, sq)), fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, hq, tm, backward_tile_rows(head_dim, opts) * head_dim)), kv_like, kv_like,
-            row_indices,
+            fake(cutlass.Float32, (b, hq, tm, bwd_tile_m * head_dim)), kv_like, kv_like, row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)), fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
         ]
@@ -328,7 +328,7 @@ def compile_check(
     if direction == "bwd":
         from .flash_bwd_pre_post import prepost_compile_args
 
-        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, backward_tile_rows(head_dim, opts), stream)
+        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, bwd_tile_m, stream)
         cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_pre"), *pre_args, **flags)
         cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_post"), *post_args, **flags)
     return time.perf_counter() - start

@@ -9,8 +9,9 @@ The CSV (~0.6 MB) is not worth committing; this summary is. The hot loop is foun
 loop whose body holds the most samples (the consumers' per-tile or per-step loop); its share of
 all samples, its stall reasons, its samples by opcode and its hottest instructions are printed.
 
-`--lines` adds the loop's samples per Python source line (`--outside`: the rest of the kernel's). It takes `nvdisasm -g` of the same kernel
-compiled with line info, which needs no GPU (nvdisasm: PyPI nvidia-cuda-nvdisasm):
+`--lines` adds the loop's samples per Python source line (`--outside`: the rest of the kernel's). It
+takes `nvdisasm -g` of the same kernel compiled with line info, which needs no GPU (nvdisasm: PyPI
+nvidia-cuda-nvdisasm):
 
     CUTE_DSL_ARCH=sm_90a CUTE_DSL_LINEINFO=1 CUTE_DSL_KEEP=cubin CUTE_DSL_DUMP_DIR=/tmp/k python -c \\
         "from flashmask3.optimized import compile_check; compile_check('bf16', 128, False, 2)"
