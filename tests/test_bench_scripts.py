@@ -369,3 +369,27 @@ def test_sass_path_splits_blocks_at_branches_and_finds_the_loop():
     serialized = [("L_x_1", ["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32 R24, R8, gdesc[UR4], R24",
                              "WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 2)]
     assert sass_path.loop_summary(serialized).endswith("(an arrive per HGMMA: the WGMMAs are serialized)")
+
+
+def test_overheads_fit_and_backward_of_a_kept_graph():
+    """`overheads.py`: the per-wave fit recovers fixed + per-tile cost from exact data, and the
+    backward it times (autograd on a kept forward graph) gives the same gradients on every call."""
+    import overheads
+    import torch
+
+    from flashmask3 import attention
+
+    ctas = 32768
+    rows = [{"seqlen": s, "ctas": ctas, "t_ms": (5.0 + 1.8 * s / 128) * ctas / 132 / 1e3} for s in (1024, 4096, 16384)]
+    fit = overheads.per_wave_fit(rows, "t_ms")
+    assert fit["fixed_us"] == pytest.approx(5.0) and fit["per_tile_us"] == pytest.approx(1.8)
+
+    q, k, v = (torch.randn(1, 37, 2, 16, dtype=torch.float64) for _ in range(3))
+    graph = overheads.kept_graph(lambda q, k, v: attention(q, k, v, backend="reference"), q, k, v)
+    first, second = overheads.backward_of_kept_graph(*graph), overheads.backward_of_kept_graph(*graph)
+    _, qg, kg, vg, dout = graph
+    scores = torch.softmax(qg.transpose(1, 2) @ kg.transpose(1, 2).transpose(-1, -2) / 4, -1)
+    expected = torch.autograd.grad((scores @ vg.transpose(1, 2)).transpose(1, 2), (qg, kg, vg), dout)
+    for a, b, e in zip(first, second, expected):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)

@@ -1,12 +1,15 @@
-"""Where the forward's time goes on the full mask: a fixed cost per CTA vs a cost per key tile.
+"""Where a kernel's time goes on the full mask: a fixed cost per CTA vs a cost per key tile.
 
-    python scripts/fwd_overheads.py --seqlens 1024,2048,4096,8192,16384 [--kernel intra_wg_overlap=true]
+    python scripts/overheads.py --seqlens 1024,4096,16384 [--backward] [--kernel OPTION=VALUE]
 
-At 128K tokens (B = 128K/S, H = 4096/D, bf16) the number of CTAs is fixed (B * H * S/128) while the
-key tiles per CTA grow with S, so the time per CTA-wave, t(S) = fixed + per_tile * S/128, separates
-the prologue/epilogue from the main loop. The same fit for FA4 (no mask) says which part of our gap
-to it is which (--masks is not used: no mask). `--profile` instead runs each kernel once at the
-first length, for `ncu -k regex:Forward`. Writes JSON to $OUT (or bench/results/) and prints the fit last.
+At 128K tokens (B = 128K/S, H = 4096/D, bf16) the number of CTAs is fixed (B * H * S/128 for the
+forward's 128-row query tiles and the backward's 128-key tiles) while the tiles each CTA walks grow
+with S, so the time per CTA-wave, t(S) = fixed + per_tile * S/128, separates the prologue/epilogue
+from the main loop. The same fit for FA4 (no mask) says which part of our gap to it is which (--masks
+is not used: no mask). `--backward` times the backward alone (autograd on a kept forward graph; the
+pre/post passes, constant at fixed tokens, land in the fixed term), a tile being 128 query rows.
+`--profile` instead runs each forward once at the first length, for `ncu -k regex:Forward`.
+Writes JSON to $OUT (or bench/results/) and prints the fit last.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fwd import add_common_arguments, fa4_fn, new_record  # noqa: E402
 
+from flashmask3 import attention  # noqa: E402
 from flashmask3.bench import interleaved_ms  # noqa: E402
 from flashmask3.optimized import kernel_options  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward, forward_tile_rows  # noqa: E402
@@ -39,18 +43,39 @@ def per_wave_fit(rows: list[dict], key: str) -> dict:
     return {"fixed_us": my - slope * mx, "per_tile_us": slope}
 
 
+def kept_graph(forward, q, k, v) -> tuple:
+    """(out, q, k, v, dout) of one forward on grad-requiring copies of q, k, v, its graph kept."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = forward(q, k, v)
+    out = out[0] if isinstance(out, tuple) else out
+    return out, q, k, v, torch.randn_like(out)
+
+
+def backward_of_kept_graph(out, q, k, v, dout):
+    """One backward through a kept graph: dq, dk, dv."""
+    return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser)
     parser.add_argument("--profile", action="store_true", help="one call of each kernel at the first length, for ncu")
+    parser.add_argument("--backward", action="store_true", help="time the backward alone instead of the forward")
     args = parser.parse_args()
     args.what = "overheads"
     heads, scale = 4096 // args.head_dim, args.head_dim ** -0.5
-    result, save = new_record(args, "fwd")
+    result, save = new_record(args, "bwd" if args.backward else "fwd")
     fa4 = fa4_fn(causal=False)
+    if args.backward:  # through autograd, so the pre/post passes count as they do in training
+        forwards = {"cute": lambda q, k, v: attention(q, k, v, backend="cute")}
+    else:
+        forwards = {"cute": lambda q, k, v: cute_forward(q, k, v, None, scale)}
+    if fa4 is not None:
+        forwards["fa4"] = fa4
     rows = []
     with kernel_options(**result["kernel_options"]):
-        tile_m = forward_tile_rows(args.head_dim)  # 192 at head dim 64 (q_tile_192), else 128
+        # Forward: 192-row query tiles at head dim 64 (q_tile_192), else 128; backward: 128-key tiles.
+        tile_m = TILE_N if args.backward else forward_tile_rows(args.head_dim)
         for seqlen in [int(s) for s in args.seqlens.split(",")]:
             batch = TOKENS // seqlen
             inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda",
@@ -62,9 +87,11 @@ def main() -> None:
                 torch.cuda.synchronize()
                 return
             row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / tile_m)}
-            contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, None, scale), inputs)}
-            if fa4 is not None:
-                contenders["fa4"] = (fa4, inputs)
+            if args.backward:
+                contenders = {name: (backward_of_kept_graph, [kept_graph(fn, *x) for x in inputs])
+                              for name, fn in forwards.items()}
+            else:
+                contenders = {name: (fn, inputs) for name, fn in forwards.items()}
             for kernel, ms in interleaved_ms(contenders).items():
                 row[f"{kernel}_ms"] = ms
             rows.append(row)
