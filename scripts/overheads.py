@@ -2,11 +2,11 @@
 
     python scripts/overheads.py --seqlens 1024,4096,16384 [--backward] [--kernel OPTION=VALUE]
 
-At 128K tokens (B = 128K/S, H = 4096/D, bf16) the number of CTAs is fixed (B * H * S/128 for the
-forward's 128-row query tiles and the backward's 128-key tiles) while the tiles each CTA walks grow
-with S, so the time per CTA-wave, t(S) = fixed + per_tile * S/128, separates the prologue/epilogue
-from the main loop. The same fit for FA4 (no mask) says which part of our gap to it is which (--masks
-is not used: no mask). `--backward` times the backward alone (autograd on a kept forward graph; the
+At 128K tokens (B = 128K/S, H = 4096/D, bf16) the number of CTAs is fixed (B * H * S/tile: the
+forward's query tiles of 128 rows, 192 at head dim 64; the backward's 128-key tiles) while the
+tiles each CTA walks grow with S, so the time per CTA-wave, t(S) = fixed + per_tile * S/128,
+separates the prologue/epilogue from the main loop. The same fit for FA4 (no mask) says which part of
+our gap to it is which (--masks is not used: no mask). `--backward` times the backward alone (autograd on a kept forward graph; the
 pre/post passes, constant at fixed tokens, land in the fixed term), a tile being 128 query rows.
 `--profile` instead runs each forward once at the first length, for `ncu -k regex:Forward`.
 Writes JSON to $OUT (or bench/results/) and prints the fit last.
@@ -100,7 +100,8 @@ def main() -> None:
     result["fit"] = {key: per_wave_fit(rows, key) for key in ("cute_ms", "fa4_ms") if key in rows[0]}
     save(result)
     for key, fit in result["fit"].items():
-        print(f"{key[:-3]:5s} fixed {fit['fixed_us']:7.2f} us per CTA wave, {fit['per_tile_us']:6.3f} us per key tile")
+        unit = "128 query rows" if args.backward else "key tile"
+        print(f"{key[:-3]:5s} fixed {fit['fixed_us']:7.2f} us per CTA wave, {fit['per_tile_us']:6.3f} us per {unit}")
 
 
 if __name__ == "__main__":

@@ -388,8 +388,8 @@ def test_overheads_fit_and_backward_of_a_kept_graph():
     graph = overheads.kept_graph(lambda q, k, v: attention(q, k, v, backend="reference"), q, k, v)
     first, second = overheads.backward_of_kept_graph(*graph), overheads.backward_of_kept_graph(*graph)
     _, qg, kg, vg, dout = graph
-    scores = torch.softmax(qg.transpose(1, 2) @ kg.transpose(1, 2).transpose(-1, -2) / 4, -1)
-    expected = torch.autograd.grad((scores @ vg.transpose(1, 2)).transpose(1, 2), (qg, kg, vg), dout)
+    probs = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", qg, kg) / 4, -1)  # scale 1/sqrt(16)
+    expected = torch.autograd.grad(torch.einsum("bhqk,bkhd->bqhd", probs, vg), (qg, kg, vg), dout)
     for a, b, e in zip(first, second, expected):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
