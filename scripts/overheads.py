@@ -5,11 +5,11 @@
 At 128K tokens (B = 128K/S, H = 4096/D, bf16) the number of CTAs is fixed (B * H * S/tile: the
 forward's query tiles of 128 rows, 192 at head dim 64; the backward's 128-key tiles) while the
 tiles each CTA walks grow with S, so the time per CTA-wave, t(S) = fixed + per_tile * S/128,
-separates the prologue/epilogue from the main loop. The same fit for FA4 (no mask) says which part of
-our gap to it is which (--masks is not used: no mask). `--backward` times the backward alone (autograd on a kept forward graph; the
-pre/post passes, constant at fixed tokens, land in the fixed term), a tile being 128 query rows.
-`--profile` instead runs each forward once at the first length, for `ncu -k regex:Forward`.
-Writes JSON to $OUT (or bench/results/) and prints the fit last.
+separates the prologue/epilogue from the main loop. The same fit for FA4 (no mask) says which part
+of our gap to it is which (--masks is not used: no mask). `--backward` times the backward alone
+(autograd on a kept forward graph; the pre/post passes, constant at fixed tokens, land in the fixed
+term), a tile being 128 query rows. `--profile` instead runs each forward once at the first length,
+for `ncu -k regex:Forward`. Writes JSON to $OUT (or bench/results/) and prints the fit last.
 """
 
 from __future__ import annotations
