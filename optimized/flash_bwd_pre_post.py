@@ -22,7 +22,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
 from .flash_bwd_sm90 import FlashMaskBackwardSm90
-from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout, _tma_tiles
+from .hopper import assume_aligned, select_modes, smem_layout, tma_tiles
 
 LOG2_E = math.log2(math.e)
 
@@ -47,7 +47,7 @@ class BackwardPreprocess:
         mdQaccum: cute.Tensor,  # [B, Hq, Tm, tile_m * D] fp32 out (zeroed)
         stream: cuda.CUstream,
     ):
-        mO, mdO = (_assume_aligned(t) for t in (mO, mdO))
+        mO, mdO = (assume_aligned(t) for t in (mO, mdO))
         grid = (cute.size(mdQaccum.shape[2]), cute.size(mdQaccum.shape[1]), cute.size(mdQaccum.shape[0]))
         self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
@@ -100,8 +100,8 @@ class BackwardPostprocess:
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
-        mdQ = _select(_assume_aligned(mdQ), [1, 3, 2, 0])  # (Sq, D, Hq, B)
-        s_layout = _smem_layout(self.dtype, self.main.tile_m, self.head_dim)
+        mdQ = select_modes(assume_aligned(mdQ), [1, 3, 2, 0])  # (Sq, D, Hq, B)
+        s_layout = smem_layout(self.dtype, self.main.tile_m, self.head_dim)
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.main.tile_m, self.head_dim))
 
@@ -138,7 +138,7 @@ class BackwardPostprocess:
         cute.arch.sync_threads()
         if tidx == 0:
             g = cute.local_tile(mdQ[None, None, head, batch], (self.main.tile_m, self.head_dim), (m_block, 0))
-            t_s, t_g = _tma_tiles(tma_dq, sdQ, g)
+            t_s, t_g = tma_tiles(tma_dq, sdQ, g)
             cute.copy(tma_dq, t_s, t_g)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

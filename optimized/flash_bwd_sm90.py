@@ -39,7 +39,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .flash_fwd_sm90 import _assume_aligned, _select, _smem_layout, _tma_pipeline, _tma_tiles, _wgmma
+from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
 from .mask_role import END_OF_LIST, TileList, list_query_tiles
@@ -145,12 +145,12 @@ class FlashMaskBackwardSm90:
         mask_batch_stride: Int32,
         stream: cuda.CUstream,
     ):
-        mQ, mK, mV, mdO = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO))
-        mdK, mdV = (_select(_assume_aligned(t), [1, 3, 2, 0]) for t in (mdK, mdV))
-        mLSE, mDelta = (_select(_assume_aligned(t), [2, 1, 0]) for t in (mLSE, mDelta))  # (Sq, Hq, B)
-        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages)
-        sKV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim)
-        sdS_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
+        mQ, mK, mV, mdO = (select_modes(assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO))
+        mdK, mdV = (select_modes(assume_aligned(t), [1, 3, 2, 0]) for t in (mdK, mdV))
+        mLSE, mDelta = (select_modes(assume_aligned(t), [2, 1, 0]) for t in (mLSE, mDelta))  # (Sq, Hq, B)
+        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages)
+        sKV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim)
+        sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
         sdQ_layout = self.dq_slot_layout()
         q_tile = cute.select(sQ_layout, mode=[0, 1])
         wgs = self.num_consumer_wgs
@@ -258,9 +258,9 @@ class FlashMaskBackwardSm90:
 
         storage = SmemAllocator().allocate(SharedStorage)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
-        pipe_kv = _tma_pipeline(storage.mbar_kv, 1, 2 * kv_bytes, consumer_warps)
-        pipe_q = _tma_pipeline(storage.mbar_q, self.num_stages, q_bytes, consumer_warps)
-        pipe_do = _tma_pipeline(storage.mbar_do, self.num_stages, q_bytes, consumer_warps)
+        pipe_kv = tma_pipeline(storage.mbar_kv, 1, 2 * kv_bytes, consumer_warps)
+        pipe_q = tma_pipeline(storage.mbar_q, self.num_stages, q_bytes, consumer_warps)
+        pipe_do = tma_pipeline(storage.mbar_do, self.num_stages, q_bytes, consumer_warps)
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
                              storage.mbar_tiles.data_ptr())
         tile_list.init(1 + 4 * self.num_consumer_wgs, warp_idx, self.num_threads // 32)  # read by producer, consumers
@@ -307,8 +307,8 @@ class FlashMaskBackwardSm90:
         every query head."""
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
-        tVsV, tVgV = _tma_tiles(tma_v, sV, gV)
+        tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
@@ -320,12 +320,12 @@ class FlashMaskBackwardSm90:
             head = head_kv * qheads_per_kvhead + g
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
-            tdOsdO, tdOgdO = _tma_tiles(tma_do, sdO, gdO)
+            tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+            tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
             gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (None,))
             gDelta = cute.local_tile(mDelta[None, head, batch], (self.tile_m,), (None,))
-            tLsL, tLgL = _tma_tiles(tma_lse, sLSE, gLSE, 1)
-            tDsD, tDgD = _tma_tiles(tma_delta, sDelta, gDelta, 1)
+            tLsL, tLgL = tma_tiles(tma_lse, sLSE, gLSE, 1)
+            tDsD, tDgD = tma_tiles(tma_delta, sDelta, gDelta, 1)
             entry = tile_list.read(position)
             position += 1
             while entry != END_OF_LIST:
@@ -398,9 +398,9 @@ class FlashMaskBackwardSm90:
                     lse = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
                     for c in cutlass.range_constexpr(cute.size(lse)):
                         lse[c] = sLSE[st_cols[0, c][1], state.index]
-                _wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
+                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
                 pipe_do.consumer_wait(state)
-                _wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
+                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
                 warpgroup.wait_group(1)
                 if (entry & 1) != 0:
                     apply_column_mask(acc_S, st_coords, mRowIndices, mask_batch, mask_head, query_start, key_start,
@@ -413,7 +413,7 @@ class FlashMaskBackwardSm90:
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
                 warpgroup.wait_group(0)
-                _wgmma(tiled_mma_dkv, acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index],
+                wgmma(tiled_mma_dkv, acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index],
                        zero_init=False)
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
@@ -421,7 +421,7 @@ class FlashMaskBackwardSm90:
                         ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                _wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
+                wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
                        zero_init=False)
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
@@ -432,7 +432,7 @@ class FlashMaskBackwardSm90:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-                _wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(state)
                 pipe_do.consumer_release(state)
@@ -495,7 +495,7 @@ class FlashMaskBackwardSm90:
         if tidx == 0:
             for atom, out, smem in ((tma_dk, mdK, sK), (tma_dv, mdV, sV)):
                 g = cute.local_tile(out[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-                t_s, t_g = _tma_tiles(atom, smem, g)
+                t_s, t_g = tma_tiles(atom, smem, g)
                 cute.copy(atom, t_s, t_g)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

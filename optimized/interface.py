@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import time
 from dataclasses import dataclass
@@ -25,21 +26,15 @@ class KernelOptions:
     default and switched off only for ablations; prepared ones stay off until measured there."""
 
     num_stages: int = 2  # K/V pipeline depth
-    pingpong: bool = True  # the consumer warpgroups take turns on the tensor cores
-    setmaxnreg: bool = True  # move registers from the producer to the consumers
     skip_tiles: bool = True  # leave fully masked tiles out of the tile lists
-    intra_wg_overlap: bool = True  # forward: softmax under the own PV GEMM (FA3); off = the v2-v5 loop
-    tma_store: bool = True  # forward: O through smem + one TMA store per tile (off: 4-byte stores)
-    k_ahead: bool = True  # forward, with intra_wg_overlap: load K of tile j+1 before V of tile j
-    # forward, with the overlap and ping-pong: a PARTIAL tile's column bounds cp.async'd to smem a tile
-    # ahead (off: read from global memory after the QK GEMM)
+    # forward: a PARTIAL tile's column bounds cp.async'd to smem a tile ahead (off: read from global
+    # memory after the QK GEMM)
     bounds_prefetch: bool = True
-    # forward, with the overlap: the next list entry read and its bounds' cp.async started while this
-    # tile's GEMMs run, not after its softmax
-    entry_ahead: bool = True
     # forward, head dim 64: 192-row query tiles on three consumer warpgroups in round-robin turns
     # (FA3/FA4's SM90 choice; off = 128 rows on two, as at head dim 128)
     q_tile_192: bool = True
+    # forward: one CTA per SM working through the work tiles it draws (off: one CTA per work tile)
+    persistent: bool = True
     lse_ahead: bool = True  # backward: the LSE into registers before the S GEMM, not after it
     # backward, head dim 64: 128-row query steps (FA3/FA4's SM90 choice there; off = 64 rows, as at
     # head dim 128). Correct, but ptxas serializes its WGMMAs (C7512: the exponentials' 32 live LSE
@@ -60,7 +55,7 @@ options = KernelOptions()
 
 @contextlib.contextmanager
 def kernel_options(**changes):
-    """Run the block with some kernel features changed, e.g. `kernel_options(pingpong=False)`."""
+    """Run the block with some kernel features changed, e.g. `kernel_options(persistent=False)`."""
     global options
     saved = options
     options = dataclasses.replace(options, **changes)
@@ -125,10 +120,8 @@ def _make_kernel(
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
     return FlashMaskForwardSm90(
-        cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, pingpong=opts.pingpong,
-        setmaxnreg=opts.setmaxnreg, skip_tiles=opts.skip_tiles, intra_wg_overlap=opts.intra_wg_overlap,
-        tma_store=opts.tma_store, k_ahead=opts.k_ahead, bounds_prefetch=opts.bounds_prefetch,
-        entry_ahead=opts.entry_ahead, q_tile_192=opts.q_tile_192)
+        cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, skip_tiles=opts.skip_tiles,
+        bounds_prefetch=opts.bounds_prefetch, q_tile_192=opts.q_tile_192)
 
 
 def forward_tile_rows(head_dim: int) -> int:
@@ -199,9 +192,17 @@ def forward(
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     row_indices = mask.startend_row_indices.contiguous()
-    scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
-    _launch("fwd", q.dtype, d, mask.causal, row_indices.shape[-1], [q, k, v, out, lse, row_indices, bounds], scalars)
+    tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    max_ctas = _sm_count(q.device) if options.persistent else 2**31 - 1
+    scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
+    _launch("fwd", q.dtype, d, mask.causal, row_indices.shape[-1],
+            [q, k, v, out, lse, row_indices, bounds, tile_counter], scalars)
     return out, lse
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def backward(
@@ -318,10 +319,11 @@ def compile_check(
     else:
         tensors = [
             q_like, kv_like, kv_like, q_like, fake(cutlass.Float32, (b, hq, sq)), row_indices,
-            fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
+            fake(cutlass.Int32, (bm, hm, tn, 2 * width)), fake(cutlass.Int32, (1,)),
         ]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=opts.tvm_ffi)
-    args = [*tensors, Float32(0.1), Int32(1), Int32(1), Int32(1), stream]
+    scalars = [Float32(0.1), Int32(1), Int32(1), Int32(1)] + ([] if direction == "bwd" else [Int32(132)])
+    args = [*tensors, *scalars, stream]
     flags = {"options": "--enable-tvm-ffi"} if opts.tvm_ffi else {}
     start = time.perf_counter()
     cute.compile(_make_kernel(dtype, head_dim, causal, width, opts, direction, deterministic), *args, **flags)

@@ -1,7 +1,7 @@
 """The mask role: one warp that classifies tiles ahead of the others and hands them a compacted list.
 
-Each CTA owns one tile of one dimension (the forward: a query tile; the backward: a key tile) and
-walks the tiles of the other. The mask warp classifies those 32 at a time, one per lane, from the
+Each CTA works on tiles of one dimension (the forward: query tiles, persistently, which the mask
+warp also draws: tile_scheduler.py; the backward: one key tile) and walks the tiles of the other. The mask warp classifies those 32 at a time, one per lane, from the
 per-key-block min/max of the boundary vectors (`block_minmax`, computed once per call on the GPU;
 FlashMask's rule, exactly `ColumnMask.block_classes`): SKIP tiles are left out, the others are
 published in order as `tile << 1 | partial` into a small smem ring (`TileList`), then -1. The TMA
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, const_expr
+
+from .tile_scheduler import NO_MORE_WORK, WorkTiles, draw_work_tile
 
 END_OF_LIST = -1
 
@@ -48,6 +50,14 @@ class TileList:
         """Wait until every reader has read the entry `slots` before `position`, hence (readers go in
         order) every earlier one: the slots up to `position` may be written."""
         cute.arch.mbarrier_wait(self.empty + position % self.slots, ((position // self.slots) % 2) ^ 1)
+
+    @cute.jit
+    def wait_taken(self, position: Int32, next_position: Int32) -> None:
+        """Wait until every reader has taken entry `position`, the writer being at `next_position`.
+        Once the writer is more than `slots` past it, its own `wait_free` proved that already (and the
+        slot's barrier has moved on, so waiting on its parity could block for good)."""
+        if next_position <= position + self.slots:
+            cute.arch.mbarrier_wait(self.empty + position % self.slots, (position // self.slots) % 2)
 
     @cute.jit
     def put(self, position: Int32, entry: Int32) -> None:
@@ -133,15 +143,17 @@ def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, pa
 
 
 @cute.jit
-def _end_list(tile_list: TileList, position: Int32) -> None:
+def _put_single(tile_list: TileList, position: Int32, entry: Int32) -> None:
+    """One entry, from lane 0 (the warp's lanes agree on it)."""
     if cute.arch.lane_idx() == 0:
         tile_list.wait_free(position)
-        tile_list.put(position, END_OF_LIST)
+        tile_list.put(position, entry)
 
 
 @cute.jit
 def list_key_tiles(
     tile_list: TileList,
+    position: Int32,
     mBounds: cute.Tensor,  # [Tn, 2 * width] int32: the mask head's key-block min/max
     row_start: Int32,
     row_end: Int32,
@@ -151,8 +163,9 @@ def list_key_tiles(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     skip_tiles: cutlass.Constexpr[bool],
-) -> None:
-    """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order."""
+) -> Int32:
+    """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
+    published from entry `position` on; returns the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
     if const_expr(causal and skip_tiles):
@@ -160,7 +173,6 @@ def list_key_tiles(
         last_key = row_end - 1 + causal_offset
         num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
-    position = Int32(0)
     for first in cutlass.range(0, num_tiles, 32, unroll=1):
         tile = first + lane
         for w in cutlass.range_constexpr(2 * width):
@@ -168,7 +180,43 @@ def list_key_tiles(
         listed, partial = tile_flags(bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset,
                                      causal, width, skip_tiles)
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
-    _end_list(tile_list, position)
+    _put_single(tile_list, position, END_OF_LIST)
+    return position + 1
+
+
+@cute.jit
+def list_work_tiles(
+    tile_list: TileList,
+    work_tiles: WorkTiles,
+    counter: cute.Tensor,  # int32 [1], zero at launch
+    num_ctas: Int32,
+    mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32
+    mask_batch_stride: Int32,
+    qheads_per_maskhead: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+    width: cutlass.Constexpr[int],
+    skip_tiles: cutlass.Constexpr[bool],
+) -> None:
+    """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
+    header entry with the work tile, then its key tile list; NO_MORE_WORK after the last."""
+    position = Int32(0)
+    work = Int32(cute.arch.block_idx()[0])
+    while work < work_tiles.total:
+        header = position
+        _put_single(tile_list, header, work)
+        m_block, head, batch = work_tiles.decode(work)
+        row_start = m_block * tile_m
+        position = list_key_tiles(
+            tile_list, header + 1, mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
+            row_start, cutlass.min(row_start + tile_m, seqlen_q), seqlen_k, seqlen_k - seqlen_q, tile_n, causal,
+            width, skip_tiles)
+        tile_list.wait_taken(header, position)  # one work tile in reserve, no more
+        work = draw_work_tile(counter, num_ctas)
+    _put_single(tile_list, position, NO_MORE_WORK)
 
 
 @cute.jit
@@ -203,5 +251,5 @@ def list_query_tiles(
         listed, partial = tile_flags(bounds, row_start, cutlass.min(row_start + tile_m, seqlen_q), key_start, tile_n,
                                      seqlen_k, causal_offset, causal, width, skip_tiles)
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
-    _end_list(tile_list, position)
+    _put_single(tile_list, position, END_OF_LIST)
     return position + 1

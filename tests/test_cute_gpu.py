@@ -64,3 +64,31 @@ def test_torch_compile_of_a_cute_attention_block_matches_eager():
     for compiled, eager in zip(compiled_grads, eager_grads):  # relative to the gradient's size: bf16 roundings
         assert eager.norm() > 0
         assert ((compiled.float() - eager.float()).norm() / eager.float().norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(128, torch.bfloat16), (64, torch.float16)])
+def test_persistent_forward_is_bitwise_the_one_cta_per_tile_forward(monkeypatch, head_dim, dtype):
+    """The persistent grid with a handful of CTAs (each drawing dozens of work tiles, short lists and
+    empty ones among them) writes every output and gives bitwise the result of one CTA per work
+    tile, which matches the reference; every mask, GQA, and Sq > Sk (query tiles that see no key)."""
+    from flashmask3.optimized import interface, kernel_options
+    from flashmask3.optimized.interface import forward
+    from flashmask3.reference import ColumnMask
+
+    cases = [(name, masks.build(name, 1536, batch=3, heads=2, seed=11, device="cuda"), 3, 1536, 1536)
+             for name in masks.MASK_NAMES]
+    cases.append(("causal_sq>sk", ColumnMask(torch.full((1, 1, 700, 1), 1300, dtype=torch.int32, device="cuda"),
+                                             True, 1300), 2, 1300, 700))
+    for name, mask, batch, sq, sk in cases:
+        q, k, v, _ = random_inputs(batch, sq, sk, 8, 2, head_dim, dtype, "cuda", seed=sq + len(name))
+        scale = 1 / math.sqrt(head_dim)
+        with kernel_options(persistent=False):
+            expected_out, expected_lse = forward(q, k, v, mask, scale)
+            report = compare("cute", q, k, v, mask)
+        assert report.passed, (name, report.failures())
+        for ctas in (1, 5):
+            monkeypatch.setattr(interface, "_sm_count", lambda device, ctas=ctas: ctas)
+            out = torch.full_like(q, math.nan)
+            lse = torch.full((batch, 8, sq), math.nan, device="cuda")
+            forward(q, k, v, mask, scale, out=out, lse=lse)
+            assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse), (name, ctas)

@@ -84,10 +84,8 @@ def test_ablation_experiments_compose(experiment):
     assert "mask" in params
     if experiment == "kernel_ablation":
         assert cfg.backend == "cute" and cfg.device == "cuda" and cfg.seqlen == 8192 and cfg.dtype == "bf16"
-        assert set(params) >= {"kernel.skip_tiles", "kernel.pingpong", "kernel.setmaxnreg", "kernel.num_stages",
-                               "kernel.intra_wg_overlap", "kernel.tma_store",
-                               "kernel.k_ahead", "kernel.bounds_prefetch", "kernel.entry_ahead", "kernel.q_tile_192",
-                               "kernel.lse_ahead", "kernel.bwd_q_tile_128"}
+        assert set(params) >= {"kernel.skip_tiles", "kernel.num_stages", "kernel.bounds_prefetch", "kernel.q_tile_192",
+                               "kernel.persistent", "kernel.lse_ahead", "kernel.bwd_q_tile_128"}
     if experiment == "cp_ablation":
         assert cfg.cp.scheme == "mask_aware" and set(params) >= {"cp.assignment", "cp.prune", "cp.overlap"}
 

@@ -1,0 +1,59 @@
+"""CuTe DSL building blocks the Hopper kernels share: tensor views, smem layouts, TMA, WGMMA."""
+
+from __future__ import annotations
+
+from typing import Type
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+
+def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    """The tensor with its modes reordered (e.g. [B, S, H, D] -> (S, D, H, B))."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def assume_aligned(t: cute.Tensor) -> cute.Tensor:
+    """Tell the compiler every stride but the last is a multiple of 16 bytes (TMA needs it)."""
+    divby = 128 // t.element_type.width
+    strides = tuple(s if isinstance(s, int) else cute.assume(s, divby=divby) for s in t.stride[:-1])
+    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=(*strides, t.stride[-1])))
+
+
+def smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int | None = None):
+    """Swizzled row-major (rows, cols[, stages]) smem layout, as WGMMA operands and TMA want it."""
+    atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def tma_pipeline(barriers, num_stages: int, tx_count: int, consumers) -> pipeline.PipelineTmaAsync:
+    """A `num_stages`-deep pipeline one producer thread fills by TMA (`tx_count` bytes per stage)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers.data_ptr(), num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1), consumer_group=consumers,
+        tx_count=tx_count, defer_sync=True,
+    )
+
+
+def tma_tiles(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, tile_modes: int = 2):
+    """(smem, gmem) views of a single-CTA TMA copy: the first `tile_modes` modes of both are one tile,
+    the remaining mode indexes pipeline stages (smem) or tiles (gmem)."""
+    return cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, tile_modes), cute.group_modes(gmem, 0, tile_modes))
+
+
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, zero_init: bool) -> None:
+    """Issue acc (+)= a @ b over the k-blocks of one warpgroup and commit the group."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in range(cute.size(a.shape[2])):  # unrolled at trace time
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
