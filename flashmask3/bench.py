@@ -94,21 +94,39 @@ def host_us(fn: Callable, inputs: list[tuple], calls: int = 10) -> float:
     return elapsed / calls * 1e6
 
 
+def error_string(exc: BaseException) -> str:
+    """An exception as one line of at most 300 characters, for a result row."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+
+
 def interleaved_ms(contenders: dict[str, tuple[Callable, list[tuple]]], rounds: int = 5, warmup: int = 3,
-                   repeats: int = 2) -> dict[str, float]:
+                   repeats: int = 2, errors: dict[str, str] | None = None) -> dict[str, float]:
     """Median GPU milliseconds per call of each contender (`name: (fn, argument tuples)`), the
     contenders taking turns: `warmup` untimed calls of each per argument tuple (compilation,
     autotuning), then `rounds` rounds, every other one in reverse order, in which each runs `repeats`
     times per argument tuple (`gpu_times_ms`). Timing them one after the other instead lets a drift
-    of the GPU's clock over the run pass for a difference."""
-    for fn, inputs in contenders.values():
-        gpu_times_ms(fn, inputs, warmup, repeats=0)
+    of the GPU's clock over the run pass for a difference.
+
+    With `errors`, a contender that raises (out of memory, say) leaves the turns with its
+    `error_string` there and the others go on; without it, the exception propagates."""
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    order = list(contenders)
+
+    def run(name: str, warmup: int, repeats: int) -> None:
+        fn, inputs = contenders[name]
+        try:
+            times[name] += gpu_times_ms(fn, inputs, warmup, repeats)
+        except Exception as exc:
+            if errors is None:
+                raise
+            errors[name] = error_string(exc)
+            del times[name]
+
+    for name in contenders:
+        run(name, warmup, repeats=0)
     for turn in range(rounds):
+        order = [name for name in contenders if name in times]
         for name in order if turn % 2 == 0 else order[::-1]:
-            fn, inputs = contenders[name]
-            times[name] += gpu_times_ms(fn, inputs, warmup=1, repeats=repeats)
+            run(name, warmup=1, repeats=repeats)
     return {name: statistics.median(samples) for name, samples in times.items()}
 
 

@@ -91,58 +91,25 @@ def flex_block_mask(
             mask_mod, batch if mask.batch > 1 else None, None if heads == 1 else heads, seqlen_q, seqlen_k,
             device=device, BLOCK_SIZE=128, _compile=torch.device(device).type == "cuda",
         )
-    partial_num, partial_idx, full_num, full_idx = _block_lists(mask, heads, device)
+    partial_num, partial_idx, full_num, full_idx = block_lists(head_block_classes(mask, heads, device))
     return BlockMask.from_kv_blocks(
         partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=128, mask_mod=mask_mod, seq_lengths=(seqlen_q, seqlen_k)
     )
 
 
-def _block_lists(mask: ColumnMask, heads: int, device) -> tuple[torch.Tensor, ...]:
-    """Per 128-row query block, the compacted PARTIAL and UNMASKED 128-key blocks of
-    `ColumnMask.block_classes` (counts, indices; SKIP blocks left out), mask heads repeated to `heads`."""
+def head_block_classes(mask: ColumnMask, heads: int, device) -> torch.Tensor:
+    """`ColumnMask.block_classes` of 128 x 128 blocks (int8 [Bm, 1 or `heads`, Tm, Tn]) on `device`,
+    mask heads repeated to `heads` where the mask has more than one."""
     classes = mask.to(device).block_classes(128, 128).classes
-    if heads != mask.heads:
+    if classes.shape[1] not in (1, heads):
         classes = classes.repeat_interleave(heads // mask.heads, dim=1)
+    return classes
+
+
+def block_lists(classes: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per row of `classes`' last two dims, the compacted PARTIAL and the compacted UNMASKED blocks
+    (counts int32 [..., rows], indices int32 [..., rows, cols]; SKIP blocks left out)."""
     return (*compact(classes == PARTIAL), *compact(classes == UNMASKED))
-
-
-def fa4_block_sparse(mask: ColumnMask, heads_q: int, device):
-    """FA4 (flash_attn.cute) on this mask with its block sparsity, for `q, k, v -> out`: 128 x 128
-    blocks from `ColumnMask.block_classes` (SKIP blocks left out, UNMASKED ones run unmasked) and,
-    on PARTIAL blocks, a CuTe `mask_mod` reading `startend_row_indices` (the same element rule as
-    our kernel, `optimized.mask._hidden`). Built once, outside any timing."""
-    import cutlass
-    import cutlass.cute as cute
-    from flash_attn.cute import flash_attn_func
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
-    from .optimized.mask import _hidden
-
-    partial_num, partial_idx, full_num, full_idx = _block_lists(mask, 1 if mask.heads == 1 else heads_q, device)
-    sparse = BlockSparseTensorsTorch(partial_num, partial_idx, full_num, full_idx, block_size=(128, 128))
-    row_indices = mask.startend_row_indices.to(device).contiguous()
-    causal, width = mask.causal, row_indices.shape[-1]
-    per_batch, heads_per_maskhead = mask.batch > 1, heads_q // mask.heads
-    causal_offset = mask.seqlen_k - mask.seqlen_q
-
-    @cute.jit
-    def mask_mod(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        bounds = aux_tensors[0]
-        b = batch_idx[0] if cutlass.const_expr(per_batch) else 0
-        h = head_idx[0] // heads_per_maskhead
-        query, key = q_idx[0], kv_idx[0]
-        first = bounds[b, h, key, 0]
-        second = bounds[b, h, key, 1] if cutlass.const_expr(width >= 2) else first
-        third = bounds[b, h, key, 2] if cutlass.const_expr(width == 4) else first
-        fourth = bounds[b, h, key, 3] if cutlass.const_expr(width == 4) else first
-        keep = cute.make_rmem_tensor(1, cutlass.Boolean)
-        keep[0] = not _hidden(query, key, first, second, third, fourth, causal_offset, causal, width)
-        return keep.load()
-
-    # FA4 caches its kernels by this hash: name every compile-time constant the closure captures.
-    mask_mod.__cute_hash__ = f"flashmask3-column-{causal}-{width}-{per_batch}-{heads_per_maskhead}-{causal_offset}"
-    return lambda q, k, v: flash_attn_func(
-        q, k, v, mask_mod=mask_mod, aux_tensors=[row_indices], block_sparse_tensors=sparse)[0]
 
 
 @functools.cache

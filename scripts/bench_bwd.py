@@ -2,6 +2,7 @@
 
     python scripts/bench_bwd.py check                 # dQ/dK/dV, every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
     python scripts/bench_bwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
+    python scripts/bench_bwd.py bench --seqlens 8192 --peers fa4,fa4_sparse   # only these peers
     python scripts/bench_bwd.py profile --masks causal,sliding_window   # GPU time per kernel
     python scripts/bench_bwd.py ablate --masks causal --variants skip_tiles=false   # variants vs the default
 
@@ -10,9 +11,12 @@ reference within the verify/ tolerance (2x the error of the same computation in 
 precision), dK/dV written into NaN-poisoned buffers; `deterministic=True` run twice must agree
 bit for bit. Speed: fwd+bwd (loss.backward through autograd, mask preprocessing and the dQ/Delta passes
 included), CUDA events, median over input sets, cute and its peers taking turns round by round;
-TFLOP/s on unmasked work, 3.5x the forward FLOPs.
-Peers in the same run: FlexAttention (compiled, BlockMask built once), FA4 and cuDNN SDPA on
-full/causal. Writes JSON to $OUT (or bench/results/) and prints a table last.
+TFLOP/s on unmasked work, 3.5x the forward FLOPs. Peers in the same run, fwd+bwd through autograd
+(`--peers`, default all; `flashmask3.bench_peers` says which masks each takes): Flex with BACKEND
+TRITON and FLASH, FA4's own API (causal, window, varlen documents), FA4 with mask_mod + block
+sparsity in both directions, cuDNN SDPA. Each row holds per peer its time, TFLOP/s and largest
+absolute differences from our output and gradients, or the error that stopped it (the run goes on).
+Writes JSON to $OUT (or bench/results/) and prints a table last.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashmask3 as fm  # noqa: E402
-from flashmask3 import peers  # noqa: E402
-from flashmask3.bench import attention_flops, interleaved_ms, progress  # noqa: E402
+from flashmask3 import bench_peers  # noqa: E402
+from flashmask3.bench import attention_flops, progress  # noqa: E402
 from flashmask3.optimized import compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import backward as cute_backward  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
@@ -37,7 +41,8 @@ from flashmask3.verify import compare, random_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd import (  # noqa: E402
-    ablation_table, add_common_arguments, add_row, dense_peers, new_record, run_ablation, run_check, variant_overrides)
+    ablation_table, add_common_arguments, add_peers_argument, add_row, bench_table, new_record, record_times,
+    run_ablation, run_check, variant_overrides)
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -78,16 +83,29 @@ def fwd_bwd(fn):
     `backward()` into q.grad: on leaf inputs that adds an elementwise pass over the three gradients to
     every call after the first (2.2 ms at 8K, `bwd_profile_v4_8k.json`), which training never pays."""
     def run(q, k, v, dout):
-        out = fn(q, k, v)
-        out = out[0] if isinstance(out, tuple) else out
-        return torch.autograd.grad(out, (q, k, v), dout)
+        return output_and_gradients(fn, q, k, v, dout)[1:]
     return run
 
 
+def output_and_gradients(fn, q, k, v, dout) -> tuple[torch.Tensor, ...]:
+    """out, dq, dk, dv of one forward and backward through `fn(q, k, v)` (out, or a tuple led by it)."""
+    out = fn(q, k, v)
+    out = out[0] if isinstance(out, tuple) else out
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def differences(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...]) -> dict[str, float]:
+    """Largest absolute differences of a peer's out, dq, dk, dv from ours, as row entries."""
+    return {key: bench_peers.max_abs_diff(a, b)
+            for key, a, b in zip(("max_diff", "max_diff_dq", "max_diff_dk", "max_diff_dv"), ours, theirs)}
+
+
 def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], deterministic: bool,
-              save=lambda rows: None) -> list[dict]:
+              save=lambda rows: None, peer_names: tuple[str, ...] = tuple(bench_peers.PEERS)) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
-    Per mask, cute and its peers take turns (`interleaved_ms`)."""
+    Per mask, cute and the peers of `peer_names` that take the mask take turns (`interleaved_ms`);
+    a peer's entries: `_ms`, `_tflops`, `_max_diff` (output) and `_max_diff_dq/dk/dv` (from ours),
+    or `_error`."""
     rows = []
     heads = 4096 // head_dim
     for seqlen in seqlens:
@@ -104,16 +122,17 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
             flops = 3.5 * attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
             row = {"mask": name, "seqlen": seqlen, "batch": batch, "heads": heads, "head_dim": head_dim,
                    "density": density, "deterministic": deterministic}
-            block_mask = peers.flex_block_mask(mask, batch, heads, seqlen, seqlen, "cuda")
-            contenders = {
-                "cute": fwd_bwd(lambda q, k, v: fm.attention(q, k, v, mask, backend="cute",
-                                                             deterministic=deterministic)),
-                "flex": fwd_bwd(lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask)),
-            }
-            contenders.update({peer: fwd_bwd(fn) for peer, fn in dense_peers(name).items()})
-            times = interleaved_ms({key: (fn, inputs) for key, fn in contenders.items()}, rounds, warmup=2, repeats=1)
-            for contender, ms in times.items():
-                row[f"{contender}_ms"] = ms
+
+            def cute(q, k, v):
+                return fm.attention(q, k, v, mask, backend="cute", deterministic=deterministic)
+
+            ours = output_and_gradients(cute, *inputs[0])
+            case = bench_peers.PeerCase(name, mask, batch, heads, scale)
+            peers = bench_peers.checked_peers(
+                case, peer_names, lambda fn: differences(ours, output_and_gradients(fn, *inputs[0])), row)
+            contenders = {"cute": fwd_bwd(cute), **{peer: fwd_bwd(fn) for peer, fn in peers.items()}}
+            record_times(row, {key: (fn, inputs) for key, fn in contenders.items()}, rounds=rounds, warmup=2,
+                         repeats=1)
             add_row(rows, row, flops, save)
     return rows
 
@@ -156,6 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["check", "bench", "all", "profile", "ablate"])
     add_common_arguments(parser)
+    add_peers_argument(parser)
     parser.add_argument("--deterministic", action="store_true", help="bench the deterministic backward")
     parser.add_argument("--variants", nargs="*", default=[], metavar="OPTION=VALUE[+OPTION=VALUE]",
                         help="ablate: kernel variants to time (fwd+bwd) against the default")
@@ -176,13 +196,11 @@ def main() -> None:
             print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
                   f"{sum(not r['passed'] for r in result['check'])} failed; determinism {result['determinism']}")
         if args.what in ("bench", "all"):
+            result["peers"], result["peer_versions"] = list(args.peers), bench_peers.versions()
             result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","),
-                                        args.deterministic, save=lambda rows: save({**result, "bench": rows}))
-            print(f"{'mask':24s} {'S':>6s} {'dens':>5s} {'cute':>6s} {'flex':>6s} {'x flex':>6s} {'fa4':>6s} {'cudnn':>6s}")
-            for r in result["bench"]:
-                print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
-                      f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_tflops', float('nan')):6.0f} "
-                      f"{r.get('cudnn_tflops', float('nan')):6.0f}")
+                                        args.deterministic, save=lambda rows: save({**result, "bench": rows}),
+                                        peer_names=args.peers)
+            print(bench_table(result["bench"], args.peers))
         if args.what == "profile":
             result["profile"] = run_profile(int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","))
         if args.what == "ablate":

@@ -2,6 +2,7 @@
 
     python scripts/bench_fwd.py check                 # every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
     python scripts/bench_fwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
+    python scripts/bench_fwd.py bench --seqlens 32768 --peers fa4,flex_flash   # only these peers
     python scripts/bench_fwd.py ablate --masks full,causal --variants k_ahead=true k_ahead=true+num_stages=3
 
 Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x the error of the
@@ -11,9 +12,11 @@ median over several input sets, the contenders (cute and each peer, or the ablat
 taking turns round by round (`flashmask3.bench.interleaved_ms`); TFLOP/s counts only unmasked work
 (4 B H Sq Sk D density) and the cute time includes the mask preprocessing. `ablate` times kernel
 variants (KernelOptions changes joined by '+') against the default on the same inputs, with each
-one's largest difference from the default's output. Peers in the same run: FlexAttention (compiled,
-BlockMask 128 built once outside the timing), FA4 and cuDNN SDPA where the mask is plain full/causal.
-Writes JSON to $OUT (or bench/results/) and prints a table last.
+one's largest difference from the default's output. Peers in the same run (`--peers`, default all;
+`flashmask3.bench_peers` says which masks each takes): Flex with BACKEND TRITON and FLASH, FA4's own
+API (causal, window, varlen documents), FA4 with mask_mod + block sparsity, cuDNN SDPA. Each row
+holds per peer its time, TFLOP/s and largest absolute difference from our output, or the error
+that stopped it (the run goes on). Writes JSON to $OUT (or bench/results/) and prints a table last.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashmask3 import peers  # noqa: E402
+from flashmask3 import bench_peers  # noqa: E402
 from flashmask3.bench import attention_flops, git_commit, host_us, interleaved_ms, progress, result_json  # noqa: E402
 from flashmask3.optimized import KernelOptions, compile_seconds, kernel_options  # noqa: E402
 from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
@@ -74,22 +77,14 @@ def run_check(case=check_case, first_seed: int = 0) -> list[dict]:
 
 
 def fa4_fn(causal: bool):
+    """FA4's dense `flash_attn_func` on a full or causal mask, q, k, v -> (out, lse), for
+    overheads.py; None, with why, where its wheel is missing."""
     try:
         from flash_attn.cute import flash_attn_func
     except Exception as exc:  # the peer wheels may not be carried
         print("FA4 unavailable:", exc)
         return None
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
-
-
-def dense_peers(mask_name: str) -> dict:
-    """The peers that take only a plain full or causal mask, {name: fn(q, k, v)}: FA4 (when its
-    wheel is there) and cuDNN's SDPA; none for the other masks."""
-    if mask_name not in ("full", "causal"):
-        return {}
-    causal = mask_name == "causal"
-    fa4 = fa4_fn(causal)
-    return {**({"fa4": fa4} if fa4 is not None else {}), "cudnn": cudnn_fn(causal)}
 
 
 def kernel_overrides(pairs: list[str]) -> dict:
@@ -104,29 +99,13 @@ def kernel_overrides(pairs: list[str]) -> dict:
     return options
 
 
-def fa4_sparse_fn(row: dict, mask, heads: int, inputs: list):
-    """FA4 with block sparsity on the same mask (issue 3's last peer): its call, with its largest
-    difference from our output put in `row`; or None, with why it could not run."""
-    try:
-        fa4 = peers.fa4_block_sparse(mask, heads, "cuda")
-        q, k, v = inputs[0]
-        row["fa4_sparse_max_diff"] = float((fa4(q, k, v).float() - cute_forward(q, k, v, mask, 1 / math.sqrt(
-            q.shape[-1]))[0].float()).abs().max())
-        return fa4
-    except Exception as exc:  # a peer failure is a result to report, not a reason to stop the bench
-        row["fa4_sparse_error"] = repr(exc)[:300]
-        return None
-
-
-def cudnn_fn(causal: bool):
-    """cuDNN's SDPA on (batch, seq, heads, dim) tensors (dense masks only)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def run(q, k, v):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
-    return run
+def record_times(row: dict, contenders: dict, **timing) -> None:
+    """Each contender's median time into `row` (`interleaved_ms` with `timing`), or the error that
+    took it out of the turns."""
+    errors: dict[str, str] = {}
+    for contender, ms in interleaved_ms(contenders, errors=errors, **timing).items():
+        row[f"{contender}_ms"] = ms
+    row.update({f"{contender}_error": error for contender, error in errors.items()})
 
 
 def add_row(rows: list[dict], row: dict, flops: float, save) -> None:
@@ -138,9 +117,11 @@ def add_row(rows: list[dict], row: dict, flops: float, save) -> None:
     print(json.dumps(row), flush=True)
 
 
-def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lambda rows: None) -> list[dict]:
+def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lambda rows: None,
+              peer_names: tuple[str, ...] = tuple(bench_peers.PEERS)) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
-    Per mask, cute and its peers take turns (`interleaved_ms`)."""
+    Per mask, cute and the peers of `peer_names` that take the mask take turns (`interleaved_ms`);
+    a peer's entries: `_ms`, `_tflops` and `_max_diff` (from our output), or `_error`."""
     rows = []
     heads = 4096 // head_dim
     for seqlen in seqlens:
@@ -155,20 +136,32 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lam
             flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
             row = {"mask": name, "seqlen": seqlen, "batch": batch, "heads": heads, "head_dim": head_dim,
                    "density": density}
+            ours = cute_forward(*inputs[0], mask, scale)[0]
+            case = bench_peers.PeerCase(name, mask, batch, heads, scale)
+            peers = bench_peers.checked_peers(
+                case, peer_names, lambda fn: {"max_diff": bench_peers.max_abs_diff(ours, fn(*inputs[0]))}, row)
             contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, mask, scale), inputs)}
-            start = time.perf_counter()
-            block_mask = peers.flex_block_mask(mask, batch, heads, seqlen, seqlen, "cuda")
-            torch.cuda.synchronize()
-            row["flex_block_mask_s"] = time.perf_counter() - start
-            contenders["flex"] = (lambda q, k, v: peers.flex_attention(q, k, v, None, scale, block_mask), inputs)
-            fa4_sparse = fa4_sparse_fn(row, mask, heads, inputs)
-            if fa4_sparse is not None:
-                contenders["fa4_sparse"] = (fa4_sparse, inputs)
-            contenders.update({peer: (fn, inputs) for peer, fn in dense_peers(name).items()})
-            for contender, ms in interleaved_ms(contenders, rounds, repeats=repeats).items():
-                row[f"{contender}_ms"] = ms
+            contenders.update({peer: (fn, inputs) for peer, fn in peers.items()})
+            record_times(row, contenders, rounds=rounds, repeats=repeats)
             add_row(rows, row, flops, save)
     return rows
+
+
+def bench_table(rows: list[dict], peer_names: tuple[str, ...]) -> str:
+    """TFLOP/s of cute and of each peer ('err' where it failed, '-' where it does not take the mask),
+    and cute's speedup over Flex."""
+    def cell(row: dict, contender: str) -> str:
+        if f"{contender}_tflops" in row:
+            return f"{row[contender + '_tflops']:10.0f}"
+        return f"{'err' if contender + '_error' in row else '-':>10s}"
+
+    lines = [f"{'mask':24s} {'S':>6s} {'dens':>5s} " + " ".join(f"{c:>10s}" for c in ("cute", *peer_names))
+             + f" {'x flex':>6s}"]
+    for r in rows:
+        speedup = r["cute_tflops"] / r["flex_tflops"] if "cute_tflops" in r and "flex_tflops" in r else math.nan
+        lines.append(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} "
+                     + " ".join(cell(r, c) for c in ("cute", *peer_names)) + f" {speedup:6.2f}")
+    return "\n".join(lines)
 
 
 def variant_overrides(variant: str) -> dict:
@@ -251,10 +244,23 @@ def new_record(args: argparse.Namespace, prefix: str):
     return result, lambda data: path.write_text(result_json(data))
 
 
+def add_peers_argument(parser: argparse.ArgumentParser) -> None:
+    """--peers, shared with bench_bwd.py: a comma list of `bench_peers.PEERS`, all by default."""
+    def peer_list(text: str) -> tuple[str, ...]:
+        try:
+            return bench_peers.select_peers(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parser.add_argument("--peers", type=peer_list, default=tuple(bench_peers.PEERS),
+                        help=f"bench: the peers to time, a comma list of {','.join(bench_peers.PEERS)} (default all)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["check", "bench", "all", "ablate"])
     add_common_arguments(parser)
+    add_peers_argument(parser)
     parser.add_argument("--variants", nargs="*", default=[], metavar="OPTION=VALUE[+OPTION=VALUE]",
                         help="ablate: kernel variants to time against the default")
     args = parser.parse_args()
@@ -270,14 +276,10 @@ def main() -> None:
             print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
                   f"{sum(not r['passed'] for r in result['check'])} failed; compile s: {result['compile_s']}")
         if args.what in ("bench", "all"):
+            result["peers"], result["peer_versions"] = list(args.peers), bench_peers.versions()
             result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","),
-                                        save=lambda rows: save({**result, "bench": rows}))
-            print(f"{'mask':24s} {'S':>6s} {'dens':>5s} {'cute':>6s} {'flex':>6s} {'x flex':>6s} {'fa4 bs':>6s} "
-                  f"{'fa4':>6s} {'cudnn':>6s}")
-            for r in result["bench"]:
-                print(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} {r['cute_tflops']:6.0f} {r['flex_tflops']:6.0f} "
-                      f"{r['cute_tflops'] / r['flex_tflops']:6.2f} {r.get('fa4_sparse_tflops', float('nan')):6.0f} "
-                      f"{r.get('fa4_tflops', float('nan')):6.0f} {r.get('cudnn_tflops', float('nan')):6.0f}")
+                                        save=lambda rows: save({**result, "bench": rows}), peer_names=args.peers)
+            print(bench_table(result["bench"], args.peers))
         if args.what == "ablate":
             for variant in args.variants:
                 variant_overrides(variant)  # a typo fails before any GPU time is spent

@@ -1,4 +1,4 @@
-"""The H200 bench scripts' option parsing (CPU)."""
+"""The H200 bench scripts' option parsing and plumbing (CPU)."""
 
 import sys
 from pathlib import Path
@@ -8,20 +8,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_fwd  # noqa: E402
 
-from flashmask3 import bench  # noqa: E402
+from flashmask3 import bench, bench_peers  # noqa: E402
 
 
 def test_kernel_overrides_are_typed_like_the_kernel_options():
-    assert bench_fwd.kernel_overrides(["intra_wg_overlap=true", "num_stages=3", "pingpong=0"]) == {
-        "intra_wg_overlap": True, "num_stages": 3, "pingpong": False}
+    assert bench_fwd.kernel_overrides(["lse_ahead=true", "num_stages=3", "skip_tiles=0"]) == {
+        "lse_ahead": True, "num_stages": 3, "skip_tiles": False}
     assert bench_fwd.kernel_overrides([]) == {}
 
 
 def test_ablation_variants_join_kernel_options_with_plus():
-    assert bench_fwd.variant_overrides("k_ahead=true+num_stages=3+tma_store=1") == {
-        "k_ahead": True, "num_stages": 3, "tma_store": True}
+    assert bench_fwd.variant_overrides("bounds_prefetch=true+num_stages=3+tvm_ffi=1") == {
+        "bounds_prefetch": True, "num_stages": 3, "tvm_ffi": True}
     with pytest.raises(SystemExit, match="unknown option 'stages'"):
-        bench_fwd.variant_overrides("k_ahead=true+stages=3")
+        bench_fwd.variant_overrides("bounds_prefetch=true+stages=3")
 
 
 def test_ablation_times_each_variant_under_its_options(monkeypatch):
@@ -54,16 +54,16 @@ def test_ablation_times_each_variant_under_its_options(monkeypatch):
 
     monkeypatch.setattr(bench, "gpu_times_ms", fake_times)
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
-    rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "k_ahead=false"])
+    rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "skip_tiles=false"])
     (row,) = rows
-    assert all(row[f"{c}_host_us"] > 0 for c in ("default", "num_stages=3", "k_ahead=false"))
-    assert row["num_stages=3_max_diff"] == 1.0 and row["k_ahead=false_max_diff"] == 0.0
-    assert row["default_ms"] == row["k_ahead=false_ms"] == 2.0 and row["num_stages=3_ms"] == 3.0
+    assert all(row[f"{c}_host_us"] > 0 for c in ("default", "num_stages=3", "skip_tiles=false"))
+    assert row["num_stages=3_max_diff"] == 1.0 and row["skip_tiles=false_max_diff"] == 0.0
+    assert row["default_ms"] == row["skip_tiles=false_ms"] == 2.0 and row["num_stages=3_ms"] == 3.0
     assert timed == [2, 3, 2] * 6  # a warm-up, then 5 rounds in which the three take turns (odd ones reversed)
     assert row["default_tflops"] == pytest.approx(4 * 16 * 32 * 8192**2 * 128 * 0.5 / 2e-3 / 1e12)
-    assert {o.num_stages for o in seen} == {2, 3} and not all(o.k_ahead for o in seen)
+    assert {o.num_stages for o in seen} == {2, 3} and not all(o.skip_tiles for o in seen)
     assert interface.options == interface.KernelOptions()
-    assert "k_ahead=false" in bench_fwd.ablation_table(rows, ["num_stages=3", "k_ahead=false"])
+    assert "skip_tiles=false" in bench_fwd.ablation_table(rows, ["num_stages=3", "skip_tiles=false"])
 
 
 def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monkeypatch):
@@ -89,14 +89,33 @@ def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monke
 
 
 def _fake_peers(monkeypatch, module, calls: list, density: float) -> list:
-    """Every kernel of a bench replaced by one that logs its name and returns q + k + v (CPU); returns
-    the list that collects the bench's input tensors."""
+    """Every kernel of a bench replaced by one that logs its name and returns q + k + v (CPU), with
+    the five ways a peer ends: timed (flex), not taking the mask (fa4 and cuDNN take only the full
+    one), failing to build (FA4 sparse: no wheel), failing on its first call (Flex FLASH), failing
+    while timed (cuDNN: out of memory on its fifth call, the first timed one after its check and
+    three warm-ups). Returns the list that collects the bench's input tensors."""
     import torch
 
     def kernel(name):
         def run(q, k, v, *rest, **kwargs):
             calls.append(name)
             return q + k + v
+        return run
+
+    def no_wheel(case):
+        raise ModuleNotFoundError("No module named 'flash_attn'")
+
+    def compile_error(q, k, v):
+        raise RuntimeError("CuteDSL template failed")
+
+    def cudnn(case):
+        if case.mask_name != "full":
+            return None
+
+        def run(q, k, v):
+            if calls.count("cudnn") == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+            return kernel("cudnn")(q, k, v)
         return run
 
     created = []
@@ -107,47 +126,75 @@ def _fake_peers(monkeypatch, module, calls: list, density: float) -> list:
 
     monkeypatch.setattr(module, "random_inputs", lambda *a, **k: created.extend(torch.zeros(2) for _ in range(4))
                         or tuple(created[-4:]))
-    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
-    monkeypatch.setattr(bench_fwd, "fa4_fn", lambda causal: kernel("fa4"))  # behind `dense_peers`
-    monkeypatch.setattr(bench_fwd, "cudnn_fn", lambda causal: kernel("cudnn"))
-    monkeypatch.setattr(bench_fwd.peers, "flex_block_mask", lambda *a: None)
-    monkeypatch.setattr(bench_fwd.peers, "flex_attention", kernel("flex"))
-    monkeypatch.setattr(bench_fwd.peers, "fa4_block_sparse", lambda *a: kernel("fa4_sparse"))
-    monkeypatch.setattr(bench_fwd.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda name, *a, **k: FakeMask())
+    monkeypatch.setattr(bench_peers, "PEERS", {
+        "flex": lambda case: kernel("flex"), "flex_flash": lambda case: compile_error,
+        "fa4": lambda case: kernel("fa4") if case.mask_name == "full" else None, "fa4_sparse": no_wheel,
+        "cudnn": cudnn})
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: (
         [fn(*x) for x in inputs] and [{"cute": 1.0, "flex": 2.0}.get(calls[-1], 0.5)] * repeats * len(inputs)))
     return created
 
 
+PEER_ERRORS = {"flex_flash_error": "RuntimeError: CuteDSL template failed",
+               "fa4_sparse_error": "ModuleNotFoundError: No module named 'flash_attn'",
+               "cudnn_error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 64.00 GiB"}
+
+
 def test_forward_bench_times_cute_and_each_peer_in_turns(monkeypatch):
-    """`bench_fwd.py bench` (CPU plumbing): per mask cute, Flex and FA4 with block sparsity, plus FA4
-    and cuDNN on the dense masks, each timed in turns; TFLOP/s from each one's median."""
+    """`bench_fwd.py bench` (CPU plumbing): per mask cute and each peer that takes the mask, checked
+    against our output once, then timed in turns; TFLOP/s from each one's median; a peer that fails
+    (at its build, its first call or while timed) leaves its error in the row and the rest go on."""
     calls = []
     _fake_peers(monkeypatch, bench_fwd, calls, density=0.5)
     monkeypatch.setattr(bench_fwd, "cute_forward", lambda q, k, v, mask, scale: (
         calls.append("cute") or bench_fwd.torch.zeros(2), None))
     full, document = bench_fwd.run_bench([8192], 128, ["full", "document"])
-    assert {k for k in full if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_sparse_ms", "fa4_ms", "cudnn_ms"}
-    assert {k for k in document if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_sparse_ms"}
+    assert {k for k in full if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_ms"}
+    assert {k for k in document if k.endswith("_ms")} == {"cute_ms", "flex_ms"}
+    assert {k: full[k] for k in PEER_ERRORS} == PEER_ERRORS
+    assert "cudnn_error" not in document and "fa4_error" not in document  # cuDNN: not for documents
     assert full["flex_ms"] == 2.0 and full["cute_tflops"] == pytest.approx(2 * full["flex_tflops"])
-    assert full["fa4_sparse_max_diff"] == 0.0
-    timed = calls[calls.index("fa4_sparse") + 2:]  # after FA4-bs's check against cute
-    assert timed[:15:3] == ["cute", "flex", "fa4_sparse", "fa4", "cudnn"]  # warm-ups (3 input sets) in turn
+    assert full["flex_max_diff"] == full["fa4_max_diff"] == 0.0
+    assert calls[:4] == ["cute", "flex", "fa4", "cudnn"]  # our output, then each peer's first call
+    assert calls[4:16:3] == ["cute", "flex", "fa4", "cudnn"]  # warm-ups (3 input sets) in turn
+    assert calls.count("cudnn") == 4  # out of the turns after its error
+    table = bench_fwd.bench_table([full, document], tuple(bench_peers.PEERS)).splitlines()
+    assert table[0].split() == ["mask", "S", "dens", "cute", "flex", "flex_flash", "fa4", "fa4_sparse", "cudnn", "x", "flex"]
+    assert table[2].split()[3:] == [f"{document['cute_tflops']:.0f}", f"{document['flex_tflops']:.0f}", "err", "-", "err",
+                                    "-", "2.00"]
 
 
 def test_backward_bench_times_fwd_and_bwd_of_cute_and_each_peer(monkeypatch):
-    """`bench_bwd.py bench` (CPU plumbing): forward and backward of each, in turns, 3.5x the FLOPs."""
+    """`bench_bwd.py bench` (CPU plumbing): forward and backward of each, in turns, 3.5x the FLOPs;
+    each peer's output and gradients compared with ours; failing peers leave their errors."""
     import bench_bwd
 
     calls = []
     inputs = _fake_peers(monkeypatch, bench_bwd, calls, density=1.0)
     monkeypatch.setattr(bench_bwd.fm, "attention", lambda q, k, v, mask, **kw: calls.append("cute") or q + k + v)
-    (row,) = bench_bwd.run_bench([8192], 128, ["causal"], deterministic=False)
-    assert {k for k in row if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_ms", "cudnn_ms"}
-    assert row["cute_ms"] == 1.0 and row["cudnn_ms"] == 0.5
+    (row,) = bench_bwd.run_bench([8192], 128, ["full"], deterministic=False)
+    assert {k for k in row if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_ms"}
+    assert {k: row[k] for k in PEER_ERRORS} == PEER_ERRORS
+    assert {k: row[k] for k in row if k.startswith("fa4_max_diff")} == {
+        "fa4_max_diff": 0.0, "fa4_max_diff_dq": 0.0, "fa4_max_diff_dk": 0.0, "fa4_max_diff_dv": 0.0}
+    assert row["cute_ms"] == 1.0 and row["fa4_ms"] == 0.5
     assert row["cute_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 1e-3 / 1e12)
     # the gradients are returned, never accumulated into the inputs' .grad (an extra pass per call)
     assert len(inputs) == 8 and all(t.grad is None for t in inputs)
+
+
+def test_peers_option_restricts_the_peers_and_names_the_accepted_ones(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_fwd.add_peers_argument(parser)
+    assert parser.parse_args([]).peers == tuple(bench_peers.PEERS)
+    assert parser.parse_args(["--peers", "fa4,cudnn"]).peers == ("fa4", "cudnn")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--peers", "fa4,flash"])
+    assert "unknown peer 'flash' in peers='fa4,flash'; accepted: flex, flex_flash, fa4" in capsys.readouterr().err
 
 
 def test_fwd_bwd_returns_the_gradients():
@@ -160,7 +207,7 @@ def test_fwd_bwd_returns_the_gradients():
 
 
 def test_unknown_kernel_option_names_the_accepted_ones():
-    with pytest.raises(SystemExit, match="unknown option 'tile_m'.*intra_wg_overlap"):
+    with pytest.raises(SystemExit, match="unknown option 'tile_m'.*skip_tiles"):
         bench_fwd.kernel_overrides(["tile_m=64"])
 
 
@@ -173,8 +220,8 @@ def test_record_names_the_kernel_options_and_is_saved_under_out(tmp_path, monkey
     parser = argparse.ArgumentParser()
     parser.add_argument("what")
     bench_fwd.add_common_arguments(parser)
-    result, save = bench_fwd.new_record(parser.parse_args(["bench", "--kernel", "intra_wg_overlap=1"]), "fwd")
-    assert result["kernel_options"] == {"intra_wg_overlap": True} and result["gpu"] == "test GPU"
+    result, save = bench_fwd.new_record(parser.parse_args(["bench", "--kernel", "skip_tiles=1"]), "fwd")
+    assert result["kernel_options"] == {"skip_tiles": True} and result["gpu"] == "test GPU"
     save({**result, "bench": [{"mask": "full"}]})
     (path,) = tmp_path.glob("fwd_bench_*.json")
     assert json.loads(path.read_text())["bench"] == [{"mask": "full"}]
@@ -236,6 +283,33 @@ def test_interleaved_timing_takes_turns_so_a_drift_hits_every_contender(monkeypa
     times = bench.interleaved_ms({"a": (a, [()]), "b": (b, [()])}, rounds=4, repeats=1)
     assert order == ["a", "b"] + ["a", "b", "b", "a"] * 2
     assert times == {"a": 6.5, "b": 6.5}  # medians of [3, 6, 7, 10] and [4, 5, 8, 9]
+
+
+def test_interleaved_timing_drops_a_contender_that_raises_and_keeps_its_error(monkeypatch):
+    """With `errors`, a contender raising in its second round leaves the turns with its error and
+    the others are timed to the end; without `errors` the exception propagates."""
+    order = []
+
+    def times(fn, inputs, warmup, repeats):
+        fn()
+        order.append(fn.__name__)
+        return [1.0] * repeats
+
+    def a():
+        pass
+
+    def b():
+        if order.count("b") == 2:
+            raise MemoryError("out of memory\n  while timing")
+
+    monkeypatch.setattr(bench, "gpu_times_ms", times)
+    errors = {}
+    assert bench.interleaved_ms({"a": (a, [()]), "b": (b, [()])}, rounds=4, repeats=1, errors=errors) == {"a": 1.0}
+    assert errors == {"b": "MemoryError: out of memory while timing"}
+    assert order == ["a", "b", "a", "b", "a", "a", "a"]  # b raised in round 2
+    order.clear()
+    with pytest.raises(MemoryError):
+        bench.interleaved_ms({"a": (a, [()]), "b": (b, [()])}, rounds=4, repeats=1)
 
 
 def test_device_steps_runs_each_step_under_its_limit_and_logs_it(tmp_path):
