@@ -38,6 +38,7 @@ from .mask import apply_column_mask
 from .mask_role import END_OF_LIST, TileList, list_work_tiles
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
+from .timeline import Event, Timeline
 
 LOG2_E = math.log2(math.e)
 # Named barriers (0 is sync_threads), with n consumer warpgroups: 1..n whose turn on the tensor
@@ -92,6 +93,7 @@ class FlashMaskForwardSm90:
         mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
         mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
         mTileCounter: cute.Tensor,  # [1] int32, zero: the work tiles drawn so far beyond the first per CTA
+        mTimeline: cute.Tensor | None,  # [CTAs, work tiles, len(Event)] int64 in a timeline build, else None
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
         qheads_per_maskhead: Int32,
@@ -143,7 +145,7 @@ class FlashMaskForwardSm90:
 
         num_ctas = cutlass.min(self.work_tiles(mQ).total, max_ctas)
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mRowIndices, mBlockBounds, mTileCounter,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mRowIndices, mBlockBounds, mTileCounter, mTimeline,
             tma_q, tma_k, tma_v, tma_o, q_bytes, kv_bytes,
             Float32(softmax_scale * LOG2_E), qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
             sQ_layout, sKV_layout, bounds_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
@@ -160,6 +162,7 @@ class FlashMaskForwardSm90:
         mRowIndices: cute.Tensor,
         mBlockBounds: cute.Tensor,
         mTileCounter: cute.Tensor,
+        mTimeline: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -181,6 +184,7 @@ class FlashMaskForwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         work_tiles = self.work_tiles(mQ)
+        timeline = Timeline(mTimeline)
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
@@ -208,16 +212,16 @@ class FlashMaskForwardSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, work_tiles,
-                          qheads_per_kvhead, tile_list)
+                          qheads_per_kvhead, tile_list, timeline)
             if warp_idx == 1:
                 list_work_tiles(tile_list, work_tiles, mTileCounter, num_ctas, mBlockBounds, mask_batch_stride,
                                 qheads_per_maskhead, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal,
-                                self.mask_width, self.skip_tiles)
+                                self.mask_width, self.skip_tiles, timeline)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tma_o, mO, mLSE, mRowIndices, sQ, sO, sK, transpose_view(sV), sBounds, tiled_mma_qk,
                          tiled_mma_pv, pipe_q, pipe_k, pipe_v, tidx - 128, scale_log2, work_tiles, heads, tile_list,
-                         seqlen_q, seqlen_k)
+                         seqlen_q, seqlen_k, timeline)
 
     def work_tiles(self, mQ: cute.Tensor) -> WorkTiles:
         """The work tiles of Q, (Sq, D, Hq, B): query tiles x query heads x batch."""
@@ -227,13 +231,14 @@ class FlashMaskForwardSm90:
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, work_tiles,
-             qheads_per_kvhead, tile_list):
+             qheads_per_kvhead, tile_list, timeline):
         """Producer warp: per work tile, Q once sQ is free, then K and V of every listed key tile, K of
         tile j+1 before V of tile j (a turn of the consumers' loop needs both)."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         position = Int32(0)
+        tiles_done = Int32(0)
         work = tile_list.read(position)
         while work != NO_MORE_WORK:
             m_block, head, batch = work_tiles.decode(work)
@@ -246,6 +251,8 @@ class FlashMaskForwardSm90:
             tVsV, tVgV = tma_tiles(tma_v, sV, gV)
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            if cute.arch.lane_idx() == 0:
+                timeline.record(tiles_done, Event.Q_ISSUED)
             q_state.advance()
             position += 1
             entry = tile_list.read(position)
@@ -266,6 +273,7 @@ class FlashMaskForwardSm90:
                 self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, previous >> 1)
                 v_state.advance()
             position += 1
+            tiles_done += 1
             work = tile_list.read(position)
 
     @cute.jit
@@ -277,7 +285,7 @@ class FlashMaskForwardSm90:
 
     @cute.jit
     def consume(self, tma_o, mO, mLSE, mRowIndices, sQ, sO, sK, sVt, sBounds, tiled_mma_qk, tiled_mma_pv, pipe_q,
-                pipe_k, pipe_v, tidx, scale_log2, work_tiles, heads, tile_list, seqlen_q, seqlen_k):
+                pipe_k, pipe_v, tidx, scale_log2, work_tiles, heads, tile_list, seqlen_q, seqlen_k, timeline):
         """Consumer warpgroups: per work tile, the masked online-softmax main loop and the epilogue.
         `sBounds` is the smem for `bounds_prefetch` (or None)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -309,6 +317,7 @@ class FlashMaskForwardSm90:
         if wg == 0:
             cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
         position = Int32(0)
+        tiles_done = Int32(0)
         work = tile_list.read(position)
         while work != NO_MORE_WORK:
             m_block, head, batch = work_tiles.decode(work)
@@ -319,14 +328,23 @@ class FlashMaskForwardSm90:
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
             pipe_q.consumer_wait(q_state)
+            if tidx == 0:
+                timeline.record(tiles_done, Event.Q_LANDED)
             self.begin_turn(wg)
+            if tidx == 0:
+                timeline.record(tiles_done, Event.LOOP_START)
             k_state, v_state, position = self.overlapped_loop(
                 tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max, row_sum, pipe_q,
                 q_state, pipe_k, pipe_v, k_state, v_state, wg, scale_log2, tile_list, position + 1, mask_args,
                 bounds)
             q_state.advance()
+            if tidx == 0:
+                timeline.record(tiles_done, Event.LOOP_END)
             lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2)
             self.store(acc_O, lse, tiled_mma_pv, thr_pv, sO, tma_o, mO, mLSE, m_block, head, batch, seqlen_q, tidx)
+            if tidx == 0:
+                timeline.record(tiles_done, Event.STORED)
+            tiles_done += 1
             work = tile_list.read(position)
         if tidx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the last store has read it

@@ -142,10 +142,10 @@ def _launch(direction: str, dtype: torch.dtype, head_dim: int, causal: bool, wid
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    key = (direction, dtype, head_dim, causal, width, options, deterministic)
+    key = (direction, dtype, head_dim, causal, width, options, deterministic, tuple(t is None for t in tensors))
     if key not in _compiled or not options.tvm_ffi:
-        cute_args = [*(_to_cute(t) for t in tensors), *(Float32(x) if isinstance(x, float) else Int32(x)
-                                                          for x in scalars)]
+        cute_args = [*(None if t is None else _to_cute(t) for t in tensors),
+                     *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars)]
     if key not in _compiled:
         name = "bf16" if dtype == torch.bfloat16 else "fp16"
         kernel = _make_kernel(name, head_dim, causal, width, options, direction, deterministic)
@@ -157,7 +157,7 @@ def _launch(direction: str, dtype: torch.dtype, head_dim: int, causal: bool, wid
             _compiled[key] = cute.compile(kernel, *cute_args, _torch_stream(tensors[0].device))
         compile_seconds[key] = time.perf_counter() - start
     if options.tvm_ffi:
-        _compiled[key](*(t.detach() for t in tensors), *scalars)
+        _compiled[key](*(None if t is None else t.detach() for t in tensors), *scalars)
     else:
         _compiled[key](*cute_args, _torch_stream(tensors[0].device))
 
@@ -176,10 +176,13 @@ def forward(
     softmax_scale: float,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    timeline: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
 
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
+    `timeline`: an int64 [CTAs, work tiles, len(timeline.Event)] buffer runs a build of the kernel
+    that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`.
     """
     from .flash_fwd_sm90 import FlashMaskForwardSm90 as Kernel
 
@@ -196,8 +199,15 @@ def forward(
     max_ctas = _sm_count(q.device) if options.persistent else 2**31 - 1
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
     _launch("fwd", q.dtype, d, mask.causal, row_indices.shape[-1],
-            [q, k, v, out, lse, row_indices, bounds, tile_counter], scalars)
+            [q, k, v, out, lse, row_indices, bounds, tile_counter, timeline], scalars)
     return out, lse
+
+
+def forward_ctas(q: torch.Tensor) -> int:
+    """The forward's grid size for q [B, Sq, Hq, D] under the current options."""
+    b, sq, hq, d = q.shape
+    work_tiles = b * hq * -(-sq // forward_tile_rows(d))
+    return min(work_tiles, _sm_count(q.device)) if options.persistent else work_tiles
 
 
 @functools.cache
@@ -289,13 +299,16 @@ def compile_check(
     opts: KernelOptions = KernelOptions(),
     direction: str = "fwd",
     deterministic: bool = False,
+    timeline: bool = False,
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
     without a GPU (fake tensors); return the seconds taken. Set CUTE_DSL_ARCH=sm_90a first when no
-    GPU is present."""
+    GPU is present. `timeline`: the forward's timeline build."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
+
+    from .timeline import Event
 
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
     b, sq, sk, hq, hkv = (cute.sym_int32() for _ in range(5))
@@ -320,6 +333,7 @@ def compile_check(
         tensors = [
             q_like, kv_like, kv_like, q_like, fake(cutlass.Float32, (b, hq, sq)), row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)), fake(cutlass.Int32, (1,)),
+            fake(cutlass.Int64, (cute.sym_int32(), cute.sym_int32(), len(Event))) if timeline else None,
         ]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=opts.tvm_ffi)
     scalars = [Float32(0.1), Int32(1), Int32(1), Int32(1)] + ([] if direction == "bwd" else [Int32(132)])

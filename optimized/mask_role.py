@@ -16,6 +16,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Int32, const_expr
 
 from .tile_scheduler import NO_MORE_WORK, WorkTiles, draw_work_tile
+from .timeline import Event, Timeline
 
 END_OF_LIST = -1
 
@@ -200,20 +201,29 @@ def list_work_tiles(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     skip_tiles: cutlass.Constexpr[bool],
+    timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
     header entry with the work tile, then its key tile list; NO_MORE_WORK after the last."""
     position = Int32(0)
+    tiles_done = Int32(0)
     work = Int32(cute.arch.block_idx()[0])
     while work < work_tiles.total:
         header = position
         _put_single(tile_list, header, work)
+        if cute.arch.lane_idx() == 0:
+            timeline.record(tiles_done, Event.WORK_TILE, work)
+            timeline.record(tiles_done, Event.LISTED)
         m_block, head, batch = work_tiles.decode(work)
         row_start = m_block * tile_m
         position = list_key_tiles(
             tile_list, header + 1, mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
             row_start, cutlass.min(row_start + tile_m, seqlen_q), seqlen_k, seqlen_k - seqlen_q, tile_n, causal,
             width, skip_tiles)
+        if cute.arch.lane_idx() == 0:
+            timeline.record(tiles_done, Event.LIST_END)
+            timeline.record(tiles_done, Event.KEY_TILES, position - header - 2)
+        tiles_done += 1
         tile_list.wait_taken(header, position)  # one work tile in reserve, no more
         work = draw_work_tile(counter, num_ctas)
     _put_single(tile_list, position, NO_MORE_WORK)

@@ -196,3 +196,11 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         summaries[name] = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())))
     assert "serialized" not in summaries["fwd"] and "serialized" not in summaries["bwd"], summaries
     assert summaries["bwd_q_tile_128"].endswith("the WGMMAs are serialized)"), summaries
+
+
+def test_forward_timeline_build_compiles():
+    """The debugging build that stamps each role's events (`optimized/timeline.py`); the default build
+    has none of it."""
+    from flashmask3.optimized import compile_check
+
+    assert compile_check("bf16", 64, False, 4, timeline=True) > 0

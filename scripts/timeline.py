@@ -1,0 +1,137 @@
+"""Where a forward work tile's time goes, per CTA: the timeline build's event stamps, summarized and drawn.
+
+    python scripts/timeline.py --mask sliding_window --seqlen 8192 [--kernel persistent=false]
+
+Runs the forward once at 128K tokens (B = 128K/S, H = 4096/D, bf16) in the build that stamps each
+role's events (`optimized/timeline.py`), then per work tile: the consumers' wait before it (from
+the previous tile's store to this tile's first turn, or from the kernel's start), its main loop per
+key tile, its epilogue, and how long Q took from issue to landing; per CTA the idle tail (the
+kernel's last store minus the CTA's). Writes the summary as JSON and a picture of the first CTAs'
+tiles over time to $OUT (or bench/results/); prints the summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from flashmask3.reference import masks
+from flashmask3.verify import random_inputs
+
+EVENTS = ("work_tile", "listed", "list_end", "q_issued", "q_landed", "loop_start", "loop_end", "stored", "key_tiles")
+
+
+def work_tiles_of(stamps: torch.Tensor) -> list[list[dict]]:
+    """Per CTA, its recorded work tiles in order as {event: value}, times in us from the kernel's first
+    stamp. `stamps`: int64 [CTAs, work tiles, events], -1 where nothing was recorded."""
+    times = stamps[..., 1:8]
+    start = times[times >= 0].min()
+    per_cta = []
+    for cta in stamps.tolist():
+        tiles = []
+        for row in cta:
+            if row[0] < 0:
+                break
+            tile = {name: (value - start.item()) / 1e3 for name, value in zip(EVENTS[1:8], row[1:8])}
+            tile.update(work_tile=row[0], key_tiles=row[8])
+            tiles.append(tile)
+        per_cta.append(tiles)
+    return per_cta
+
+
+def summarize(per_cta: list[list[dict]]) -> dict:
+    """Medians over work tiles (us) and the CTAs' idle tails."""
+    waits, per_key_tile, epilogues, q_latency, tails = [], [], [], [], []
+    end = max(tiles[-1]["stored"] for tiles in per_cta if tiles)
+    for tiles in per_cta:
+        previous_store = 0.0
+        for tile in tiles:
+            waits.append(tile["loop_start"] - previous_store)
+            if tile["key_tiles"] > 0:
+                per_key_tile.append((tile["loop_end"] - tile["loop_start"]) / tile["key_tiles"])
+            epilogues.append(tile["stored"] - tile["loop_end"])
+            q_latency.append(tile["q_landed"] - tile["q_issued"])
+            previous_store = tile["stored"]
+        if tiles:
+            tails.append(end - tiles[-1]["stored"])
+    return {
+        "ctas": len(per_cta), "work_tiles": sum(len(t) for t in per_cta), "kernel_us": end,
+        "median_wait_before_tile_us": statistics.median(waits),
+        "mean_wait_before_tile_us": statistics.fmean(waits),
+        "median_loop_per_key_tile_us": statistics.median(per_key_tile) if per_key_tile else math.nan,
+        "median_epilogue_us": statistics.median(epilogues),
+        "median_q_issue_to_landed_us": statistics.median(q_latency),
+        "mean_idle_tail_us": statistics.fmean(tails), "max_idle_tail_us": max(tails),
+    }
+
+
+def draw(per_cta: list[list[dict]], path: Path, ctas: int, until_us: float, title: str) -> None:
+    """A row per CTA: the consumers' wait (grey), main loop (blue) and epilogue (orange) per work tile."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 0.35 * ctas + 1.2))
+    for row, tiles in enumerate(per_cta[:ctas]):
+        previous_store = 0.0
+        for tile in tiles:
+            if previous_store > until_us:
+                break
+            for begin, finish, color in ((previous_store, tile["loop_start"], "0.8"),
+                                         (tile["loop_start"], tile["loop_end"], "tab:blue"),
+                                         (tile["loop_end"], tile["stored"], "tab:orange")):
+                ax.barh(row, max(finish - begin, 0.0), left=begin, height=0.7, color=color, linewidth=0)
+            previous_store = tile["stored"]
+    ax.set_xlim(0, until_us)
+    ax.set_xlabel("us since the kernel's first event")
+    ax.set_ylabel("CTA")
+    ax.set_title(title + " (grey: waiting for the tile; blue: main loop; orange: epilogue)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    from bench_fwd import kernel_overrides
+    from flashmask3.optimized import kernel_options
+    from flashmask3.optimized.interface import forward, forward_ctas
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mask", default="sliding_window", choices=masks.MASK_NAMES)
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--ctas-shown", type=int, default=12)
+    parser.add_argument("--until-us", type=float, default=200.0)
+    parser.add_argument("--kernel", action="append", default=[], metavar="OPTION=VALUE")
+    args = parser.parse_args()
+    heads, batch = 4096 // args.head_dim, max(1, 131072 // args.seqlen)
+    mask = masks.build(args.mask, args.seqlen, batch=batch, heads=heads, seed=0, device="cuda")
+    q, k, v, _ = random_inputs(batch, args.seqlen, args.seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda")
+    scale = 1 / math.sqrt(args.head_dim)
+    with kernel_options(**kernel_overrides(args.kernel)):
+        ctas = forward_ctas(q)
+        per_cta_tiles = 4 * -(-batch * heads * args.seqlen // (128 * ctas)) + 16
+        stamps = torch.full((ctas, per_cta_tiles, len(EVENTS)), -1, dtype=torch.int64, device="cuda")
+        for _ in range(3):  # compile, warm up, then the recorded run
+            stamps.fill_(-1)
+            forward(q, k, v, mask, scale, timeline=stamps)
+        torch.cuda.synchronize()
+    per_cta = work_tiles_of(stamps.cpu())
+    summary = {"mask": args.mask, "seqlen": args.seqlen, "head_dim": args.head_dim,
+               "kernel_options": kernel_overrides(args.kernel), **summarize(per_cta)}
+    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"timeline_{args.mask}_{args.seqlen}" + "".join(f"_{o}" for o in args.kernel)
+    (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))
+    draw(per_cta, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The timeline script's reading of the forward's event stamps (CPU, a hand-made buffer)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import timeline  # noqa: E402
+
+
+def test_work_tiles_are_read_per_cta_and_summarized():
+    # events: work tile, listed, list end, Q issued, Q landed, loop start, loop end, stored, key tiles (ns)
+    stamps = torch.full((2, 3, 9), -1, dtype=torch.int64)
+    stamps[0, 0] = torch.tensor([0, 1000, 1100, 1200, 2200, 2300, 12300, 13300, 5])
+    stamps[0, 1] = torch.tensor([2, 12000, 12100, 12400, 13400, 14300, 34300, 35300, 10])
+    stamps[1, 0] = torch.tensor([1, 1000, 1050, 1200, 2200, 2500, 2500, 3500, 0])
+    per_cta = timeline.work_tiles_of(stamps)
+    assert [len(t) for t in per_cta] == [2, 1]
+    assert per_cta[0][1]["work_tile"] == 2 and per_cta[0][1]["key_tiles"] == 10
+    assert per_cta[0][1]["loop_start"] == pytest.approx(13.3)  # us after the first stamp (1000 ns)
+    summary = timeline.summarize(per_cta)
+    assert summary["work_tiles"] == 3 and summary["kernel_us"] == pytest.approx(34.3)
+    # waits: 1.3 (CTA 0's first tile), 1.0 (after its first store), 1.5 (CTA 1)
+    assert summary["median_wait_before_tile_us"] == pytest.approx(1.3)
+    assert summary["median_loop_per_key_tile_us"] == pytest.approx(2.0)  # 10/5 and 20/10 us per key tile
+    assert summary["median_epilogue_us"] == pytest.approx(1.0)
+    assert summary["median_q_issue_to_landed_us"] == pytest.approx(1.0)
+    assert summary["max_idle_tail_us"] == pytest.approx(34.3 - 2.5)
+
+
+def test_the_picture_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    stamps = torch.full((1, 1, 9), -1, dtype=torch.int64)
+    stamps[0, 0] = torch.tensor([0, 0, 10, 20, 900, 1000, 5000, 5600, 3])
+    timeline.draw(timeline.work_tiles_of(stamps), tmp_path / "t.png", 1, 10.0, "test")
+    assert (tmp_path / "t.png").stat().st_size > 1000
