@@ -19,6 +19,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .constructors import MaskConstructors
+
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
 """Tile classes of `ColumnMask.block_classes`."""
 
@@ -43,14 +45,19 @@ class BlockClasses(NamedTuple):
     unmasked: int
 
 
-@dataclass(frozen=True)
-class ColumnMask:
+@dataclass(frozen=True, eq=False)
+class ColumnMask(MaskConstructors):
     """A FlashMask column-wise attention mask.
 
     Args:
         startend_row_indices: int32 [B, H or 1, Sk, 1|2|4] row boundaries, values in [0, seqlen_q].
         causal: causal variant (keys after the query are masked too).
         seqlen_q: number of query rows the boundaries index.
+
+    The constructor checks the boundaries, which reads them on the host (a sync on a GPU). The
+    constructors from packing metadata (`ColumnMask.causal_document`, `.document`,
+    `.sliding_window`, ...) build valid boundaries on the metadata's device and skip that check.
+    Two masks are equal when their variant, seqlen_q, device and boundaries are equal.
     """
 
     startend_row_indices: torch.Tensor
@@ -92,6 +99,31 @@ class ColumnMask:
                     f"at batch {b}, head {h}, key {j}: [{int(start[b, h, j])}, {int(end[b, h, j])})"
                 )
 
+    @classmethod
+    def _unchecked(cls, startend_row_indices: torch.Tensor, causal: bool, seqlen_q: int) -> ColumnMask:
+        """A mask from boundaries this package computed: no validation, so no device sync."""
+        mask = object.__new__(cls)
+        object.__setattr__(mask, "startend_row_indices", startend_row_indices)
+        object.__setattr__(mask, "causal", causal)
+        object.__setattr__(mask, "seqlen_q", seqlen_q)
+        return mask
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ColumnMask):
+            return NotImplemented
+        a, b = self.startend_row_indices, other.startend_row_indices
+        return (
+            self.causal == other.causal
+            and self.seqlen_q == other.seqlen_q
+            and a.device == b.device
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+
+    def __hash__(self) -> int:
+        # Equal masks agree on all of these, and none of them reads the boundaries.
+        return hash((self.causal, self.seqlen_q, tuple(self.startend_row_indices.shape), str(self.device)))
+
     # -- shape ----------------------------------------------------------------------------------
     @property
     def batch(self) -> int:
@@ -110,7 +142,7 @@ class ColumnMask:
         return self.startend_row_indices.device
 
     def to(self, device: torch.device | str) -> ColumnMask:
-        return ColumnMask(self.startend_row_indices.to(device), self.causal, self.seqlen_q)
+        return ColumnMask._unchecked(self.startend_row_indices.to(device), self.causal, self.seqlen_q)
 
     def check_compatible(self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int) -> None:
         """Raise a ValueError naming the mismatch if this mask cannot apply to q/k of these sizes."""
@@ -243,7 +275,8 @@ class ColumnMask:
 
         `causal=None` picks the causal variant when every key after its query (bottom-right
         aligned) is masked. Raises ValueError naming a column whose masked rows do not fit the
-        variant (more than two runs, or rows visible above the causal diagonal).
+        variant (more than two runs, or rows visible above the causal diagonal). Reads the mask in
+        chunks of query rows, so the working memory is that of one chunk.
         """
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor (True = attend), got {mask.dtype}")
@@ -251,47 +284,8 @@ class ColumnMask:
             mask = mask[None, None]
         if mask.dim() != 4:
             raise ValueError(f"mask must be [Sq, Sk] or [B, H, Sq, Sk], got shape {tuple(mask.shape)}")
-        sq, sk = mask.shape[-2:]
-        i = torch.arange(sq, device=mask.device).view(-1, 1)
-        j = torch.arange(sk, device=mask.device).view(1, -1)
-        above = j > i + (sk - sq)
-        if causal is None:
-            causal = not bool((mask & above).any())
-        hidden = ~mask
-        if causal:
-            if bool((mask & above).any()):
-                b, h, r, c = (int(x) for x in (mask & above).nonzero()[0])
-                raise ValueError(f"mask is not causal: query {r} attends key {c} (batch {b}, head {h})")
-            hidden = hidden & ~above  # the causal part needs no interval
-        runs = _column_runs(hidden)
-        (s1, e1, s2, e2), nruns = runs
-        if bool((nruns > 2).any()) or (causal and bool((nruns > 1).any())):
-            b, h, c = (int(x) for x in (nruns > (1 if causal else 2)).nonzero()[0])
-            raise ValueError(
-                f"mask is not representable as a {'causal' if causal else 'non-causal'} ColumnMask: "
-                f"key column {c} (batch {b}, head {h}) has {int(nruns[b, h, c])} masked row runs"
-            )
-        if causal:
-            if bool((e1 == sq).all()):
-                vecs = [s1]
-            else:
-                vecs = [s1, e1]
-        else:
-            # Two runs: the upper one is UT, the lower one LT. One run is UT if it starts at row
-            # 0 and stops short of the end (so prefixes fit the 2-vector form), else LT.
-            two, one = nruns == 2, nruns == 1
-            upper = one & (s1 == 0) & (e1 < sq)
-            lower = one & ~upper
-            lts = torch.where(two, s2, torch.where(lower, s1, sq))
-            lte = torch.where(two, e2, torch.where(lower, e1, sq))
-            uts = torch.where(two, s1, 0)
-            ute = torch.where(two | upper, e1, 0)
-            if bool(((lte == sq) & (uts == 0)).all()):
-                vecs = [lts, ute]
-            else:
-                vecs = [lts, lte, uts, ute]
-        idx = torch.stack(vecs, dim=-1).to(torch.int32)
-        return ColumnMask(idx.contiguous(), bool(causal), sq)
+        batch, heads, sq, sk = mask.shape
+        return _convert(lambda rows: mask[..., rows, :], batch, heads, sq, sk, causal, mask.device)
 
     @staticmethod
     def from_mask_mod(
@@ -305,37 +299,146 @@ class ColumnMask:
     ) -> ColumnMask:
         """Convert a FlexAttention-style `mask_mod(b, h, q_idx, kv_idx) -> bool` (True = attend).
 
-        Evaluates the mask densely (broadcast index tensors) and converts it exactly with
-        `from_dense`, raising if it is not representable.
+        `mask_mod` is called on broadcast index tensors (b [B, 1, 1, 1], h [1, H, 1, 1],
+        q_idx [1, 1, rows, 1], kv_idx [1, 1, 1, Sk]) on `device`, one chunk of query rows at a time,
+        as FlexAttention's `create_block_mask` evaluates block by block: no [Sq, Sk] tensor is ever
+        made. The result is converted exactly as `from_dense` does, raising if it is not
+        representable. Returns a mask of batch `batch` and `heads` heads.
         """
+        device = torch.device(device)
         b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
         h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-        q = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
         kv = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
-        dense = torch.as_tensor(mask_mod(b, h, q, kv), device=device)
-        dense = dense.to(torch.bool).expand(batch, heads, seqlen_q, seqlen_k)
-        return ColumnMask.from_dense(dense, causal)
+
+        def attend(rows: slice) -> torch.Tensor:
+            q = torch.arange(rows.start, rows.stop, device=device).view(1, 1, -1, 1)
+            return torch.as_tensor(mask_mod(b, h, q, kv), device=device).to(torch.bool)
+
+        mask = _convert(attend, batch, heads, seqlen_q, seqlen_k, causal, device)
+        idx = mask.startend_row_indices.expand(batch, heads, -1, -1).contiguous()
+        return ColumnMask._unchecked(idx, mask.causal, seqlen_q)
 
 
-def _column_runs(hidden: torch.Tensor):
-    """Start/end of the first two runs of True down each column, and the run count.
+_CHUNK_ELEMENTS = 1 << 22
+"""Dense mask elements (batch x heads x rows x Sk) converted at a time by `from_dense` and
+`from_mask_mod`."""
 
-    Returns ((s1, e1, s2, e2), nruns), each [B, H, Sk]; a missing run is the empty [sq, sq).
+
+def _convert(
+    attend_rows: Callable[[slice], torch.Tensor],
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool | None,
+    device: torch.device,
+) -> ColumnMask:
+    """Exact ColumnMask of the dense mask that `attend_rows(rows)` gives chunk by chunk.
+
+    `attend_rows` returns bool (True = attend) broadcastable to [B or 1, H or 1, rows, Sk].
     """
-    sq = hidden.shape[-2]
-    prev = torch.zeros_like(hidden)
-    prev[..., 1:, :] = hidden[..., :-1, :]
-    nxt = torch.zeros_like(hidden)
-    nxt[..., :-1, :] = hidden[..., 1:, :]
-    starts = hidden & ~prev
-    ends = hidden & ~nxt
-    nruns = starts.sum(-2)
-    rows = torch.arange(sq, device=hidden.device).view(1, 1, -1, 1)
-    start_id = torch.cumsum(starts.to(torch.int32), -2)
-    end_id = torch.cumsum(ends.to(torch.int32), -2)
-    out = []
-    for k in (1, 2):
-        s = torch.where(starts & (start_id == k), rows, sq).amin(-2)
-        e = torch.where(ends & (end_id == k), rows + 1, sq).amin(-2)
-        out += [s, e]
-    return tuple(out), nruns
+    chunk = max(1, _CHUNK_ELEMENTS // (batch * heads * seqlen_k))
+    switches = _ColumnSwitches(seqlen_q, seqlen_k, device)
+    for row0 in range(0, seqlen_q, chunk):
+        rows = slice(row0, min(row0 + chunk, seqlen_q))
+        attend = attend_rows(rows)
+        attend = attend[(None,) * (4 - attend.dim())]
+        attend = attend.expand(*attend.shape[:2], rows.stop - row0, seqlen_k)
+        if causal is not False:
+            seen = _first_visible_above_diagonal(attend, row0, seqlen_k - seqlen_q)
+            if seen is not None and causal:
+                b, h, r, c = seen
+                raise ValueError(f"mask is not causal: query {r} attends key {c} (batch {b}, head {h})")
+            if seen is not None:
+                causal = False
+        switches.add(attend, row0)
+    return switches.column_mask(causal is not False)
+
+
+def _first_visible_above_diagonal(attend: torch.Tensor, row0: int, offset: int) -> tuple[int, ...] | None:
+    """(batch, head, query, key) of an attended key after its query in this chunk, or None."""
+    rows, sk = attend.shape[-2:]
+    key0 = max(row0 + offset + 1, 0)  # keys before it are on or below the diagonal for every row
+    if key0 >= sk:
+        return None
+    r = torch.arange(row0, row0 + rows, device=attend.device).view(-1, 1)
+    c = torch.arange(key0, sk, device=attend.device).view(1, -1)
+    above = attend[..., key0:] & (c > r + offset)
+    if not bool(above.any()):
+        return None
+    b, h, i, j = (int(x) for x in above.nonzero()[0])
+    return b, h, row0 + i, key0 + j
+
+
+class _ColumnSwitches:
+    """The rows where each key column switches between attended and masked, fed chunk by chunk.
+
+    Above row 0 every column counts as attended, so a column's switches alternate run start, run
+    end. The rows of the first four (two masked runs) are kept and all are counted: O(Sk) memory
+    for any number of rows.
+    """
+
+    def __init__(self, seqlen_q: int, seqlen_k: int, device: torch.device):
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.first = torch.full((1, 1, seqlen_k, 4), seqlen_q, dtype=torch.int64, device=device)
+        self.count = torch.zeros(1, 1, seqlen_k, dtype=torch.int64, device=device)
+        self.last = torch.ones(1, 1, seqlen_k, dtype=torch.bool, device=device)  # the row above
+
+    def add(self, attend: torch.Tensor, row0: int) -> None:
+        """Take rows [row0, row0 + rows) of the mask, attend bool [B or 1, H or 1, rows, Sk]."""
+        shape = tuple(max(a, s) for a, s in zip(attend.shape[:2], self.count.shape[:2]))
+        if shape != tuple(self.count.shape[:2]):  # the first chunk that depends on b or h
+            self.first = self.first.expand(*shape, -1, -1).clone()
+            self.count = self.count.expand(*shape, -1).clone()
+            self.last = self.last.expand(*shape, -1)
+        attend = attend.expand(*shape, -1, -1)
+        switch = torch.empty(attend.shape, dtype=torch.bool, device=attend.device)
+        torch.ne(attend[..., :1, :], self.last.unsqueeze(-2), out=switch[..., :1, :])
+        torch.ne(attend[..., 1:, :], attend[..., :-1, :], out=switch[..., 1:, :])
+        self.last = attend[..., -1, :].clone()
+        b, h, r, c = switch.nonzero(as_tuple=True)
+        column = (b * shape[1] + h) * self.seqlen_k + c
+        # nonzero lists each column's switches by ascending row; a stable sort keeps that order.
+        column, order = column.sort(stable=True)
+        within = torch.arange(len(column), device=column.device) - torch.searchsorted(column, column)
+        rank = self.count.view(-1)[column] + within
+        keep = rank < 4
+        self.first.view(-1)[column[keep] * 4 + rank[keep]] = r[order][keep] + row0
+        self.count.view(-1).index_add_(0, column, torch.ones_like(column))
+
+    def column_mask(self, causal: bool) -> ColumnMask:
+        """The ColumnMask of the rows seen, in its smallest variant; ValueError if none fits."""
+        sq, sk = self.seqlen_q, self.seqlen_k
+        s1, e1, s2, e2 = self.first.unbind(-1)  # a missing run is the empty [Sq, Sq)
+        runs = (self.count + 1) // 2
+        if causal:
+            # Rows above the diagonal are masked in every column, so the first run starts at row
+            # 0; the causal part covers those rows: the run keeps the rows from the diagonal on,
+            # and goes if none are left.
+            diagonal = (torch.arange(sk, device=s1.device) - (sk - sq)).clamp(0, sq)
+            s1 = torch.maximum(s1, diagonal)
+            gone = (runs > 0) & (s1 == e1)
+            s1, e1 = torch.where(gone, s2, s1), torch.where(gone, e2, e1)
+            runs = runs - gone.to(runs.dtype)
+        bad = runs > (1 if causal else 2)
+        if bool(bad.any()):
+            b, h, c = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"mask is not representable as a {'causal' if causal else 'non-causal'} ColumnMask: "
+                f"key column {c} (batch {b}, head {h}) has {int(runs[b, h, c])} masked row runs"
+            )
+        if causal:
+            vecs = [s1] if bool((e1 == sq).all()) else [s1, e1]
+        else:
+            # Two runs: the upper one is UT, the lower one LT. One run is UT if it starts at row
+            # 0 and stops short of the end (so prefixes fit the 2-vector form), else LT.
+            two, one = runs == 2, runs == 1
+            upper = one & (s1 == 0) & (e1 < sq)
+            lower = one & ~upper
+            lts = torch.where(two, s2, torch.where(lower, s1, sq))
+            lte = torch.where(two, e2, torch.where(lower, e1, sq))
+            uts = torch.where(two, s1, 0)
+            ute = torch.where(two | upper, e1, 0)
+            vecs = [lts, ute] if bool(((lte == sq) & (uts == 0)).all()) else [lts, lte, uts, ute]
+        idx = torch.stack(vecs, dim=-1).to(torch.int32).contiguous()
+        return ColumnMask._unchecked(idx, causal, sq)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import random_column_mask
 from flashmask3.reference import PARTIAL, SKIP, UNMASKED, ColumnMask, masks
+from flashmask3.reference import mask as mask_module
 
 VARIANTS = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
@@ -195,3 +196,54 @@ def test_block_classes_are_exact_for_any_mask(variant, sq, sk, bm, bn, seed):
     dense = mask.to_dense()
     assert_classes_exact(mask, dense, bm, bn)
     assert torch.equal(ColumnMask.from_dense(dense, variant[0]).to_dense(), dense)
+
+
+def test_equality_compares_variant_length_device_and_boundaries_without_raising():
+    a = masks.build("causal_document", 64, seed=1)
+    same = ColumnMask(a.startend_row_indices.clone(), True, 64)
+    assert a == same and not (a != same) and hash(a) == hash(same)
+    assert len({a, same}) == 1
+    assert a != masks.build("causal_document", 64, seed=2)
+    assert a != ColumnMask(a.startend_row_indices, True, 65)
+    assert a != ColumnMask(a.startend_row_indices.expand(2, -1, -1, -1).contiguous(), True, 64)
+    assert a != a.to("meta")
+    assert a != None and a != "causal_document"  # noqa: E711
+    # The same dense mask in another variant is another mask.
+    lte = torch.full_like(a.startend_row_indices, 64)
+    wider = ColumnMask(torch.cat([a.startend_row_indices, lte], -1), True, 64)
+    assert torch.equal(wider.to_dense(), a.to_dense()) and wider != a
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 97])
+@pytest.mark.parametrize("causal, width", VARIANTS)
+def test_from_dense_in_small_chunks_is_exact(monkeypatch, chunk_elements, causal, width):
+    # 1 element: one query row per chunk; 97: chunks whose runs cross chunk boundaries.
+    monkeypatch.setattr(mask_module, "_CHUNK_ELEMENTS", chunk_elements)
+    for sq, sk in [(37, 37), (29, 41), (50, 23)]:
+        mask = random_column_mask(torch.Generator().manual_seed(sq + width), 2, 3, sq, sk, causal, width)
+        dense = mask.to_dense()
+        back = ColumnMask.from_dense(dense, causal)
+        assert back.causal == causal and torch.equal(back.to_dense(), dense)
+        assert torch.equal(ColumnMask.from_dense(dense).to_dense(), dense)
+    test_from_dense_rejects_unrepresentable_columns()
+
+
+def test_from_mask_mod_evaluates_chunks_of_rows_and_broadcasts(monkeypatch):
+    monkeypatch.setattr(mask_module, "_CHUNK_ELEMENTS", 8192)
+    sq = sk = 1024
+    calls = []
+
+    def mask_mod(b, h, q, kv):
+        calls.append(q.numel() * kv.numel() * b.numel() * h.numel())
+        causal = kv <= q
+        if int(q.min()) < 300:  # the first chunks do not depend on the head, later ones do
+            return causal
+        return causal & ((h == 1) | (kv >= q - 3) | (b == 1))
+
+    mask = ColumnMask.from_mask_mod(mask_mod, 2, 2, sq, sk)
+    assert max(calls) == 8192 and len(calls) == sq // 2  # 2 rows x 1024 keys x 2 batches x 2 heads
+    i, j = torch.arange(sq).view(1, 1, -1, 1), torch.arange(sk).view(1, 1, 1, -1)
+    b, h = torch.arange(2).view(-1, 1, 1, 1), torch.arange(2).view(1, -1, 1, 1)
+    expected = (j <= i) & ((i < 300) | (h == 1) | (j >= i - 3) | (b == 1))
+    assert mask.causal and mask.startend_row_indices.shape == (2, 2, sk, 1)
+    assert torch.equal(mask.to_dense(), expected.expand(2, 2, sq, sk))
