@@ -2,7 +2,10 @@
 
     import flashmask3 as fm
     mask = fm.masks.build("causal_document", seqlen=8192)
-    out = fm.attention(q, k, v, mask)            # q, k, v: [B, S, H, D]
+    mask = fm.ColumnMask.causal_document(cu_seqlens)   # or from packing metadata
+    out = fm.attention(q, k, v, mask)                  # q, k, v: [B, S, H, D]
+    out = fm.attention(q, k, v, causal=True)           # FlashAttention's forms
+    out = fm.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, causal=True)
 """
 
 import os as _os
@@ -13,7 +16,7 @@ _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_root, "reference", "mask.py")) and _root not in __path__:
     __path__.append(_root)
 
-from .api import BACKENDS, attention  # noqa: E402
+from .api import BACKENDS, attention, varlen_attention  # noqa: E402
 from .reference import ColumnMask, masks  # noqa: E402
 
-__all__ = ["attention", "ColumnMask", "masks", "BACKENDS"]
+__all__ = ["attention", "varlen_attention", "ColumnMask", "masks", "BACKENDS"]

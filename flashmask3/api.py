@@ -1,4 +1,5 @@
-"""Public entry point: `attention(q, k, v, mask, backend=...)`."""
+"""Public entry points: `attention(q, k, v, mask, backend=...)` and FlashAttention's drop-in forms
+(`attention(q, k, v, causal=..., window_size=...)`, `varlen_attention` over packed documents)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def attention(
     v: torch.Tensor,
     mask: ColumnMask | None = None,
     *,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
     backend: Backend = "auto",
     softmax_scale: float | None = None,
     return_lse: bool = False,
@@ -34,8 +37,14 @@ def attention(
         q: [B, Sq, Hq, D] queries (bf16, fp16, fp32 or fp64).
         k, v: [B, Sk, Hkv, D] keys and values, same dtype and device; Hq must be a multiple of Hkv
             (GQA / MQA).
-        mask: a `ColumnMask` (FlashMask column-wise format) or None for full attention. Use
-            `masks.build(...)`, `ColumnMask.from_dense` or `ColumnMask.from_mask_mod` to make one.
+        mask: a `ColumnMask` (FlashMask column-wise format) or None for full attention. Use its
+            constructors (`ColumnMask.causal_document(cu_seqlens)`, ...), `masks.build(...)`,
+            `ColumnMask.from_dense` or `ColumnMask.from_mask_mod` to make one.
+        causal, window_size: FlashAttention's arguments, for calls without `mask` (the mask is
+            built from them on q's device). `causal=True` hides the keys after each query,
+            bottom-right aligned when Sq != Sk. `window_size=(left, right)` shows key j to query i
+            iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1 meaning unbounded; with
+            causal=True, right must be 0 or -1. Given together with `mask`: ValueError.
         backend: "reference" (pure PyTorch, any device), "cute" (the CuTe DSL Hopper kernel:
             bf16/fp16, head dim 64/128, sm_90), "sdpa" (torch SDPA with a dense mask), "flex"
             (FlexAttention with a BlockMask), or "auto": cute where it supports the inputs, else
@@ -52,6 +61,14 @@ def attention(
     _check_inputs(q, k, v)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    window = _check_flash_arguments(causal, window_size)
+    if mask is None:
+        mask = _flash_attention_mask(causal, window, sq, sk, q.device)
+    elif causal or window != (-1, -1):
+        raise ValueError(
+            "pass either mask or FlashAttention's causal / window_size, not both: the mask already "
+            f"says which keys each query sees (got a mask and causal={causal}, window_size={window})"
+        )
     if mask is not None:
         if not isinstance(mask, ColumnMask):
             raise TypeError(f"mask must be a ColumnMask or None, got {type(mask).__name__}")
@@ -74,6 +91,104 @@ def attention(
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: {', '.join(BACKENDS)}")
     return (out, lse) if return_lse else out
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+    deterministic: bool = False,
+    backend: Backend = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's `flash_attn_varlen_func`: attention within each packed document.
+
+    The documents stay packed as one row of `total` tokens, attended with a document mask
+    (`ColumnMask.document` / `.causal_document`, cut to the window): the same kernels as
+    `attention`, no varlen kernel of their own.
+
+    Args:
+        q: [total, Hq, D]; k, v: [total, Hkv, D] (dtypes, GQA and head dims as in `attention`).
+        cu_seqlens_q, cu_seqlens_k: int32 or int64 [N + 1] document boundaries, 0 first, total
+            last. They must be equal for now (each document attends to itself): pass the same
+            tensor twice to skip comparing them, which reads them on the host.
+        max_seqlen_q, max_seqlen_k: accepted for FlashAttention compatibility and not needed:
+            the mask carries every document's length.
+        causal, window_size: as in `attention`, within each document.
+        softmax_scale, return_lse, deterministic, backend: as in `attention`.
+
+    Returns:
+        out [total, Hq, D] in q's dtype (and lse fp32 [Hq, total], FlashAttention's varlen layout,
+        if asked).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 3-D tensor [total, H, D], got {shape}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"{name} must be an int32 or int64 tensor [N + 1], got {got}")
+    if cu_seqlens_q is not cu_seqlens_k and (
+        cu_seqlens_q.shape != cu_seqlens_k.shape or not torch.equal(cu_seqlens_q, cu_seqlens_k.to(cu_seqlens_q))
+    ):
+        raise ValueError(
+            "cu_seqlens_q must equal cu_seqlens_k (different query and key packings are not "
+            f"supported yet), got cu_seqlens_q={cu_seqlens_q.tolist()} and cu_seqlens_k={cu_seqlens_k.tolist()}"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must hold the same number of tokens, got {q.shape[0]} and {k.shape[0]}")
+    window = _check_flash_arguments(causal, window_size)
+    # Built on cu_seqlens's device, where CPU metadata gets checked; attention moves it to q's.
+    mask = _flash_attention_mask(causal, window, q.shape[0], k.shape[0], q.device, cu_seqlens=cu_seqlens_q)
+    result = attention(
+        q[None], k[None], v[None], mask,
+        backend=backend, softmax_scale=softmax_scale, return_lse=return_lse, deterministic=deterministic,
+    )
+    if return_lse:
+        out, lse = result
+        return out[0], lse[0]
+    return result[0]
+
+
+def _check_flash_arguments(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    """FlashAttention's causal / window_size checked; window_size as a tuple."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    ):
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    left, right = window_size
+    if causal and right > 0:
+        raise ValueError(
+            f"window_size[1] must be 0 or -1 with causal=True (no key after its query is seen), got {right}"
+        )
+    return left, right
+
+
+def _flash_attention_mask(
+    causal: bool,
+    window: tuple[int, int],
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device,
+    cu_seqlens: torch.Tensor | None = None,
+) -> ColumnMask | None:
+    """The mask of FlashAttention's causal / window_size (and documents); None for full attention."""
+    if not causal and window == (-1, -1) and cu_seqlens is None:
+        return None
+    return ColumnMask._band(seqlen_q, seqlen_k, *window, causal, cu_seqlens=cu_seqlens, device=device)
 
 
 def _auto_backend(q: torch.Tensor, k: torch.Tensor) -> str:

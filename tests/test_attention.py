@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -194,3 +195,118 @@ def test_cute_backend_names_a_missing_launch_package(monkeypatch):
     assert "kernel_options(tvm_ffi=False)" in interface.unsupported_reason(q, q)
     with kernel_options(tvm_ffi=False):
         assert interface.unsupported_reason(q, q) is None
+
+
+def window_dense(sq, sk, causal, left, right):
+    """FlashAttention's causal / window_size as a dense mask [1, 1, Sq, Sk], bottom-right aligned."""
+    i = torch.arange(sq).view(-1, 1) + sk - sq
+    j = torch.arange(sk).view(1, -1)
+    attend = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        attend &= j <= i
+    if left >= 0:
+        attend &= j >= i - left
+    if right >= 0:
+        attend &= j <= i + right
+    return attend[None, None]
+
+
+def assert_grads_close(ins, ref_ins, out, ref_out, dout):
+    grads = torch.autograd.grad(out, ins, dout)
+    ref_grads = torch.autograd.grad(ref_out, ref_ins, dout)
+    for got, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "causal, window_size",
+    [(True, (-1, -1)), (True, (5, 0)), (True, (0, -1)), (False, (3, 2)), (False, (-1, 0)), (False, (4, -1))],
+)
+@pytest.mark.parametrize("sq, sk", [(70, 70), (50, 90), (90, 50)])
+def test_flash_attention_causal_and_window_size_match_dense(causal, window_size, sq, sk):
+    q, k, v, dout = random_inputs(2, sq, sk, 4, 2, 16, torch.float64, seed=sq + sk)
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fm.attention(*ins, causal=causal, window_size=window_size, backend="reference", return_lse=True)
+    ref_ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = dense_attention(*ref_ins, window_dense(sq, sk, causal, *window_size), 1 / math.sqrt(16))
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse.float().double(), rtol=1e-6, atol=1e-6)
+    assert_grads_close(ins, ref_ins, out, ref_out, dout)
+
+
+@pytest.mark.parametrize("window", [1, 6, 200])
+def test_sliding_window_is_flash_attentions_window_size(window):
+    q, k, v, _ = random_inputs(1, 120, 120, 2, 2, 16, torch.float64)
+    mask = fm.ColumnMask.sliding_window(120, window)
+    assert torch.equal(fm.attention(q, k, v, mask), fm.attention(q, k, v, causal=True, window_size=(window - 1, 0)))
+    mask = fm.ColumnMask.sliding_window(120, window, causal=False)
+    both = fm.attention(q, k, v, window_size=(window - 1, window - 1))
+    assert torch.equal(fm.attention(q, k, v, mask), both)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(mask=masks.build("causal", 32), causal=True), ValueError, "either mask or FlashAttention's causal / window_size"),
+        (dict(mask=masks.build("causal", 32), window_size=(4, 0)), ValueError, r"window_size=\(4, 0\)"),
+        (dict(causal=True, window_size=(4, 2)), ValueError, r"window_size\[1\] must be 0 or -1 with causal=True .*, got 2"),
+        (dict(window_size=(4,)), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size must be a pair"),
+        (dict(causal=1), TypeError, "causal must be a bool"),
+    ],
+)
+def test_flash_attention_argument_errors(kwargs, error, match):
+    q, k, v, _ = random_inputs(1, 32, 32, 2, 2, 16, torch.float64)
+    with pytest.raises(error, match=match):
+        fm.attention(q, k, v, **kwargs)
+
+
+def per_document_sdpa(q, k, v, cu, causal, window_size, scale):
+    """torch SDPA on each document alone (float64, [n, H, D] slices), and its LSE [H, total]."""
+    outs, lses = [], []
+    g = q.shape[1] // k.shape[1]
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qd, kd, vd = (x[s:e].transpose(0, 1) for x in (q, k, v))
+        allowed = window_dense(e - s, e - s, causal, *window_size)[0, 0]
+        outs.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=allowed, scale=scale, enable_gqa=True).transpose(0, 1))
+        scores = (qd @ kd.repeat_interleave(g, 0).transpose(-1, -2)) * scale
+        lses.append(torch.logsumexp(scores.masked_fill(~allowed, -math.inf), -1))
+    return torch.cat(outs), torch.cat(lses, -1)
+
+
+@pytest.mark.parametrize("causal, window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 1))])
+def test_varlen_attention_matches_per_document_sdpa(causal, window_size):
+    cu = torch.tensor([0, 1, 18, 23, 24, 54, 55], dtype=torch.int32)  # documents of 1, 17, 5, 1, 30, 1
+    q, k, v, dout = (x[0] for x in random_inputs(1, 55, 55, 4, 2, 16, torch.float64, seed=7))
+    scale = 0.3
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fm.varlen_attention(
+        *ins, cu, cu, 30, 30, causal=causal, window_size=window_size, softmax_scale=scale, return_lse=True,
+        backend="reference",
+    )
+    ref_ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = per_document_sdpa(*ref_ins, cu, causal, window_size, scale)
+    assert out.shape == (55, 4, 16) and lse.shape == (4, 55)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse.float().double(), rtol=1e-6, atol=1e-6)
+    assert_grads_close(ins, ref_ins, out, ref_out, dout)
+    # The same boundaries in another tensor are compared, and accepted.
+    again = fm.varlen_attention(q, k, v, cu, cu.long(), 30, 30, causal=causal, window_size=window_size, softmax_scale=scale)
+    torch.testing.assert_close(again, ref_out.detach(), rtol=1e-10, atol=1e-10)
+
+
+def test_varlen_attention_errors_name_the_argument():
+    q = k = v = torch.zeros(8, 2, 16, dtype=torch.float64)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must equal cu_seqlens_k .* cu_seqlens_q=\[0, 4, 8\] and cu_seqlens_k=\[0, 3, 8\]"):
+        fm.varlen_attention(q, k, v, cu, torch.tensor([0, 3, 8], dtype=torch.int32), 4, 5)
+    with pytest.raises(ValueError, match=r"q must be a 3-D tensor \[total, H, D\]"):
+        fm.varlen_attention(q[None], k, v, cu, cu, 4, 4)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must be an int32 or int64 tensor \[N \+ 1\], got torch.float32"):
+        fm.varlen_attention(q, k, v, cu, cu.float(), 4, 4)
+    with pytest.raises(ValueError, match="q and k must hold the same number of tokens, got 8 and 6"):
+        fm.varlen_attention(q, k[:6], v[:6], cu, cu, 4, 4)
+    with pytest.raises(ValueError, match=r"window_size\[1\] must be 0 or -1 with causal=True"):
+        fm.varlen_attention(q, k, v, cu, cu, 4, 4, causal=True, window_size=(2, 2))
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        fm.varlen_attention(q, k, v, torch.tensor([0, 5, 4, 8]), torch.tensor([0, 5, 4, 8]), 5, 5)
