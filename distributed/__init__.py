@@ -1,7 +1,7 @@
 """Context parallelism: chunk plans, zero-communication mask localization, the sparsity-aware
 balancer and mask-aware all-gather / ring / all-gather CP attention on torch.distributed."""
 
-from .balance import balance, chunk_loads, imbalance
+from .balance import balance, chunk_loads, imbalance, lower_bound
 from .context_parallel import SCHEMES, ContextParallelAttention, CPConfig, CPStats, cp_attention
 from .localize import local_rows_below, localize
 from .plan import CPPlan, contiguous_assignment, make_plan, zigzag_assignment
@@ -9,6 +9,6 @@ from .plan import CPPlan, contiguous_assignment, make_plan, zigzag_assignment
 __all__ = [
     "CPPlan", "make_plan", "contiguous_assignment", "zigzag_assignment",
     "localize", "local_rows_below",
-    "balance", "chunk_loads", "imbalance",
+    "balance", "chunk_loads", "imbalance", "lower_bound",
     "CPConfig", "CPStats", "SCHEMES", "cp_attention", "ContextParallelAttention",
 ]

@@ -9,101 +9,168 @@ Every rank holds its query/key/value chunks (see plan.py) and the global ColumnM
   a chunk crosses to another node once, to the rank in the same slot there, which relays it inside
   its node. Backward: dK/dV of remote chunks travel the same routes back and are summed at the
   owners (pruned the same way); dQ stays local.
-- "ring": Megatron-style ring; every rank's KV passes around the ring, dK/dV travel with it in the
-  backward and arrive summed at the owner.
-- "allgather": plain all-gather of K and V, local attention on everything; dK/dV reduced back.
+- "ring": Megatron-style ring; every rank's KV passes around the ring, the next block posted before
+  the current one is computed; dK/dV travel with it in the backward and arrive summed at the owner.
+- "allgather": plain all-gather of K and V, local attention on everything; dK/dV reduce-scattered
+  back (all-reduced where the backend has no reduce-scatter).
 
-Local attention runs on any backend's forward ("reference" on CPU, "cute" on Hopper), with the
-explicit backward from the merged O and LSE (FlashAttention's backward splits exactly over key
-blocks given the final LSE).
+The code splits as MagiAttention's does: plan (`_Layout`: who needs which chunk and the routes,
+the same on every rank, no communication), comm (`_Comm`: point-to-point batches, ring shifts and
+collectives on the group) and runtime (`_LocalAttention`: one kernel call per set of chunks, and
+the per-scheme loops). Local calls pick their kernel once per call (`_local_backend`): the CuTe
+Hopper kernels where they support the inputs, else the PyTorch reference, in both directions; the
+backward is the kernel's own, fed the merged O and LSE (FlashAttention's backward splits exactly
+over key blocks given the final LSE).
+
+Memory: by default a rank keeps only its own K/V for the backward and fetches the remote K/V
+again along the same routes (the ring passes KV around again, as Megatron's does);
+`CPConfig(hold_remote_kv=True)` keeps the remote chunks instead, trading memory per layer for one
+fewer K/V exchange. `last_forward_stats` / `last_backward_stats` report the bytes held.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import socket
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..optimized import interface as cute_kernels
 from ..reference import ColumnMask
 from ..reference import attention as reference
 from .localize import localize
 from .plan import CPPlan
 
 SCHEMES = ("mask_aware", "ring", "allgather")
+BACKENDS = ("auto", "reference", "cute")
+
+# reduce_scatter_single is torch 2.13's name for reduce_scatter_tensor (same arguments).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
 class CPConfig:
-    """How `cp_attention` communicates.
+    """How `cp_attention` communicates and computes.
 
     Args:
         scheme: "mask_aware" (pruned point-to-point all-gather), "ring" or "allgather".
-        prune: mask_aware only: skip chunks a receiver's queries cannot see.
-        overlap: mask_aware only: compute on local chunks while remote chunks travel.
-        ranks_per_node: mask_aware only: route hierarchically with this many ranks per node
-            (None: one level).
-        backend: local attention forward: "reference" or "cute".
+        prune: skip chunks a receiver's queries cannot see (mask_aware: not sent; all schemes: not
+            computed).
+        overlap: mask_aware only: compute on local chunks while remote chunks travel (the ring
+            always overlaps).
+        ranks_per_node: mask_aware only: route hierarchically with this many consecutive group
+            ranks per node (None: one level). Checked against the hosts' names at the first call.
+        backend: local attention kernels, forward and backward: "cute" (the Hopper kernels; an
+            error where they cannot run), "reference" (PyTorch) or "auto" (cute where supported).
+        hold_remote_kv: keep the remote K/V chunks from the forward for the backward instead of
+            fetching them again (more memory per layer, one fewer K/V exchange).
     """
 
     scheme: str = "mask_aware"
     prune: bool = True
     overlap: bool = True
     ranks_per_node: int | None = None
-    backend: str = "reference"
+    backend: str = "auto"
+    hold_remote_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"unknown CP scheme {self.scheme!r}; accepted: {', '.join(SCHEMES)}")
-        if self.backend not in ("reference", "cute"):
-            raise ValueError(f"CP backend must be 'reference' or 'cute', got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown CP backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
+        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be a positive int or None, got {self.ranks_per_node!r}")
 
 
 @dataclass
 class CPStats:
-    """What the last call did on this rank: bytes sent, times (s), and the overlap."""
+    """What one direction (forward or backward) of the last call did on this rank.
+
+    Times are seconds on the device's clock: CUDA events on CUDA, read lazily (the first read
+    waits for the call's events, the call itself never synchronizes), host time otherwise. K/V bytes
+    count the rank's own K/V once plus the remote chunk buffers it holds; not the concatenation
+    made for each kernel call, nor dK/dV.
+    """
 
     bytes_sent: int = 0
     chunks_received: int = 0
-    compute_local_s: float = 0.0
-    wait_s: float = 0.0
-    compute_remote_s: float = 0.0
+    saved_kv_bytes: int = 0  # forward: the K/V kept from the forward for the backward
+    peak_kv_bytes: int = 0
+    _spans: dict[str, list] = field(default_factory=dict, repr=False)
+    _live_kv: dict[int, int] = field(default_factory=dict, repr=False)  # storage pointer -> bytes
+
+    @property
+    def compute_local_s(self) -> float:
+        """Attention on the rank's own chunks (ring: its own block, step 0)."""
+        return self.seconds("compute_local")
+
+    @property
+    def compute_remote_s(self) -> float:
+        """Attention on remote chunks (allgather: on everything, one call)."""
+        return self.seconds("compute_remote")
+
+    @property
+    def wait_s(self) -> float:
+        """Waiting for messages and collectives, the part not hidden under compute."""
+        return self.seconds("wait")
+
+    @contextlib.contextmanager
+    def timed(self, name: str, device: torch.device):
+        """Add the time of the block to `name`, on `device`'s clock."""
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            stop.record()
+            self._spans.setdefault(name, []).append((start, stop))
+        else:
+            start = time.perf_counter()
+            yield
+            self._spans.setdefault(name, []).append(time.perf_counter() - start)
+
+    def seconds(self, name: str) -> float:
+        """The seconds added to `name` (waits for the CUDA events first)."""
+        total = 0.0
+        for span in self._spans.get(name, ()):
+            if isinstance(span, float):
+                total += span
+            else:
+                span[1].synchronize()
+                total += span[0].elapsed_time(span[1]) / 1e3
+        return total
+
+    def hold_kv(self, *tensors: torch.Tensor) -> None:
+        """Count the storages of K/V tensors now held (a view counts its whole buffer, once)."""
+        for t in tensors:
+            self._live_kv[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.held_kv_bytes)
+
+    def drop_kv(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self._live_kv.pop(t.untyped_storage().data_ptr(), None)
+
+    @property
+    def held_kv_bytes(self) -> int:
+        return sum(self._live_kv.values())
+
+    def set_kv(self, *tensors: torch.Tensor) -> None:
+        """The K/V held from now on is exactly `tensors`."""
+        self._live_kv.clear()
+        self.hold_kv(*tensors)
 
 
-last_stats = CPStats()
+last_forward_stats = CPStats()
+"""This rank's `CPStats` of the last `cp_attention` forward."""
+last_backward_stats = CPStats()
+"""This rank's `CPStats` of the last `cp_attention` backward."""
 
 
-# -- local attention on one block of keys --------------------------------------------------------
-def _block_forward(q, k, v, mask: ColumnMask, scale: float, backend: str):
-    if backend == "cute":
-        from ..optimized.interface import forward as cute_forward
-
-        out, lse = cute_forward(q, k, v, mask, scale)
-        return out.float(), lse
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out, lse = reference.forward(q, k, v, mask, scale, compute)
-    return out, lse
-
-
-def _merge(acc, part):
-    """Merge two (out, lse) partial results over disjoint key sets."""
-    if acc is None:
-        return part
-    (o1, l1), (o2, l2) = acc, part
-    lse = torch.logaddexp(l1, l2)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w1 = torch.exp(l1 - safe).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
-    w2 = torch.exp(l2 - safe).transpose(1, 2).unsqueeze(-1)
-    return o1 * w1 + o2 * w2, lse
-
-
-def _chunk_slice(plan: CPPlan, rank: int, chunk: int) -> slice:
-    i = plan.assignment[rank].index(chunk)
-    return slice(i * plan.chunk_size, (i + 1) * plan.chunk_size)
-
-
+# -- plan: who needs which chunk, and how chunks travel --------------------------------------------
 class _Layout:
     """Every rank's view of who needs which chunk and how chunks travel (same on all ranks)."""
 
@@ -146,7 +213,7 @@ class _Layout:
                         direct.setdefault((src, dst), []).append(c)
             return [direct]
         if world % rpn:
-            raise ValueError(f"world size {world} is not a multiple of ranks_per_node {rpn}")
+            raise ValueError(f"ranks_per_node={rpn} must divide the world size {world}")
         inter: dict[tuple[int, int], list[int]] = {}
         intra: dict[tuple[int, int], list[int]] = {}
         for c in range(plan.num_chunks):
@@ -182,234 +249,441 @@ def _layout_for(mask: ColumnMask, plan: CPPlan, config: CPConfig) -> _Layout:
     return _last_layout[5]
 
 
-def _exchange(messages: dict[tuple[int, int], list[int]], blocks: dict[int, torch.Tensor], template, rank, group):
-    """Post one phase of point-to-point messages. Each message is its chunks' blocks
-    ([2, B, C, H, D]: k and v, or dk and dv) concatenated along the token dim.
+# -- comm: the group's side --------------------------------------------------------------------------
+_has_reduce_scatter: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> bool, once warm
+_checked_node_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {ranks_per_node}
+_TAGS = {"kv": 0, "dkv": 1}  # gloo matches messages by (peer, tag): K/V and dK/dV in flight at once
 
-    Returns (works, received: src -> tensor, bytes sent).
+
+def _group_key(group) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def _warm_up(group, device: torch.device) -> bool:
+    """Join every rank of the group in one collective, once per group; return whether the backend
+    has reduce-scatter.
+
+    NCCL needs every rank of a group in its first collective or batched point-to-point call, and a
+    rank without messages posts no batch. The collective is a reduce-scatter where the backend has
+    one (NCCL; gloo in recent torch), else an all-reduce: an unsupported collective raises on every
+    rank alike, before any communication.
     """
-    ops, received, sent = [], {}, 0
-    for (src, dst), chunks in messages.items():
-        if src == rank:
-            data = torch.cat([blocks[c] for c in chunks], dim=2).contiguous()
-            ops.append(dist.P2POp(dist.isend, data, _global(dst, group), group))
-            sent += data.numel() * data.element_size()
-        elif dst == rank:
-            shape = list(template.shape)
-            shape[2] *= len(chunks)
-            received[src] = torch.empty(shape, dtype=template.dtype, device=template.device)
-            ops.append(dist.P2POp(dist.irecv, received[src], _global(src, group), group))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    return works, received, sent
+    key = _group_key(group)
+    if key not in _has_reduce_scatter:
+        world = dist.get_world_size(group)
+        probe = torch.zeros(world, device=device)
+        try:
+            _reduce_scatter(torch.zeros(1, device=device), probe, group=group)
+            _has_reduce_scatter[key] = True
+        except (RuntimeError, NotImplementedError):
+            dist.all_reduce(probe, group=group)
+            _has_reduce_scatter[key] = False
+    return _has_reduce_scatter[key]
 
 
-def _split(data: torch.Tensor, chunks: list[int], chunk_size: int) -> dict[int, torch.Tensor]:
-    return {c: data[:, :, i * chunk_size:(i + 1) * chunk_size] for i, c in enumerate(chunks)}
+def _check_node_layout(group, ranks_per_node: int) -> None:
+    """Hierarchical routing relays inside blocks of `ranks_per_node` consecutive group ranks: check,
+    once per group, that each block runs on one host."""
+    world = dist.get_world_size(group)
+    if ranks_per_node >= world or ranks_per_node in _checked_node_layouts.get(_group_key(group), ()):
+        return
+    if world % ranks_per_node:
+        raise ValueError(f"CPConfig(ranks_per_node={ranks_per_node}) must divide the group size {world}")
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    for first in range(0, world, ranks_per_node):
+        names = sorted(set(hosts[first:first + ranks_per_node]))
+        if len(names) > 1:
+            raise ValueError(
+                f"CPConfig(ranks_per_node={ranks_per_node}) treats group ranks {first}-{first + ranks_per_node - 1} "
+                f"as one node, but they run on hosts {names}; order the group's ranks by node or set "
+                f"ranks_per_node to the number of consecutive group ranks that share a host")
+    _checked_node_layouts.setdefault(_group_key(group), set()).add(ranks_per_node)
 
 
 def _global(rank: int, group) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _wait(works, stats: CPStats) -> None:
-    start = time.perf_counter()
-    for w in works:
-        w.wait()
-    stats.wait_s += time.perf_counter() - start
+@dataclass
+class _Pending:
+    """Posted messages: their works, the buffers receiving, and the sends kept alive until the wait."""
+
+    works: list
+    received: dict
+    sends: list
+    what: str
+
+
+class _Comm:
+    """The group's side of one call: point-to-point batches, ring shifts and collectives, counted
+    in `stats` (bytes sent, time waiting)."""
+
+    def __init__(self, group, device: torch.device, stats: CPStats):
+        self.group, self.device, self.stats = group, device, stats
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.has_reduce_scatter = _warm_up(group, device)
+
+    def post(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], what: str) -> _Pending:
+        """Post sends (group rank -> tensor) and receives (group rank -> buffer) in one batch."""
+        tag = _TAGS[what]
+        ops = [dist.P2POp(dist.isend, t, _global(dst, self.group), self.group, tag) for dst, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, _global(src, self.group), self.group, tag) for src, t in recvs.items()]
+        self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [], recvs, list(sends.values()), what)
+
+    def ring_shift(self, block: torch.Tensor, what: str) -> _Pending:
+        """Send `block` to the next rank, receive the previous rank's into a new buffer (a ring of
+        one hands the block back)."""
+        if self.world == 1:
+            return _Pending([], {self.rank: block}, [], what)
+        block = block.contiguous()
+        return self.post({(self.rank + 1) % self.world: block},
+                         {(self.rank - 1) % self.world: torch.empty_like(block)}, what)
+
+    def wait(self, pending: _Pending) -> dict:
+        with self.stats.timed("wait", self.device):
+            for work in pending.works:
+                work.wait()
+        return pending.received
+
+    def all_gather(self, block: torch.Tensor) -> list[torch.Tensor]:
+        gathered = [torch.empty_like(block) for _ in range(self.world)]
+        with self.stats.timed("wait", self.device):
+            dist.all_gather(gathered, block.contiguous(), group=self.group)
+        self.stats.bytes_sent += block.numel() * block.element_size() * (self.world - 1)
+        return gathered
+
+    def reduce_scatter(self, per_rank: torch.Tensor) -> torch.Tensor:
+        """Sum `per_rank` ([world, ...], entry r for rank r) over the group; return this rank's entry.
+        Bytes counted as the ring algorithm sends them (all-reduce: twice a reduce-scatter's)."""
+        share = per_rank[0].numel() * per_rank.element_size() * (self.world - 1)
+        with self.stats.timed("wait", self.device):
+            if self.has_reduce_scatter:
+                mine = torch.empty_like(per_rank[0])
+                _reduce_scatter(mine, per_rank.flatten(0, 1), group=self.group)  # entries concatenated (gloo)
+                self.stats.bytes_sent += share
+                return mine
+            summed = per_rank.contiguous()
+            dist.all_reduce(summed, group=self.group)
+            self.stats.bytes_sent += 2 * share
+            return summed[self.rank]
+
+
+# -- runtime: local attention ------------------------------------------------------------------------
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _local_backend(requested: str, q: torch.Tensor, k: torch.Tensor) -> str:
+    """The kernel of every local call of one cp_attention, forward and backward: "cute" where the
+    Hopper kernels support the inputs (CUDA sm_90, bf16/fp16, head dim 64/128), else "reference";
+    `requested="cute"` raises where they cannot run."""
+    if requested == "reference":
+        return "reference"
+    reason = cute_kernels.unsupported_reason(q, k)
+    if reason is None:
+        return "cute"
+    if requested == "cute":
+        raise ValueError(f"CPConfig(backend='cute'): {reason}")
+    return "reference"
+
+
+def _local_forward(backend: str, q, kv, mask: ColumnMask, scale: float):
+    """(out in the accumulator dtype, lse) of q against kv ([2, B, S, H, D]: k and v)."""
+    if backend == "cute":
+        out, lse = cute_kernels.forward(q, kv[0], kv[1], mask, scale)
+        return out.to(_compute_dtype(q)), lse
+    return reference.forward(q, kv[0], kv[1], mask, scale, _compute_dtype(q))
+
+
+def _local_backward(backend: str, dout, q, kv, out, lse, mask: ColumnMask, scale: float):
+    """(dq, [dk; dv]) in the accumulator dtype, from the merged out and lse."""
+    compute = _compute_dtype(q)
+    if backend == "cute":
+        dq, dk, dv = cute_kernels.backward(dout, q, kv[0], kv[1], out, lse, mask, scale)
+    else:
+        dq, dk, dv = reference.backward(dout, q, kv[0], kv[1], out, lse, mask, scale, compute)
+    return dq.to(compute), torch.stack([dk, dv]).to(compute)
+
+
+def _merge(acc, part):
+    """Merge two (out, lse) partial results over disjoint key sets."""
+    if acc is None:
+        return part
+    (o1, l1), (o2, l2) = acc, part
+    lse = torch.logaddexp(l1, l2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w1 = torch.exp(l1 - safe).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+    w2 = torch.exp(l2 - safe).transpose(1, 2).unsqueeze(-1)
+    return o1 * w1 + o2 * w2, lse
+
+
+def _split(data: torch.Tensor, chunks, chunk_size: int) -> dict[int, torch.Tensor]:
+    """Chunk id -> view of its tokens in `data` ([2, B, S, H, D], the chunks in order)."""
+    return {c: data[:, :, i * chunk_size:(i + 1) * chunk_size] for i, c in enumerate(chunks)}
+
+
+def _compact(chunks: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The chunks, copied where they are only part of their buffer: kept chunks must not pin the
+    rest of a message (a buffer whose every chunk is kept stays as it is)."""
+    kept_bytes: dict[int, int] = {}
+    for t in chunks.values():
+        ptr = t.untyped_storage().data_ptr()
+        kept_bytes[ptr] = kept_bytes.get(ptr, 0) + t.numel() * t.element_size()
+    return {c: t if kept_bytes[t.untyped_storage().data_ptr()] == t.untyped_storage().nbytes() else t.clone()
+            for c, t in chunks.items()}
+
+
+class _LocalAttention:
+    """This rank's attention to sets of K/V chunks: one kernel call per set, over the needed
+    chunks concatenated, with their localized mask (no per-chunk calls)."""
+
+    def __init__(self, layout: _Layout, rank: int, backend: str, scale: float, stats: CPStats):
+        self.layout, self.rank, self.backend, self.scale, self.stats = layout, rank, backend, scale, stats
+        self.plan = layout.plan
+        self.own = list(self.plan.assignment[rank])
+
+    def forward(self, q, kv: dict[int, torch.Tensor], acc, span: str):
+        """`acc` merged with the attention of the rank's queries to the needed chunks of `kv`."""
+        needed = self.layout.needed(self.rank, kv)
+        if not needed:
+            return acc
+        with self.stats.timed(span, q.device):
+            part = _local_forward(self.backend, q, torch.cat([kv[c] for c in needed], dim=2),
+                                  self.layout.union_mask(self.rank, needed), self.scale)
+            return _merge(acc, part)
+
+    def backward(self, dout, q, out, lse, kv: dict[int, torch.Tensor], grads: dict, dq, span: str):
+        """`dq` plus the dQ against the needed chunks of `kv`; their [dK; dV] go into `grads`."""
+        needed = self.layout.needed(self.rank, kv)
+        if not needed:
+            return dq
+        with self.stats.timed(span, q.device):
+            part, dkv = _local_backward(self.backend, dout, q, torch.cat([kv[c] for c in needed], dim=2), out, lse,
+                                        self.layout.union_mask(self.rank, needed), self.scale)
+            grads.update(_split(dkv, needed, self.plan.chunk_size))
+            return part if dq is None else dq + part
+
+    def own_chunks(self, local: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Chunk id -> view of this rank's stacked K/V ([2, B, local_len, H, D])."""
+        return _split(local, self.own, self.plan.chunk_size)
+
+    def finish(self, acc, q):
+        """The merged (out, lse); zeros and -inf where the rank's queries see no key at all."""
+        if acc is None:
+            b, s, h, d = q.shape
+            return (torch.zeros(b, s, h, d, dtype=_compute_dtype(q), device=q.device),
+                    torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device))
+        return acc
+
+
+# -- runtime: the schemes --------------------------------------------------------------------------
+def _post_phase(comm: _Comm, messages, blocks: dict[int, torch.Tensor], shape, dtype, what: str) -> _Pending:
+    """One routing phase: this rank's messages, each its chunks' blocks concatenated along tokens."""
+    sends = {dst: torch.cat([blocks[c] for c in chunks], dim=2) for (src, dst), chunks in messages.items()
+             if src == comm.rank}
+    recvs = {}
+    for (src, dst), chunks in messages.items():
+        if dst == comm.rank:
+            recvs[src] = torch.empty(shape[:2] + (shape[2] * len(chunks),) + shape[3:], dtype=dtype, device=comm.device)
+    return comm.post(sends, recvs, what)
+
+
+def _arrivals(messages, received: dict, rank: int, chunk_size: int):
+    """(chunk, block) pairs of this rank's received messages of one phase."""
+    for (src, dst), chunks in messages.items():
+        if dst == rank:
+            yield from _split(received[src], chunks, chunk_size).items()
+
+
+def _fetch_remote_kv(attn: _LocalAttention, comm: _Comm, local_kv: dict, while_travelling) -> dict:
+    """Receive the remote K/V chunks along the layout's routes (relaying where hierarchical) and
+    return those this rank needs. `while_travelling()` runs while the first phase's messages
+    travel (with `overlap`), else after they all arrived."""
+    layout, stats = attn.layout, comm.stats
+    held = dict(local_kv)
+    template = next(iter(local_kv.values()))
+    for phase, messages in enumerate(layout.phases):
+        pending = _post_phase(comm, messages, held, tuple(template.shape), template.dtype, "kv")
+        stats.hold_kv(*pending.received.values())
+        if phase == 0 and layout.config.overlap:
+            while_travelling()
+        received = comm.wait(pending)
+        for c, block in _arrivals(messages, received, comm.rank, attn.plan.chunk_size):
+            held[c] = block
+            stats.chunks_received += 1
+    if not layout.config.overlap:
+        while_travelling()
+    return {c: t for c, t in held.items() if c not in local_kv and layout.needs[comm.rank][c]}
+
+
+def _forward_mask_aware(attn, comm, q, local):
+    local_kv, acc = attn.own_chunks(local), None
+
+    def attend_local():
+        nonlocal acc
+        acc = attn.forward(q, local_kv, acc, "compute_local")
+
+    remote_kv = _fetch_remote_kv(attn, comm, local_kv, attend_local)
+    acc = attn.forward(q, remote_kv, acc, "compute_remote")
+    return attn.finish(acc, q), remote_kv
+
+
+def _backward_mask_aware(attn, comm, dout, q, out, lse, local, remote_kv):
+    local_kv, grads, dq = attn.own_chunks(local), {}, None
+
+    def local_grads():
+        nonlocal dq
+        dq = attn.backward(dout, q, out, lse, local_kv, grads, dq, "compute_local")
+
+    if remote_kv is None:
+        remote_kv = _fetch_remote_kv(attn, comm, local_kv, local_grads)
+    else:
+        local_grads()
+    dq = attn.backward(dout, q, out, lse, remote_kv, grads, dq, "compute_remote")
+    # dK/dV home along the routes reversed; relays and owners add what arrives.
+    shape, dtype = tuple(local_kv[attn.own[0]].shape), _compute_dtype(q)
+    for messages in reversed(attn.layout.phases):
+        back = {(dst, src): chunks for (src, dst), chunks in messages.items()}
+        received = comm.wait(_post_phase(comm, back, grads, shape, dtype, "dkv"))
+        for c, g in _arrivals(back, received, comm.rank, attn.plan.chunk_size):
+            grads[c] = grads[c] + g if c in grads else g
+    return dq, grads
+
+
+def _forward_ring(attn, comm, q, local):
+    plan, stats = attn.plan, comm.stats
+    block, acc, kept = local, None, {}
+    for step in range(comm.world):
+        last = step == comm.world - 1
+        if not last:  # the next block travels while this one is computed
+            pending = comm.ring_shift(block, "kv")
+            stats.hold_kv(*pending.received.values())
+        blocks = _split(block, plan.assignment[(comm.rank - step) % comm.world], plan.chunk_size)
+        acc = attn.forward(q, blocks, acc, "compute_local" if step == 0 else "compute_remote")
+        if step > 0:
+            stats.drop_kv(block)
+            if attn.layout.config.hold_remote_kv:
+                kept.update(_compact({c: blocks[c] for c in attn.layout.needed(comm.rank, blocks)}))
+                stats.hold_kv(*kept.values())
+        if not last:
+            block = comm.wait(pending)[(comm.rank - 1) % comm.world]
+    return attn.finish(acc, q), kept
+
+
+def _backward_ring(attn, comm, dout, q, out, lse, local, remote_kv):
+    """The ring again: KV (unless held) and a dK/dV accumulator per block; each step posts the next
+    KV block, computes, adds its grads to the accumulator arriving from the previous rank and
+    passes it on; after a full turn every accumulator is home (ring-flash-attention's loop)."""
+    plan, stats = attn.plan, comm.stats
+    block, dq, grad_pending = local, None, None
+    zeros = torch.zeros(local.shape[:2] + (plan.chunk_size,) + local.shape[3:], dtype=_compute_dtype(q),
+                        device=q.device)
+    for step in range(comm.world):
+        owner = (comm.rank - step) % comm.world
+        chunks = plan.assignment[owner]
+        fetch = remote_kv is None and step < comm.world - 1
+        if fetch:
+            kv_pending = comm.ring_shift(block, "kv")
+            stats.hold_kv(*kv_pending.received.values())
+        if step == 0 or remote_kv is None:
+            blocks = _split(block, chunks, plan.chunk_size)
+        else:
+            blocks = {c: remote_kv[c] for c in chunks if c in remote_kv}
+        grads = {}
+        dq = attn.backward(dout, q, out, lse, blocks, grads, dq, "compute_local" if step == 0 else "compute_remote")
+        block_grad = torch.cat([grads.get(c, zeros) for c in chunks], dim=2)
+        if grad_pending is not None:  # this block's accumulator, from the previous rank
+            block_grad = block_grad + comm.wait(grad_pending)[(comm.rank - 1) % comm.world]
+        grad_pending = comm.ring_shift(block_grad, "dkv")  # on to the next rank; after the last step, home
+        if fetch:
+            if step > 0:
+                stats.drop_kv(block)
+            block = comm.wait(kv_pending)[(comm.rank - 1) % comm.world]
+    home = comm.wait(grad_pending)[(comm.rank - 1) % comm.world]
+    return dq, _split(home, attn.own, plan.chunk_size)
+
+
+def _gather_remote_kv(attn, comm, local):
+    plan, stats = attn.plan, comm.stats
+    gathered = comm.all_gather(local)
+    stats.hold_kv(*gathered)
+    stats.drop_kv(gathered[comm.rank])  # this rank's own copy, dropped on return
+    remote = {}
+    for r, data in enumerate(gathered):
+        if r != comm.rank:
+            stats.chunks_received += len(plan.assignment[r])
+            remote.update(_split(data, plan.assignment[r], plan.chunk_size))
+    return remote
+
+
+def _forward_allgather(attn, comm, q, local):
+    remote = _gather_remote_kv(attn, comm, local)
+    acc = attn.forward(q, attn.own_chunks(local) | remote, None, "compute_remote")
+    return attn.finish(acc, q), {c: remote[c] for c in attn.layout.needed(comm.rank, remote)}
+
+
+def _backward_allgather(attn, comm, dout, q, out, lse, local, remote_kv):
+    plan = attn.plan
+    if remote_kv is None:
+        remote_kv = _gather_remote_kv(attn, comm, local)
+    grads = {}
+    dq = attn.backward(dout, q, out, lse, attn.own_chunks(local) | remote_kv, grads, None, "compute_remote")
+    zeros = torch.zeros(local.shape[:2] + (plan.chunk_size,) + local.shape[3:], dtype=_compute_dtype(q),
+                        device=q.device)
+    per_rank = torch.stack([torch.cat([grads.get(c, zeros) for c in plan.assignment[r]], dim=2)
+                            for r in range(comm.world)])
+    return dq, _split(comm.reduce_scatter(per_rank), attn.own, plan.chunk_size)
+
+
+_FORWARD = {"mask_aware": _forward_mask_aware, "ring": _forward_ring, "allgather": _forward_allgather}
+_BACKWARD = {"mask_aware": _backward_mask_aware, "ring": _backward_ring, "allgather": _backward_allgather}
 
 
 class _CPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, plan, group, config, scale):
-        rank = dist.get_rank(group)
+        global last_forward_stats
+        backend = _local_backend(config.backend, q, k)
         layout = _layout_for(mask, plan, config)
         stats = CPStats()
-        held = {c: torch.stack([k[:, _chunk_slice(plan, rank, c)], v[:, _chunk_slice(plan, rank, c)]])
-                for c in plan.assignment[rank]}
-        forward_fn = {"mask_aware": _forward_mask_aware, "ring": _forward_ring, "allgather": _forward_allgather}
-        out, lse, held = forward_fn[config.scheme](q, held, layout, rank, group, scale, stats)
-        global last_stats
-        last_stats = stats
-        ctx.save_for_backward(q, out, lse)
-        ctx.layout, ctx.group, ctx.scale, ctx.rank, ctx.held = layout, group, scale, rank, held
+        comm = _Comm(group, q.device, stats)
+        attn = _LocalAttention(layout, comm.rank, backend, scale, stats)
+        local = torch.stack([k, v])
+        stats.hold_kv(local)
+        (out, lse), remote = _FORWARD[config.scheme](attn, comm, q, local)
+        out = out.to(q.dtype)
+        kept = _compact(remote) if config.hold_remote_kv else {}
+        ctx.save_for_backward(q, k, v, out, lse, *kept.values())
+        ctx.kept_chunks = list(kept) if config.hold_remote_kv else None
+        ctx.attn_args = (layout, group, backend, scale)
+        stats.set_kv(local, *kept.values())
+        stats.saved_kv_bytes = stats.held_kv_bytes
+        last_forward_stats = stats
         ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, out, lse = ctx.saved_tensors
-        layout, rank, group, plan = ctx.layout, ctx.rank, ctx.group, ctx.layout.plan
-        if layout.config.scheme == "ring":
-            dq, grads = _backward_ring(dout, q, out, lse, ctx.held, layout, rank, group, ctx.scale)
-        else:
-            dq, grads = _backward_on(dout, q, out, lse, ctx.held, sorted(ctx.held), layout, rank, ctx.scale)
-            if layout.config.scheme == "mask_aware":
-                _return_grads(grads, layout, rank, group)
-            else:
-                _reduce_allgather_grads(grads, layout, rank, group)
-        own = plan.assignment[rank]
-        dk = torch.cat([grads[c][0] for c in own], dim=1)
-        dv = torch.cat([grads[c][1] for c in own], dim=1)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None, None, None
-
-
-def _attend(q, chunks, held, layout, rank, scale, acc):
-    """Merge into `acc` the attention of rank's queries to the needed chunks among `chunks`: one
-    call over their concatenated keys (one localized mask), not one per chunk."""
-    needed = layout.needed(rank, chunks)
-    if not needed:
-        return acc
-    kv = torch.cat([held[c] for c in needed], dim=2)
-    part = _block_forward(q, kv[0], kv[1], layout.union_mask(rank, needed), scale, layout.config.backend)
-    return _merge(acc, part)
-
-
-def _finish(acc, q):
-    if acc is None:  # the rank's queries see no key at all
-        b, s, h, d = q.shape
-        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-        return out, torch.full((b, h, s), -math.inf, device=q.device)
-    return acc
-
-
-def _forward_mask_aware(q, held, layout, rank, group, scale, stats):
-    plan, config = layout.plan, layout.config
-    template = next(iter(held.values()))
-    own = list(plan.assignment[rank])
-    acc = None
-    for phase, messages in enumerate(layout.phases):
-        works, received, sent = _exchange(messages, held, template, rank, group)
-        stats.bytes_sent += sent
-        if phase == 0 and config.overlap:  # local chunks while the remote ones travel
-            start = time.perf_counter()
-            acc = _attend(q, own, held, layout, rank, scale, acc)
-            stats.compute_local_s = time.perf_counter() - start
-        _wait(works, stats)
-        for (src, dst), chunks in messages.items():
-            if dst == rank:
-                held.update(_split(received[src], chunks, plan.chunk_size))
-                stats.chunks_received += len(chunks)
-    if not config.overlap:
-        start = time.perf_counter()
-        acc = _attend(q, own, held, layout, rank, scale, acc)
-        stats.compute_local_s = time.perf_counter() - start
-    start = time.perf_counter()
-    acc = _attend(q, [c for c in sorted(held) if c not in own], held, layout, rank, scale, acc)
-    stats.compute_remote_s = time.perf_counter() - start
-    return (*_finish(acc, q), held)
-
-
-def _ring_neighbors(rank: int, world: int) -> tuple[int, int]:
-    return (rank + 1) % world, (rank - 1) % world
-
-
-def _ring_step(block: torch.Tensor, rank: int, world: int, group, stats: CPStats) -> torch.Tensor:
-    """Send `block` to the next rank, receive the previous rank's."""
-    nxt, prev = _ring_neighbors(rank, world)
-    incoming = torch.empty_like(block)
-    ops = [dist.P2POp(dist.isend, block.contiguous(), _global(nxt, group), group),
-           dist.P2POp(dist.irecv, incoming, _global(prev, group), group)]
-    _wait(dist.batch_isend_irecv(ops), stats)
-    stats.bytes_sent += block.numel() * block.element_size()
-    return incoming
-
-
-def _forward_ring(q, held, layout, rank, group, scale, stats):
-    plan = layout.plan
-    world = plan.world_size
-    block = torch.cat([held[c] for c in plan.assignment[rank]], dim=2)
-    acc = None
-    for step in range(world):
-        owner = (rank - step) % world
-        chunks = list(plan.assignment[owner])
-        blocks = _split(block, chunks, plan.chunk_size)
-        start = time.perf_counter()
-        acc = _attend(q, chunks, blocks, layout, rank, scale, acc)
-        stats.compute_remote_s += time.perf_counter() - start
-        if step < world - 1:
-            block = _ring_step(block, rank, world, group, stats)
-    return (*_finish(acc, q), held)
-
-
-def _forward_allgather(q, held, layout, rank, group, scale, stats):
-    plan = layout.plan
-    mine = torch.cat([held[c] for c in plan.assignment[rank]], dim=2).contiguous()
-    gathered = [torch.empty_like(mine) for _ in range(plan.world_size)]
-    start = time.perf_counter()
-    dist.all_gather(gathered, mine, group=group)
-    stats.wait_s = time.perf_counter() - start
-    stats.bytes_sent = mine.numel() * mine.element_size() * (plan.world_size - 1)
-    everything = {}
-    for r, data in enumerate(gathered):
-        everything.update(_split(data, list(plan.assignment[r]), plan.chunk_size))
-    start = time.perf_counter()
-    acc = _attend(q, sorted(everything), everything, layout, rank, scale, None)
-    stats.compute_remote_s = time.perf_counter() - start
-    return (*_finish(acc, q), everything)
-
-
-# -- backward ------------------------------------------------------------------------------------
-def _backward_on(dout, q, out, lse, held, chunks, layout, rank, scale):
-    """dQ and per-chunk [dK; dV] of rank's queries against `chunks` (zeros where unseen), from
-    one backward call over the needed chunks concatenated."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    needed = layout.needed(rank, chunks)
-    grads = {c: torch.zeros(held[c].shape, dtype=compute, device=held[c].device) for c in chunks if c not in needed}
-    if not needed:
-        return torch.zeros(q.shape, dtype=compute, device=q.device), grads
-    kv = torch.cat([held[c] for c in needed], dim=2)
-    mask = layout.union_mask(rank, needed)
-    dq, dk, dv = reference.backward(dout, q, kv[0], kv[1], out, lse, mask, scale, compute)
-    grads.update(_split(torch.stack([dk, dv]), needed, layout.plan.chunk_size))
-    return dq, grads
-
-
-def _return_grads(grads, layout, rank, group):
-    """Send dK/dV of held chunks back along the forward routes (reversed), summing on the way."""
-    plan = layout.plan
-    stats = CPStats()
-    for messages in reversed(layout.phases):
-        back = {(dst, src): chunks for (src, dst), chunks in messages.items()}
-        template = next(iter(grads.values()))
-        works, received, _ = _exchange(back, grads, template, rank, group)
-        _wait(works, stats)
-        for (src, dst), chunks in back.items():
-            if dst == rank:
-                for c, g in _split(received[src], chunks, plan.chunk_size).items():
-                    grads[c] = grads[c] + g
-
-
-def _reduce_allgather_grads(grads, layout, rank, group):
-    """Sum every rank's dK/dV of every chunk at its owner (all-reduce: gloo has no reduce-scatter)."""
-    plan = layout.plan
-    full = torch.cat([grads[c] for c in range(plan.num_chunks)], dim=2).contiguous()
-    dist.all_reduce(full, group=group)
-    grads.update(_split(full, list(range(plan.num_chunks)), plan.chunk_size))
-
-
-def _backward_ring(dout, q, out, lse, held, layout, rank, group, scale):
-    """KV travels the ring again with its dK/dV accumulator; after a full turn the sums are home."""
-    plan = layout.plan
-    world = plan.world_size
-    stats = CPStats()
-    own = list(plan.assignment[rank])
-    block = torch.cat([held[c] for c in own], dim=2)
-    dq_total = None
-    acc_grad = None
-    for step in range(world):
-        owner = (rank - step) % world
-        chunks = list(plan.assignment[owner])
-        blocks = _split(block, chunks, plan.chunk_size)
-        dq, grads = _backward_on(dout, q, out, lse, blocks, chunks, layout, rank, scale)
-        dq_total = dq if dq_total is None else dq_total + dq
-        mine = torch.cat([grads[c] for c in chunks], dim=2)
-        acc_grad = mine if acc_grad is None else acc_grad + mine
-        if step < world - 1:
-            block = _ring_step(block, rank, world, group, stats)
-            acc_grad = _ring_step(acc_grad, rank, world, group, stats)
-    # After world-1 steps each accumulator sits one rank before its owner's successor: one more hop.
-    acc_grad = _ring_step(acc_grad, rank, world, group, stats)
-    return dq_total, _split(acc_grad, own, plan.chunk_size)
+        global last_backward_stats
+        q, k, v, out, lse, *kept = ctx.saved_tensors
+        layout, group, backend, scale = ctx.attn_args
+        plan = layout.plan
+        stats = CPStats()
+        comm = _Comm(group, q.device, stats)
+        attn = _LocalAttention(layout, comm.rank, backend, scale, stats)
+        local = torch.stack([k, v])
+        stats.hold_kv(local, *kept)
+        remote_kv = None if ctx.kept_chunks is None else dict(zip(ctx.kept_chunks, kept))
+        dq, grads = _BACKWARD[layout.config.scheme](attn, comm, dout.contiguous(), q, out, lse, local, remote_kv)
+        if dq is None:  # the rank's queries see no key
+            dq = torch.zeros_like(q)
+        zeros = torch.zeros_like(k)
+        dk = torch.cat([grads[c][0] if c in grads else zeros[:, :plan.chunk_size] for c in attn.own], dim=1)
+        dv = torch.cat([grads[c][1] if c in grads else zeros[:, :plan.chunk_size] for c in attn.own], dim=1)
+        last_backward_stats = stats
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def cp_attention(
@@ -427,11 +701,13 @@ def cp_attention(
 
     Args:
         q_local, k_local, v_local: [B, plan.local_len, H, D], this rank's chunks concatenated
-            (`plan.shard(x, rank)`); Hq a multiple of Hkv.
+            (`plan.shard(x, rank)`); Hq a multiple of Hkv. On NCCL, on the current CUDA device.
         mask: the global ColumnMask (same on every rank).
         plan: the chunk assignment (same on every rank).
         group: the CP process group (default: the world).
-        config: scheme, pruning, overlap, hierarchy, local backend.
+        config: scheme, pruning, overlap, hierarchy, local backend, what the backward keeps.
+        softmax_scale: scale of q.k; default 1/sqrt(D).
+        return_lse: also return this rank's LSE.
 
     Returns:
         This rank's output [B, local_len, Hq, D] (and LSE [B, Hq, local_len] with `return_lse`).
@@ -444,6 +720,12 @@ def cp_attention(
             raise ValueError(f"{name} must be [B, {plan.local_len}, H, D] (this rank's chunks), got {tuple(t.shape)}")
     if mask.seqlen_q != plan.seqlen or mask.seqlen_k != plan.seqlen:
         raise ValueError(f"mask covers {mask.seqlen_q}x{mask.seqlen_k} tokens but the plan {plan.seqlen}")
+    if q_local.is_cuda and "nccl" in dist.get_backend(group) and q_local.device.index != torch.cuda.current_device():
+        raise ValueError(f"q_local is on {q_local.device} but the current CUDA device is "
+                         f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device first (NCCL's "
+                         "batched point-to-point calls hang otherwise)")
+    if config.scheme == "mask_aware" and config.ranks_per_node is not None:
+        _check_node_layout(group, config.ranks_per_node)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
     out, lse = _CPFunction.apply(q_local, k_local, v_local, mask, plan, group, config, scale)
     return (out, lse) if return_lse else out

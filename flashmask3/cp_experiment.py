@@ -2,7 +2,9 @@
 
 Spawns `cp.world_size` gloo processes on this machine, runs CP attention forward + backward on
 each rank's chunks, and checks the reassembled output and gradients against single-device
-reference attention. Reports per-rank times, bytes sent, load imbalance and the max error.
+reference attention. Reports per-rank times, bytes sent, the K/V bytes held (peak per direction,
+and what the forward keeps for the backward), load imbalance and the max error.
+`+cp.hold_remote_kv=true` keeps the remote K/V from the forward instead of fetching it again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from .verify.compare import random_inputs
 from .verify.suite import DTYPES
 
 
+STAT_NAMES = ("bytes_sent", "chunks_received", "peak_kv_bytes", "wait_s", "compute_local_s", "compute_remote_s")
+"""Per-rank `CPStats` fields reported for the forward, and with a `bwd_` prefix for the backward."""
+
+
 def _setup(cfg: dict):
     mask = masks.build(cfg["mask"], cfg["seqlen"], cfg["batch"], cfg["heads"], cfg["seed"], **cfg["params"])
     inputs = random_inputs(cfg["batch"], cfg["seqlen"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"],
@@ -41,7 +47,7 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     mask, (q, k, v, dout), plan, _loads = _setup(cfg)
     config = CPConfig(scheme=cfg["scheme"], prune=cfg["prune"], overlap=cfg["overlap"],
-                      ranks_per_node=cfg["ranks_per_node"])
+                      ranks_per_node=cfg["ranks_per_node"], hold_remote_kv=cfg["hold_remote_kv"])
     local = [plan.shard(x, rank).requires_grad_() for x in (q, k, v)]
     # Warm-up: the first call opens the point-to-point connections.
     torch.autograd.grad(cp_attention(*local, mask, plan, config=config), local, plan.shard(dout, rank))
@@ -49,12 +55,14 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
     start = time.perf_counter()
     out = cp_attention(*local, mask, plan, config=config)
     fwd_s = time.perf_counter() - start
-    stats = context_parallel.last_stats
     grads = torch.autograd.grad(out, local, plan.shard(dout, rank))
     total_s = time.perf_counter() - start
-    torch.save({"out": out.detach(), "grads": [g.detach() for g in grads], "fwd_s": fwd_s, "total_s": total_s,
-                "bytes_sent": stats.bytes_sent, "wait_s": stats.wait_s, "compute_local_s": stats.compute_local_s,
-                "compute_remote_s": stats.compute_remote_s}, Path(out_dir) / f"rank{rank}.pt")
+    fwd, bwd = context_parallel.last_forward_stats, context_parallel.last_backward_stats
+    record = {"fwd_s": fwd_s, "total_s": total_s, "saved_kv_bytes": fwd.saved_kv_bytes}
+    for prefix, stats in (("", fwd), ("bwd_", bwd)):
+        record |= {prefix + name: getattr(stats, name) for name in STAT_NAMES}
+    torch.save({"out": out.detach(), "grads": [g.detach() for g in grads], "record": record},
+               Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -72,7 +80,7 @@ def run_cp(cfg) -> dict:
         "head_dim": cfg.head_dim, "dtype": cfg.dtype, "seed": cfg.seed,
         "scheme": cfg.cp.scheme, "world_size": cfg.cp.world_size, "chunks_per_rank": cfg.cp.chunks_per_rank,
         "assignment": cfg.cp.assignment, "prune": cfg.cp.prune, "overlap": cfg.cp.overlap,
-        "ranks_per_node": cfg.cp.ranks_per_node,
+        "ranks_per_node": cfg.cp.ranks_per_node, "hold_remote_kv": bool(cfg.cp.get("hold_remote_kv", False)),
     }
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(plain, _free_port(), tmp), nprocs=plain["world_size"], join=True)
@@ -87,9 +95,8 @@ def run_cp(cfg) -> dict:
         errors[name] = float((full - ref_grads[i]).abs().max())
     return {
         "cp": {k: plain[k] for k in ("scheme", "world_size", "chunks_per_rank", "assignment", "prune", "overlap",
-                                     "ranks_per_node")},
+                                     "ranks_per_node", "hold_remote_kv")},
         "imbalance": imbalance(loads, plan.assignment),
-        "per_rank": [{k: r[k] for k in ("fwd_s", "total_s", "bytes_sent", "wait_s", "compute_local_s",
-                                        "compute_remote_s")} for r in ranks],
+        "per_rank": [r["record"] for r in ranks],
         "max_abs_err_vs_single_device": errors,
     }

@@ -25,21 +25,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmask3.bench import git_commit, progress, result_json  # noqa: E402
 from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan  # noqa: E402
-from flashmask3.distributed.context_parallel import _attend, _Layout  # noqa: E402
+from flashmask3.distributed.context_parallel import CPStats, _Layout, _LocalAttention  # noqa: E402
 from flashmask3.reference import masks  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def rank_seconds(q, held, layout, rank, scale, repeats: int) -> float:
+def rank_seconds(q, held, layout, rank, backend, scale, repeats: int) -> float:
     """Median seconds of one rank's local attention over all the chunks it needs."""
-    chunks = sorted(held)
-    _attend(q, chunks, held, layout, rank, scale, None)  # warm-up (compiles on first use)
+    attn = _LocalAttention(layout, rank, backend, scale, CPStats())
+    attn.forward(q, held, None, "compute")  # warm-up (compiles on first use)
     times = []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        _attend(q, chunks, held, layout, rank, scale, None)
+        attn.forward(q, held, None, "compute")
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) / 1e3)
@@ -77,7 +77,7 @@ def main() -> None:
                     q = plan.shard(q_all, rank)
                     held = {c: kv_all[:, :, c * args.chunk:(c + 1) * args.chunk]
                             for c in range(plan.num_chunks) if layout.needs[rank][c]}
-                    times.append(rank_seconds(q, held, layout, rank, scale, args.repeats))
+                    times.append(rank_seconds(q, held, layout, rank, args.backend, scale, args.repeats))
                 mean = sum(times) / world
                 row = {"mask": name, "ranks": world, "assignment": assignment, "rank_ms": [t * 1e3 for t in times],
                        "measured_imbalance": max(times) / mean, "modeled_imbalance": imbalance(loads, plan.assignment),
