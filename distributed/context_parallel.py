@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import socket
 import time
 import weakref
@@ -283,21 +284,24 @@ def _warm_up(group, device: torch.device) -> bool:
 
 def _check_node_layout(group, ranks_per_node: int) -> None:
     """Hierarchical routing relays inside blocks of `ranks_per_node` consecutive group ranks: check,
-    once per group, that each block runs on one host."""
+    once per group, that each block runs on one host (same host name and, where the launcher sets
+    LOCAL_RANK, distinct local ranks: containers on different nodes may share a host name)."""
     world = dist.get_world_size(group)
     if ranks_per_node >= world or ranks_per_node in _checked_node_layouts.get(_group_key(group), ()):
         return
     if world % ranks_per_node:
         raise ValueError(f"CPConfig(ranks_per_node={ranks_per_node}) must divide the group size {world}")
-    hosts: list = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    places: list = [None] * world
+    dist.all_gather_object(places, (socket.gethostname(), os.environ.get("LOCAL_RANK")), group=group)
     for first in range(0, world, ranks_per_node):
-        names = sorted(set(hosts[first:first + ranks_per_node]))
-        if len(names) > 1:
+        block = places[first:first + ranks_per_node]
+        hosts = sorted({host for host, _ in block})
+        local_ranks = [local for _, local in block if local is not None]
+        if len(hosts) > 1 or len(set(local_ranks)) < len(local_ranks):
             raise ValueError(
                 f"CPConfig(ranks_per_node={ranks_per_node}) treats group ranks {first}-{first + ranks_per_node - 1} "
-                f"as one node, but they run on hosts {names}; order the group's ranks by node or set "
-                f"ranks_per_node to the number of consecutive group ranks that share a host")
+                f"as one node, but they run on hosts {hosts} with local ranks {local_ranks}; order the group's "
+                f"ranks by node or set ranks_per_node to the number of consecutive group ranks that share a node")
     _checked_node_layouts.setdefault(_group_key(group), set()).add(ranks_per_node)
 
 

@@ -364,8 +364,11 @@ def _node_layouts(rank, world):
     mask, inputs, expected = single_device("document", 256)
     plan = make_plan(256, world, 2, "zigzag")
     outcomes = []
-    for ranks_per_node, host in ((3, "node0"), (2, f"node{rank % 2}"), (2, f"node{rank // 2}")):
+    for ranks_per_node, host, local_rank in ((3, "node0", None), (2, f"node{rank % 2}", None),
+                                             (2, "node0", rank // 2), (2, f"node{rank // 2}", rank % 2)):
         cp.socket.gethostname = lambda: host
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = str(local_rank)
         try:
             got = run_cp(rank, plan, mask, inputs, CPConfig(ranks_per_node=ranks_per_node))
             outcomes.append(max_error(rank, plan, got, expected))
@@ -375,9 +378,10 @@ def _node_layouts(rank, world):
 
 
 def test_hierarchical_routing_checks_that_consecutive_ranks_share_a_node(tmp_path):
-    for not_dividing, interleaved, by_node in run_ranks(tmp_path, 4, _node_layouts):
+    for not_dividing, interleaved, same_local_ranks, by_node in run_ranks(tmp_path, 4, _node_layouts):
         assert "CPConfig(ranks_per_node=3) must divide the group size 4" in not_dividing
         assert "group ranks 0-1 as one node, but they run on hosts ['node0', 'node1']" in interleaved
+        assert "ranks 0-1 as one node, but they run on hosts ['node0'] with local ranks ['0', '0']" in same_local_ranks
         assert by_node < 1e-10
 
 
