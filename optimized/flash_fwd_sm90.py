@@ -6,15 +6,15 @@ work tiles that its mask role draws (tile_scheduler.py). 3 warpgroups (4 with `q
     its key tiles from the per-key-block min/max of the mask and publishes a header with the work
     tile, then the key tiles not fully masked, each flagged PARTIAL or not, into a smem ring the
     other warps read.
-  - warpgroup 0, warp 0: producer. TMA-loads each work tile's Q once sQ is free, then K and V of
-    each listed key tile (K of tile j+1 before V of tile j) into a `num_stages`-deep mbarrier
-    pipeline that runs on across work tiles.
+  - warpgroup 0, warp 0: producer. TMA-loads each work tile's Q into one of two Q buffers, so the
+    next work tile's Q lands while this one runs, then K and V of each listed key tile (K of tile
+    j+1 before V of tile j) into a `num_stages`-deep mbarrier pipeline that runs on across work tiles.
   - warpgroups 1-2 (1-3): consumers, 64 query rows each, taking turns on the tensor cores
     (ping-pong). In one turn a warpgroup issues S_j = Q K_j^T (SS-WGMMA) and O += P_{j-1} V_{j-1}
     (RS-WGMMA, P stays in registers), then runs the softmax of S_j under its PV (FA3's intra-warpgroup
     overlap): the element mask only on tiles listed PARTIAL (their column bounds cp.async'd into smem
-    a tile ahead), online softmax in fp32. O leaves by stmatrix into sO and one TMA store, which
-    completes under the next work tile.
+    a tile ahead), online softmax in fp32. O leaves by stmatrix into the work tile's Q buffer (its
+    last S GEMM is done) and one TMA store, which completes under the next work tile.
 Skipped tiles cost neither loads nor MMAs. setmaxnreg moves registers from warpgroup 0 to the
 consumers.
 """
@@ -103,7 +103,8 @@ class FlashMaskForwardSm90:
     ):
         mQ, mK, mV, mO = (select_modes(assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mO))
         mLSE = select_modes(mLSE, [2, 1, 0])  # (Sq, Hq, B)
-        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim)
+        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, 2)  # two buffers: Q, then O
+        q_tile = cute.select(sQ_layout, mode=[0, 1])
         sKV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
         kv_tile = cute.select(sKV_layout, mode=[0, 1])
         tiled_mma_qk = sm90.make_trivial_tiled_mma(
@@ -116,12 +117,12 @@ class FlashMaskForwardSm90:
             a_source=warpgroup.OperandSource.RMEM,
         )
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.head_dim))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, self.head_dim), 1)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, kv_tile, (self.tile_n, self.head_dim), 1)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, kv_tile, (self.tile_n, self.head_dim), 1)
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim))
-        q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, q_tile, (self.tile_m, self.head_dim))
+        q_bytes = cute.size_in_bytes(self.dtype, q_tile)
         kv_bytes = cute.size_in_bytes(self.dtype, kv_tile)
         # (key in tile, boundary, buffer, warpgroup): each warpgroup alternates two tiles' bounds.
         w = self.mask_width
@@ -130,13 +131,12 @@ class FlashMaskForwardSm90:
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
             tile_ring: cute.struct.MemRange[Int32, TileList.slots]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             if const_expr(self.bounds_prefetch):  # per warpgroup, two tiles' column bounds
@@ -191,7 +191,8 @@ class FlashMaskForwardSm90:
 
         storage = SmemAllocator().allocate(SharedStorage)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
-        pipe_q = tma_pipeline(storage.mbar_q, 1, q_bytes, consumer_warps)
+        # A Q buffer is free once the TMA store of the O staged in it has read it: one thread knows.
+        pipe_q = tma_pipeline(storage.mbar_q, 2, q_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1))
         pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, kv_bytes, consumer_warps)
         pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, kv_bytes, consumer_warps)
         tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
@@ -201,7 +202,6 @@ class FlashMaskForwardSm90:
         cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sBounds = storage.sBounds.get_tensor(bounds_layout) if const_expr(self.bounds_prefetch) else None
@@ -219,7 +219,7 @@ class FlashMaskForwardSm90:
                                 self.mask_width, self.skip_tiles, timeline)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(tma_o, mO, mLSE, mRowIndices, sQ, sO, sK, transpose_view(sV), sBounds, tiled_mma_qk,
+            self.consume(tma_o, mO, mLSE, mRowIndices, sQ, sK, transpose_view(sV), sBounds, tiled_mma_qk,
                          tiled_mma_pv, pipe_q, pipe_k, pipe_v, tidx - 128, scale_log2, work_tiles, heads, tile_list,
                          seqlen_q, seqlen_k, timeline)
 
@@ -234,7 +234,7 @@ class FlashMaskForwardSm90:
              qheads_per_kvhead, tile_list, timeline):
         """Producer warp: per work tile, Q once sQ is free, then K and V of every listed key tile, K of
         tile j+1 before V of tile j (a turn of the consumers' loop needs both)."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         position = Int32(0)
@@ -250,7 +250,7 @@ class FlashMaskForwardSm90:
             tKsK, tKgK = tma_tiles(tma_k, sK, gK)
             tVsV, tVgV = tma_tiles(tma_v, sV, gV)
             pipe_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            cute.copy(tma_q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             if cute.arch.lane_idx() == 0:
                 timeline.record(tiles_done, Event.Q_ISSUED)
             q_state.advance()
@@ -284,7 +284,7 @@ class FlashMaskForwardSm90:
                   tma_bar_ptr=pipe.producer_get_barrier(state))
 
     @cute.jit
-    def consume(self, tma_o, mO, mLSE, mRowIndices, sQ, sO, sK, sVt, sBounds, tiled_mma_qk, tiled_mma_pv, pipe_q,
+    def consume(self, tma_o, mO, mLSE, mRowIndices, sQ, sK, sVt, sBounds, tiled_mma_qk, tiled_mma_pv, pipe_q,
                 pipe_k, pipe_v, tidx, scale_log2, work_tiles, heads, tile_list, seqlen_q, seqlen_k, timeline):
         """Consumer warpgroups: per work tile, the masked online-softmax main loop and the epilogue.
         `sBounds` is the smem for `bounds_prefetch` (or None)."""
@@ -308,7 +308,7 @@ class FlashMaskForwardSm90:
         if const_expr(self.bounds_prefetch):
             bounds = (sBounds[None, None, None, wg], tidx % 128, wg)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # Ping-pong: the warpgroups take turns on the tensor cores (PV of one tile and QK of the
@@ -333,37 +333,42 @@ class FlashMaskForwardSm90:
             self.begin_turn(wg)
             if tidx == 0:
                 timeline.record(tiles_done, Event.LOOP_START)
+            # The other Q buffer holds the previous work tile's O until its store has read it.
+            previous_q = pipeline.PipelineState(2, q_state.count, 1 - q_state.index, q_state.phase)
+            free_previous_q = (pipe_q, previous_q, tiles_done > 0 and tidx == 0)
             k_state, v_state, position = self.overlapped_loop(
-                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max, row_sum, pipe_q,
-                q_state, pipe_k, pipe_v, k_state, v_state, wg, scale_log2, tile_list, position + 1, mask_args,
-                bounds)
-            q_state.advance()
+                tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_state.index], tSrK, tOrV, tOrP, acc_O,
+                s_shape, row_max, row_sum, free_previous_q, pipe_k, pipe_v, k_state, v_state, wg, scale_log2,
+                tile_list, position + 1, mask_args, bounds)
             if tidx == 0:
                 timeline.record(tiles_done, Event.LOOP_END)
             lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2)
-            self.store(acc_O, lse, tiled_mma_pv, thr_pv, sO, tma_o, mO, mLSE, m_block, head, batch, seqlen_q, tidx)
+            self.store(acc_O, lse, tiled_mma_pv, thr_pv, sQ[None, None, q_state.index], tma_o, mO, mLSE, m_block,
+                       head, batch, seqlen_q, tidx)
+            q_state.advance()
             if tidx == 0:
                 timeline.record(tiles_done, Event.STORED)
             tiles_done += 1
             work = tile_list.read(position)
         if tidx == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the last store has read it
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem stays valid until the last store has read it
 
     @cute.jit
     def overlapped_loop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max, row_sum,
-                        pipe_q, q_state, pipe_k, pipe_v, k_state, v_state, wg, scale_log2, tile_list, position,
+                        free_previous_q, pipe_k, pipe_v, k_state, v_state, wg, scale_log2, tile_list, position,
                         mask_args, bounds):
         """One work tile's main loop, from its first list entry at `position`, with intra-warpgroup
         overlap (FA3): in one turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while its PV runs, and rescales
         O once the PV is done; the next list entry is read and its bounds' cp.async started under the
-        GEMMs. Entered inside the warpgroup's first turn; releases sQ after the last S GEMM. Returns
-        the K and V pipeline states and the position after the list's END_OF_LIST.
+        GEMMs. Entered inside the warpgroup's first turn; once its first S GEMM is in flight, frees the
+        previous work tile's Q buffer (`free_previous_q`: the pipeline, that buffer's state, and whether
+        this thread does it). Returns the K and V pipeline states and the position after END_OF_LIST.
         `bounds`: (smem buffers, lane, warpgroup) with `bounds_prefetch`, else None."""
         entry = tile_list.read(position)
         if entry != END_OF_LIST:
             self.prefetch_bounds(bounds, entry, position, mask_args)
-            acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg)
+            acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg, free_previous_q)
             k_state.advance()
             self.mask_scores(acc_S, entry, position, bounds, *mask_args)
             softmax_rescore(acc_S, row_max, row_sum, scale_log2)  # O is still zero: nothing to rescale
@@ -393,7 +398,6 @@ class FlashMaskForwardSm90:
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 position += 1
                 entry = next_entry
-            pipe_q.consumer_release(q_state)  # the last S GEMM is done: the next work tile's Q may come
             pipe_v.consumer_wait(v_state)
             self.begin_turn(wg)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
@@ -402,21 +406,30 @@ class FlashMaskForwardSm90:
             pipe_v.consumer_release(v_state)
             v_state.advance()
         else:
-            pipe_q.consumer_release(q_state)
             self.end_turn(wg)  # no key tile: hand over the (empty) first turn
+            self.free_q(*free_previous_q)
         return k_state, v_state, position + 1
 
     @cute.jit
-    def scores_alone(self, tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, state, wg) -> cute.Tensor:
+    def scores_alone(self, tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, state, wg, free_previous_q) -> cute.Tensor:
         """S = Q K^T of the key tile in `state`'s stage as the turn's only GEMM: hand the turn over,
-        wait for S, release the K stage."""
+        free the previous Q buffer under the GEMM, wait for S, release the K stage."""
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         pipe_k.consumer_wait(state)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
         self.end_turn(wg)
+        self.free_q(*free_previous_q)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(state)
         return acc_S
+
+    @cute.jit
+    def free_q(self, pipe_q, q_state, this_thread):
+        """Release the Q buffer of `q_state` once the TMA store of the O staged in it (issued by this
+        thread, the epilogue's) has read it."""
+        if this_thread:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            pipe_q.consumer_release(q_state)
 
     @cute.jit
     def prefetch_bounds(self, bounds, entry, position, mask_args):
@@ -469,12 +482,12 @@ class FlashMaskForwardSm90:
 
     @cute.jit
     def store(self, acc_O, lse, tiled_mma_pv, thr_pv, sO, tma_o, mO, mLSE, m_block, head, batch, seqlen_q, tidx):
-        """Epilogue: O into sO by stmatrix, then one TMA store of the tile, which leaves out rows past
-        seqlen_q and completes under the next work tile; the LSE by the threads holding column 0."""
+        """Epilogue: O into `sO` (the work tile's Q buffer) by stmatrix, then one TMA store of the tile,
+        which leaves out rows past seqlen_q and completes under the next work tile; the LSE by the
+        threads holding column 0."""
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        if tidx == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous work tile's store has read sO
+        # Every consumer warpgroup's last S GEMM (the readers of this Q buffer) is done.
         cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
         st_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_pv)
