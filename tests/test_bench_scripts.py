@@ -313,7 +313,7 @@ def test_interleaved_timing_drops_a_contender_that_raises_and_keeps_its_error(mo
 
 
 def test_device_steps_runs_each_step_under_its_limit_and_logs_it(tmp_path):
-    """`scripts/device_steps.sh` (the H200 call's wrapper): a log per step under $OUT, and a line per
+    """`tools/device_steps.sh` (the H200 call's wrapper): a log per step under $OUT, and a line per
     step with its exit status; a step past its limit is stopped (status 124) and the next one runs."""
     import subprocess
 
@@ -321,7 +321,7 @@ def test_device_steps_runs_each_step_under_its_limit_and_logs_it(tmp_path):
     steps.write_text("step 5 hello echo hi\nstep 1 slow sleep 10\nstep 5 after echo still\n")
     out = tmp_path / "out"
     out.mkdir()
-    script = Path(__file__).resolve().parents[1] / "scripts" / "device_steps.sh"
+    script = Path(__file__).resolve().parents[1] / "tools" / "device_steps.sh"
     result = subprocess.run(["bash", str(script), str(steps)], cwd=tmp_path, capture_output=True, text=True,
                             env={"PATH": "/usr/bin:/bin", "COMMIT": "abc1234", "OUT": str(out)}, timeout=60)
     status = (out / "steps.txt").read_text().splitlines()

@@ -182,7 +182,6 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
     nvdisasm = next((c for c in candidates if c.exists()), None)
     if nvdisasm is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import sass_path
 
     summaries = {}

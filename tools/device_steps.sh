@@ -3,14 +3,14 @@
 # as `step SECONDS NAME COMMAND...`, each under its own time limit with its log under $OUT, the
 # logs' tails and a line per step last. The device copy has no .git: pass the commit.
 #
-#   COMMIT=$(git rev-parse --short HEAD) bash scripts/device_steps.sh steps.txt
+#   COMMIT=$(git rev-parse --short HEAD) bash tools/device_steps.sh steps.txt
 #
 # steps.txt, e.g.:
 #   step 60 fwd_check python scripts/bench_fwd.py check
 #   step 200 fwd_ablate python scripts/bench_fwd.py ablate --masks full,causal --variants tree_max=true
 #   step 110 ncu_bwd $NCU --clock-control none -k regex:FlashMaskBackward -c 1 --section SpeedOfLight python scripts/bench_bwd.py profile --masks full
 set -u
-steps=${1:?usage: COMMIT=<sha> bash scripts/device_steps.sh STEPS_FILE}
+steps=${1:?usage: COMMIT=<sha> bash tools/device_steps.sh STEPS_FILE}
 bash .dsl/dsl-env.sh >/dev/null
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
 export FLASHMASK3_COMMIT=${COMMIT:?set COMMIT to the commit being run}

@@ -3,7 +3,7 @@
     $NCU --clock-control none -k regex:FlashMaskForward -c 1 --section SourceCounters \\
         --section WarpStateStats --page source --print-source sass --csv \\
         python scripts/bench_fwd.py ablate --seqlens 8192 --masks full > ncu.csv
-    python scripts/ncu_source_summary.py ncu.csv [--top 16] [--lines kernel.sass [--outside]]
+    python tools/ncu_source_summary.py ncu.csv [--top 16] [--lines kernel.sass [--outside]]
 
 The CSV (~0.6 MB) is not worth committing; this summary is. The hot loop is found as the
 loop whose body holds the most samples (the consumers' per-tile or per-step loop); its share of

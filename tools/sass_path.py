@@ -4,8 +4,8 @@
         "from flashmask3.optimized import compile_check; compile_check('bf16', 128, False, 2)"
     ptxas -arch=sm_90a /tmp/k/*FlashMaskForward*.ptx -o /tmp/k.cubin   # (lower the PTX .version to
     nvdisasm -c /tmp/k.cubin > ours.sass                                 #  what this ptxas takes)
-    python scripts/sass_path.py ours.sass                  # the hot loop's basic blocks
-    python scripts/sass_path.py ours.sass --path L_x_39,L_x_248 [--against fa4.sass --against-path ...]
+    python tools/sass_path.py ours.sass                  # the hot loop's basic blocks
+    python tools/sass_path.py ours.sass --path L_x_39,L_x_248 [--against fa4.sass --against-path ...]
 
 Without `--path`: the loop (a backward branch) holding the most MUFU and HGMMA instructions, first
 its size and whether ptxas serialized its WGMMAs (an arrive per HGMMA), then block by block: its
