@@ -64,32 +64,32 @@ def _per_column(lengths: list[int], per_doc: np.ndarray) -> np.ndarray:
     return np.repeat(per_doc, lengths)
 
 
-def _full(S, rng, **_):
+def _full(S, rng):
     return [np.full(S, S), np.zeros(S, np.int64)], False
 
 
-def _causal(S, rng, **_):
+def _causal(S, rng):
     return [np.full(S, S)], True
 
 
-def _sliding_window(S, rng, window=None, **_):
-    w = window or max(1, S // 16)
+def _sliding_window(S, rng, window=None):
+    w = window if window is not None else max(1, S // 16)
     return [np.minimum(np.arange(S) + w, S)], True
 
 
-def _causal_document(S, rng, num_docs=None, **_):
+def _causal_document(S, rng, num_docs=None):
     lengths = sample_docs(rng, S, num_docs)
     _, ends = _starts_ends(lengths)
     return [_per_column(lengths, ends)], True
 
 
-def _document(S, rng, num_docs=None, **_):
+def _document(S, rng, num_docs=None):
     lengths = sample_docs(rng, S, num_docs)
     starts, ends = _starts_ends(lengths)
     return [_per_column(lengths, ends), _per_column(lengths, starts)], False
 
 
-def _share_question(S, rng, num_docs=None, **_):
+def _share_question(S, rng, num_docs=None):
     lts, doc_start = [], 0
     for length in sample_docs(rng, S, num_docs):
         doc_end = doc_start + length
@@ -103,8 +103,8 @@ def _share_question(S, rng, num_docs=None, **_):
     return [np.concatenate(lts)], True
 
 
-def _global_sliding_window(S, rng, window=None, global_tokens=16, **_):
-    w = window or max(1, S // 16)
+def _global_sliding_window(S, rng, window=None, global_tokens=16):
+    w = window if window is not None else max(1, S // 16)
     g = global_tokens
     j = np.arange(S)
     lts = np.minimum(j + w + 1, S)
@@ -117,7 +117,7 @@ def _global_sliding_window(S, rng, window=None, global_tokens=16, **_):
     return [lts, lte, uts, ute], False
 
 
-def _causal_blockwise(S, rng, num_docs=None, **_):
+def _causal_blockwise(S, rng, num_docs=None):
     lengths = sample_docs(rng, S, num_docs)
     starts, ends = _starts_ends(lengths)
     last_start = starts[-1]
@@ -126,7 +126,7 @@ def _causal_blockwise(S, rng, num_docs=None, **_):
     return [lts, lte], True
 
 
-def _prefix_lm_document(S, rng, num_docs=None, **_):
+def _prefix_lm_document(S, rng, num_docs=None):
     lengths = sample_docs(rng, S, num_docs)
     starts, ends = _starts_ends(lengths)
     prefix = np.asarray([int(rng.integers(1, n + 1)) for n in lengths])
@@ -136,13 +136,13 @@ def _prefix_lm_document(S, rng, num_docs=None, **_):
     return [_per_column(lengths, ends), ute], False
 
 
-def _prefix_lm_causal(S, rng, prefix=None, **_):
+def _prefix_lm_causal(S, rng, prefix=None):
     p = prefix if prefix is not None else S // 2
     j = np.arange(S)
     return [np.full(S, S), np.where(j < p, 0, j)], False
 
 
-def _qk_sparse(S, rng, num_docs=None, **_):
+def _qk_sparse(S, rng, num_docs=None):
     lengths = sample_docs(rng, S, num_docs)
     starts, ends = _starts_ends(lengths)
     flags = rng.random(len(lengths)) < 0.5
@@ -156,7 +156,7 @@ def _qk_sparse(S, rng, num_docs=None, **_):
     return [lts, lte], True
 
 
-def _random_eviction(S, rng, evict_start=None, **_):
+def _random_eviction(S, rng, evict_start=None):
     r = evict_start if evict_start is not None else S // 2
     lts = np.full(S, S)
     chosen = rng.choice(S - 1, size=S - r, replace=False) if S > 1 else np.zeros(0, np.int64)
@@ -181,6 +181,32 @@ _BUILDERS: dict[str, Callable] = {
 _PER_HEAD = {"random_eviction"}
 
 
+def _accepted_params(name: str, seqlen: int) -> dict[str, tuple[int, int | None]]:
+    """The parameters mask `name` takes, each with its smallest and largest value (None: no limit)."""
+    docs = {"num_docs": (1, seqlen)}  # every document holds at least one token
+    return {
+        "full": {},
+        "causal": {},
+        "sliding_window": {"window": (1, None)},  # window 0 would hide every key; past S: causal
+        "causal_document": docs,
+        "document": docs,
+        "share_question": docs,
+        "global_sliding_window": {"window": (0, None), "global_tokens": (0, None)},
+        "causal_blockwise": docs,
+        "prefix_lm_document": docs,
+        "prefix_lm_causal": {"prefix": (0, seqlen)},
+        "qk_sparse": docs,
+        "random_eviction": {"evict_start": (1, seqlen)},  # a key per row from there, of the first S - 1
+    }[name]
+
+
+def _check_int(what: str, value: object, low: int, high: int | None = None) -> None:
+    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if not is_int or value < low or (high is not None and value > high):
+        accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{what} must be an int {accepted}, got {value!r}")
+
+
 def build(
     name: str,
     seqlen: int,
@@ -193,13 +219,32 @@ def build(
     """Build benchmark mask `name` for Sq = Sk = `seqlen`.
 
     Every batch element gets its own document sample; `random_eviction` also differs per head
-    (mask heads = `heads`), the others have one mask head. Parameters: `num_docs`, `window`,
-    `global_tokens`, `prefix`, `evict_start`, where the mask uses them.
+    (mask heads = `heads`), the others have one mask head. Parameters, each only for the masks
+    that use it (None or absent: the paper's default):
+
+    - `num_docs` in [1, seqlen] (document masks; default sampled, 3-7 at <= 8K tokens, ...);
+    - `window`: >= 1 for `sliding_window`, >= 0 for `global_sliding_window` (default seqlen/16);
+    - `global_tokens` >= 0 (`global_sliding_window`, default 16);
+    - `prefix` in [0, seqlen] (`prefix_lm_causal`, default seqlen/2);
+    - `evict_start` in [1, seqlen] (`random_eviction`, default seqlen/2).
+
+    Any other name, or a value out of its range, is a ValueError naming it.
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown mask name {name!r}; accepted: {', '.join(MASK_NAMES)}")
     if not isinstance(seqlen, int) or seqlen < 2:
         raise ValueError(f"seqlen must be an int >= 2, got {seqlen!r}")
+    _check_int("batch", batch, 1)
+    _check_int("heads", heads, 1)
+    _check_int("seed", seed, 0)
+    accepted = _accepted_params(name, seqlen)
+    params = {key: value for key, value in params.items() if value is not None}
+    for key, value in params.items():
+        if key not in accepted:
+            raise ValueError(
+                f"mask {name!r} takes no parameter {key!r}; its parameters: {', '.join(accepted) or 'none'}"
+            )
+        _check_int(f"{key} (mask {name!r}, seqlen {seqlen})", value, *accepted[key])
     mask_heads = heads if name in _PER_HEAD else 1
     rows, causal = [], True
     for b in range(batch):
