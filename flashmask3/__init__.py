@@ -8,15 +8,7 @@
     out = fm.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, causal=True)
 """
 
-import os as _os
-
-# In a source checkout the subpackages live in top-level folders (reference/, optimized/, ...);
-# an installed wheel maps them into this package. Make both layouts importable.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "reference", "mask.py")) and _root not in __path__:
-    __path__.append(_root)
-
-from .api import BACKENDS, attention, varlen_attention  # noqa: E402
-from .reference import ColumnMask, masks  # noqa: E402
+from .api import BACKENDS, attention, varlen_attention
+from .reference import ColumnMask, masks
 
 __all__ = ["attention", "varlen_attention", "ColumnMask", "masks", "BACKENDS"]

@@ -23,24 +23,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flashmask3 as fm
+from flashmask3 import bench_peers
+from flashmask3.bench import attention_flops, progress
+from flashmask3.optimized import compile_seconds, kernel_options
+from flashmask3.optimized.interface import backward as cute_backward
+from flashmask3.optimized.interface import forward as cute_forward
+from flashmask3.reference import ColumnMask, masks
+from flashmask3.verify import compare, random_inputs
 
-import flashmask3 as fm  # noqa: E402
-from flashmask3 import bench_peers  # noqa: E402
-from flashmask3.bench import attention_flops, progress  # noqa: E402
-from flashmask3.optimized import compile_seconds, kernel_options  # noqa: E402
-from flashmask3.optimized.interface import backward as cute_backward  # noqa: E402
-from flashmask3.optimized.interface import forward as cute_forward  # noqa: E402
-from flashmask3.reference import ColumnMask, masks  # noqa: E402
-from flashmask3.verify import compare, random_inputs  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd import (  # noqa: E402
+from bench_fwd import (
     ablation_table, add_common_arguments, add_peers_argument, add_row, bench_table, new_record, record_times,
     run_ablation, run_check, variant_overrides)
 

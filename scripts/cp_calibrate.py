@@ -21,12 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flashmask3.bench import git_commit, result_json  # noqa: E402
-from flashmask3.distributed import CPConfig, chunk_loads, make_plan  # noqa: E402
-from flashmask3.distributed.context_parallel import _Layout  # noqa: E402
-from flashmask3.reference import masks  # noqa: E402
+from flashmask3.bench import git_commit, result_json
+from flashmask3.distributed import CPConfig, chunk_loads, make_plan
+from flashmask3.distributed.context_parallel import _Layout
+from flashmask3.reference import masks
 
 
 def rank_features(row: dict, tokens_per_rank: int, chunk: int) -> np.ndarray:

@@ -21,12 +21,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flashmask3.bench import git_commit, progress, result_json  # noqa: E402
-from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan  # noqa: E402
-from flashmask3.distributed.context_parallel import CPStats, _Layout, _LocalAttention  # noqa: E402
-from flashmask3.reference import masks  # noqa: E402
+from flashmask3.bench import git_commit, progress, result_json
+from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan
+from flashmask3.distributed.context_parallel import CPStats, _Layout, _LocalAttention
+from flashmask3.reference import masks
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

@@ -22,13 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan  # noqa: E402
-from flashmask3.distributed.context_parallel import _Layout  # noqa: E402
-from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict  # noqa: E402
-from flashmask3.bench import git_commit, progress, result_json  # noqa: E402
-from flashmask3.reference import masks  # noqa: E402
+from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan
+from flashmask3.distributed.context_parallel import _Layout
+from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
+from flashmask3.bench import git_commit, progress, result_json
+from flashmask3.reference import masks
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
 

@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_fwd import add_common_arguments, fa4_fn, new_record
 
-from bench_fwd import add_common_arguments, fa4_fn, new_record  # noqa: E402
-
-from flashmask3 import attention  # noqa: E402
-from flashmask3.bench import interleaved_ms  # noqa: E402
-from flashmask3.optimized import kernel_options  # noqa: E402
-from flashmask3.optimized.interface import forward as cute_forward, forward_tile_rows  # noqa: E402
-from flashmask3.verify import random_inputs  # noqa: E402
+from flashmask3 import attention
+from flashmask3.bench import interleaved_ms
+from flashmask3.optimized import kernel_options
+from flashmask3.optimized.interface import forward as cute_forward, forward_tile_rows
+from flashmask3.verify import random_inputs
 
 TOKENS, TILE_N, SMS = 131072, 128, 132
 

@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import flashmask3 as fm  # noqa: E402
-from flashmask3.reference import ColumnMask  # noqa: E402
+import flashmask3 as fm
+from flashmask3.reference import ColumnMask
 
 
 class Block(nn.Module):

@@ -1,14 +1,12 @@
 """The H200 bench scripts' option parsing and plumbing (CPU)."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench_fwd  # noqa: E402
+import bench_fwd  # scripts/, on pytest's pythonpath
 
-from flashmask3 import bench, bench_peers  # noqa: E402
+from flashmask3 import bench, bench_peers
 
 
 def test_kernel_overrides_are_typed_like_the_kernel_options():

@@ -1,13 +1,9 @@
 """The timeline script's reading of the forward's event stamps (CPU, a hand-made buffer)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import timeline  # noqa: E402
+import timeline  # scripts/, on pytest's pythonpath
 
 
 def test_work_tiles_are_read_per_cta_and_summarized():

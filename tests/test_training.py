@@ -1,14 +1,9 @@
 """A tiny transformer trains on packed documents; backends give the same loss curve."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import train_tiny  # noqa: E402
+import train_tiny  # scripts/, on pytest's pythonpath
 
 
 def test_reference_training_matches_sdpa_and_learns():

@@ -12,7 +12,9 @@
 set -u
 steps=${1:?usage: COMMIT=<sha> bash tools/device_steps.sh STEPS_FILE}
 bash .dsl/dsl-env.sh >/dev/null
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
+# The copy is not pip-installed: import the package from a link tree of its installed layout.
+python3 "$(dirname "$0")/package_tree.py" build/package >/dev/null
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/build/package PYTHONUNBUFFERED=1
 export FLASHMASK3_COMMIT=${COMMIT:?set COMMIT to the commit being run}
 OUT=${OUT:-bench/results}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
