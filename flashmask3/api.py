@@ -56,7 +56,9 @@ def attention(
 
     Returns:
         out [B, Sq, Hq, D] in q's dtype (and lse if asked). Softmax runs in fp32. A query row that
-        sees no key gives out = 0 and lse = -inf (never NaN), and zero gradients.
+        sees no key gives out = 0 and lse = -inf (never NaN), and zero gradients; so does every
+        row when Sk = 0, on any backend. B = 0 or Sq = 0 gives empty results; 0 heads or head dim
+        0 is a ValueError.
     """
     _check_inputs(q, k, v)
     b, sq, hq, d = q.shape
@@ -70,6 +72,11 @@ def attention(
             f"says which keys each query sees (got a mask and causal={causal}, window_size={window})"
         )
     if mask is not None:
+        if isinstance(mask, torch.Tensor):
+            raise TypeError(
+                f"mask must be a ColumnMask or None, got a {mask.dtype} tensor of shape {tuple(mask.shape)}; "
+                "convert a dense bool mask (True = attend) with ColumnMask.from_dense(mask)"
+            )
         if not isinstance(mask, ColumnMask):
             raise TypeError(f"mask must be a ColumnMask or None, got {type(mask).__name__}")
         mask.check_compatible(b, hq, hkv, sq, sk)
@@ -77,6 +84,10 @@ def attention(
             mask = mask.to(q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
+    if sk == 0 and backend in BACKENDS:
+        # No key at all: every row sees nothing (out 0, lse -inf) on any backend. The reference
+        # answers it without reducing over an empty key axis, as the others would.
+        backend = "reference"
     if backend == "auto":
         backend = _auto_backend(q, k)
     if backend == "reference":
@@ -205,6 +216,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name} dtype must be one of bf16, fp16, fp32, fp64, got {t.dtype}")
+        if t.shape[2] == 0:
+            raise ValueError(f"{name} heads (H of [B, S, H, D]) must be >= 1, got shape {tuple(t.shape)}")
+        if t.shape[3] == 0:
+            raise ValueError(f"{name} head dim (D of [B, S, H, D]) must be >= 1, got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):

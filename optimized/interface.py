@@ -286,6 +286,13 @@ def cute_attention(
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     reason = unsupported_reason(q, k)
+    if reason and q.is_cuda and torch.cuda.get_device_capability(q.device) != (9, 0):
+        # The GPU, not an argument, is what the kernel cannot take: the error type torch raises
+        # for an operator with no kernel for a device.
+        major, minor = torch.cuda.get_device_capability(q.device)
+        raise NotImplementedError(
+            f"{reason}, compute capability {major}.{minor} (sm_{major}{minor}); backend='auto' falls back to flex"
+        )
     if reason:
         raise ValueError(reason)
     return CuteAttention.apply(q, k, v, mask, softmax_scale, deterministic)

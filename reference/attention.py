@@ -32,7 +32,8 @@ class _Plan:
         chunk = max(KEY_BLOCK, min(rows, QUERY_CHUNK))
         self.chunks = []
         if mask is None:
-            self.chunks = [(slice(s, min(s + chunk, sq)), slice(0, sk), False) for s in range(0, sq, chunk)]
+            if sk:  # with no key, no row sees anything: no chunk to compute
+                self.chunks = [(slice(s, min(s + chunk, sq)), slice(0, sk), False) for s in range(0, sq, chunk)]
             return
         classes = mask.block_classes(chunk, KEY_BLOCK).classes.to("cpu")
         for t, s in enumerate(range(0, sq, chunk)):

@@ -191,7 +191,7 @@ class MaskConstructors:
     def _from_vectors(cls, vectors: list[torch.Tensor], causal: bool, seqlen_q: int | None = None) -> ColumnMask:
         """The mask of boundary vectors [Sk] or [B, Sk] (valid by construction); Sq = Sk by default."""
         idx = torch.stack(vectors, dim=-1).to(torch.int32)
-        idx = idx.view(-1, 1, *idx.shape[-2:]).contiguous()
+        idx = idx.reshape(idx.shape[:-2].numel(), 1, *idx.shape[-2:])  # not view(-1, ...): Sk may be 0
         return cls._unchecked(idx, causal, idx.shape[-2] if seqlen_q is None else seqlen_q)
 
 

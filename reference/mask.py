@@ -151,12 +151,11 @@ class ColumnMask(MaskConstructors):
         if self.seqlen_k != seqlen_k:
             raise ValueError(f"startend_row_indices has Sk={self.seqlen_k} but k has seqlen {seqlen_k}")
         if self.batch not in (1, batch):
-            raise ValueError(f"startend_row_indices batch dim must be 1 or {batch}, got {self.batch}")
+            accepted = _one_of({1: "", batch: "q's batch size"})
+            raise ValueError(f"startend_row_indices batch dim must be {accepted}, got {self.batch}")
         if self.heads not in (1, heads_kv, heads_q):
-            raise ValueError(
-                f"startend_row_indices head dim must be 1, {heads_kv} (kv heads) or {heads_q} (q heads), "
-                f"got {self.heads}"
-            )
+            accepted = _one_of({1: "", heads_kv: "kv heads", heads_q: "q heads"})
+            raise ValueError(f"startend_row_indices head dim must be {accepted}, got {self.heads}")
 
     # -- semantics ------------------------------------------------------------------------------
     def intervals(self) -> Intervals:
@@ -317,6 +316,13 @@ class ColumnMask(MaskConstructors):
         mask = _convert(attend, batch, heads, seqlen_q, seqlen_k, causal, device)
         idx = mask.startend_row_indices.expand(batch, heads, -1, -1).contiguous()
         return ColumnMask._unchecked(idx, mask.causal, seqlen_q)
+
+
+def _one_of(counts: dict[int, str]) -> str:
+    """'1', '1 or 4 (q heads)', '1, 2 (kv heads) or 4 (q heads)': each accepted count once (equal
+    counts share a key), 1 (broadcast) unlabelled."""
+    items = [f"{n} ({what})" if n != 1 else "1" for n, what in counts.items()]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
 _CHUNK_ELEMENTS = 1 << 22
