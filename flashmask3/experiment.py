@@ -30,10 +30,15 @@ def run_experiment(cfg: DictConfig) -> dict:
     """Run the experiment `cfg` describes, print a summary and return (and write) its record."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={cfg.device}, but torch {torch.__version__} sees no CUDA GPU: on the CPU use backend=reference, "
+            "sdpa or flex with device=cpu (backend=cute and backend=flex_cuda set device=cuda)"
+        )
     if cfg.cp.scheme != "none":
         return _run_cp_experiment(cfg)
     dtype, device = DTYPES[cfg.dtype], cfg.device
-    params = {k: v for k, v in OmegaConf.to_container(cfg.mask.params).items() if v is not None}
+    params = OmegaConf.to_container(cfg.mask.params)  # None: the mask's default
     mask = masks.build(cfg.mask.name, cfg.seqlen, cfg.batch, cfg.heads, cfg.seed, device, **params)
     classes = mask.block_classes(128, 128)
     density = mask.density()
@@ -136,13 +141,18 @@ def _print_summary(rec: dict) -> None:
     )
     t = rec["tiles_128"]
     print(f"density {rec['density']:.4f}  tiles 128x128: skip {t['skip']} partial {t['partial']} unmasked {t['unmasked']}")
-    line = f"fwd {rec['fwd_ms']:.2f} ms ({rec['fwd_tflops']:.3f} TFLOP/s)"
+    line = f"fwd {rec['fwd_ms']:.2f} ms ({_rate(rec['fwd_tflops'])})"
     if "fwd_bwd_ms" in rec:
-        line += f"  fwd+bwd {rec['fwd_bwd_ms']:.2f} ms ({rec['fwd_bwd_tflops']:.3f} TFLOP/s)"
+        line += f"  fwd+bwd {rec['fwd_bwd_ms']:.2f} ms ({_rate(rec['fwd_bwd_tflops'])})"
     print(line)
     for key, errs in rec.items():
         if key.startswith("max_abs_err_vs_"):
             print(f"max abs error vs {key[15:]} (fp64): " + "  ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+
+
+def _rate(tflops: float) -> str:
+    """TFLOP/s as GPUs reach them; GFLOP/s below 1 TFLOP/s (CPU runs), where 3 decimals show 0."""
+    return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.3g} GFLOP/s"
 
 
 def _write(record: dict, cfg: DictConfig) -> None:
@@ -153,6 +163,7 @@ def _write(record: dict, cfg: DictConfig) -> None:
     path = out_dir / name
     path.write_text(json.dumps(record, indent=1))
     record["path"] = str(path)
+    print(f"record: {path}")
     wandb_cfg = cfg.logging.wandb
     if wandb_cfg.enabled:
         _log_wandb(record, wandb_cfg, out_dir)

@@ -10,14 +10,13 @@ plain all-gather and ring send every chunk to every other rank, the mask-aware a
 the chunks a receiver's queries can see. With --model, also the cost model's predicted forward
 TFLOP/s per GPU of each scheme (distributed/cost_model.py: a model, not a measurement; 32 query
 heads, balanced plan for mask_aware, zigzag for ring and all-gather). Writes JSON to
-bench/results/ (or $OUT), prints a table.
+runs/cp_report_<K>k_per_rank.json (or --out; the committed one is bench/results/), prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -51,7 +50,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
     parser.add_argument("--model", action="store_true", help="add the cost model's predictions")
+    parser.add_argument("--out", type=Path, help="the JSON file (default runs/cp_report_<K>k_per_rank.json)")
     args = parser.parse_args()
+    out = args.out or Path("runs") / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json"
     rows = []
     for world in (int(r) for r in args.ranks.split(",")):
         seqlen = world * args.tokens_per_rank
@@ -75,13 +76,12 @@ def main() -> None:
                 row.update(modeled(mask, seqlen, world, per_rank, loads))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out_dir = Path(os.environ.get("OUT", "bench/results"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "rows": rows}
     if args.model:
         result["model"] = {"kind": "cost model, not a measurement", "hardware": Hardware().__dict__,
                            "mask_aware_rank_time": RankTimeFit().__dict__}
-    (out_dir / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json").write_text(result_json(result))
+    out.write_text(result_json(result))
     model = " model TFLOP/s/GPU: mask-aware ring allgather" if args.model else ""
     print(f"{'mask':24s} {'R':>3s} {'contig':>7s} {'zigzag':>7s} {'balanced':>8s} {'bal ms':>7s} {'AG MB':>8s} "
           f"{'MA MB':>8s}{model}")
@@ -92,6 +92,7 @@ def main() -> None:
         if args.model:
             line += "".join(f" {r[f'{s}_tflops_per_gpu']:6.0f}" for s in ("mask_aware", "ring", "allgather"))
         print(line)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python scripts/plot.py bench/results/fwd_bench_v6_overlap_8k.json bench/results/fwd_bench_v6_32k.json \
         bench/results/fwd_bench_v4_128k.json --out docs/fwd_tflops.png
-    python scripts/plot.py runs/*.json --out docs/sweep.png        # records of `python -m flashmask3 -m ...`
+    python scripts/plot.py runs/*.json        # records of `python -m flashmask3 -m ...`: runs/tflops.png
 
 Kernel benchmark files (`scripts/bench_fwd.py`) give one bar group per mask and sequence length
 (cute, Flex, FA4 with block sparsity, FA4, cuDNN) plus a scaling panel; main-job records give fwd TFLOP/s per mask per
@@ -90,8 +90,10 @@ def plot_records(records: list[dict], out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+")
-    parser.add_argument("--out", default="docs/fwd_tflops.png")
+    # Under runs/ by default, so a chart of a sweep never overwrites the committed figures in docs/.
+    parser.add_argument("--out", type=Path, default=Path("runs/tflops.png"))
     args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     bench, records = load_rows(args.files)
     if not bench and not records:
         raise SystemExit("no benchmark rows or main-job records in the given files")

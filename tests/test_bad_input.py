@@ -1,10 +1,24 @@
 """Bad input wherever a user can reach: each error names the argument and the accepted values."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 
 import flashmask3 as fm
+from flashmask3.experiment import run_experiment
 from flashmask3.reference import ColumnMask, masks
+from flashmask3.verify.__main__ import main as verify_main
+
+
+def config(overrides):
+    with initialize_config_module(version_base="1.3", config_module="flashmask3.conf"):
+        return compose(config_name="config", overrides=overrides)
 
 
 @pytest.mark.parametrize(
@@ -114,3 +128,71 @@ def test_cute_on_a_gpu_that_is_not_hopper_names_its_capability(monkeypatch):
     q = SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.bfloat16, shape=(1, 128, 2, 128))
     with pytest.raises(NotImplementedError, match=r"Hopper GPU \(sm_90\), got NVIDIA A100.*compute capability 8.0 \(sm_80\)"):
         interface.cute_attention(q, q, q, None, 0.1)
+
+
+def run_main(tmp_path, *overrides, multirun=False):
+    cmd = [sys.executable, "-m", "flashmask3", *(["-m"] if multirun else []), *overrides,
+           f"logging.out_dir={tmp_path}/runs", f"hydra.run.dir={tmp_path}/hydra", f"hydra.sweep.dir={tmp_path}/sweep"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
+def test_main_job_without_a_gpu_says_so_in_one_line(tmp_path):
+    result = run_main(tmp_path, "backend=cute")  # which sets device=cuda
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: device=cuda, but torch {torch.__version__} sees no CUDA GPU: on the CPU use backend=reference, "
+        "sdpa or flex with device=cpu (backend=cute and backend=flex_cuda set device=cuda)"]
+
+
+def test_named_ablations_ask_for_multirun(tmp_path):
+    result = run_main(tmp_path, "+experiment=cp_ablation")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: +experiment=cp_ablation is a sweep: run it with -m (python -m flashmask3 -m +experiment=cp_ablation)"]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("+mask.params.num_doc=3", "mask 'causal_document' takes no parameter 'num_doc'; its parameters: num_docs"),
+        ("mask.params.num_docs=0", r"num_docs \(mask 'causal_document', seqlen 256\) must be an int in \[1, 256\], got 0"),
+        ("+mask.params.window=8", "mask 'causal_document' takes no parameter 'window'"),
+    ],
+)
+def test_mask_parameters_from_hydra_overrides_are_checked(tmp_path, override, match):
+    with pytest.raises(ValueError, match=match):
+        run_experiment(config([f"logging.out_dir={tmp_path}", "seqlen=256", override]))
+
+
+def test_a_failing_job_of_a_sweep_leaves_the_others_running(tmp_path):
+    result = run_main(tmp_path, "mask.params.num_docs=0,2", "seqlen=256", "bench.repeats=1", "bench.backward=false",
+                      multirun=True)
+    assert result.returncode == 2
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: num_docs (mask 'causal_document', seqlen 256) must be an int in [1, 256], got 0"]
+    assert len(list((tmp_path / "runs").glob("*.json"))) == 1
+
+
+def test_verify_of_flex_on_the_cpu_checks_the_forward_only(capsys):
+    assert verify_main(["backend=flex", "masks=causal", "seqlens=130", "head_dim=16"]) == 0
+    out = capsys.readouterr().out
+    assert "FlexAttention has no CPU backward; checking the forward only" in out and "1 passed, 0 failed" in out
+
+
+def test_plot_and_cp_report_write_under_runs_by_default(tmp_path, monkeypatch, capsys):
+    import cp_report
+    import plot
+
+    monkeypatch.chdir(tmp_path)
+    record = run_experiment(config(["seqlen=256", "bench.repeats=1", "bench.backward=false"]))["path"]
+    monkeypatch.setattr(sys, "argv", ["plot.py", record])
+    plot.main()
+    assert (tmp_path / "runs" / "tflops.png").stat().st_size > 5000
+    report = ["cp_report.py", "--tokens-per-rank", "1024", "--ranks", "2", "--chunk", "256", "--masks", "causal"]
+    for extra, path in (([], Path("runs/cp_report_1k_per_rank.json")), (["--out", "cp.json"], Path("cp.json"))):
+        monkeypatch.setattr(sys, "argv", report + extra)
+        cp_report.main()
+        assert json.loads(path.read_text())["rows"][0]["mask"] == "causal"
+        assert capsys.readouterr().out.strip().endswith(f"wrote {path}")

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -10,6 +11,7 @@ from flashmask3.reference import masks
 from flashmask3.verify import random_inputs, rel_l2
 
 
+@pytest.mark.slow  # ~20 s on the CPU
 def test_causal_document_32k_equals_per_document_causal_attention():
     seqlen = 32768
     mask = masks.build("causal_document", seqlen, seed=7)

@@ -6,6 +6,7 @@ import torch
 import train_tiny  # scripts/, on pytest's pythonpath
 
 
+@pytest.mark.slow  # ~40 s on the CPU
 def test_reference_training_matches_sdpa_and_learns():
     result = train_tiny.main(["--backend", "reference", "--compare", "sdpa", "--steps", "40"])
     losses = result["losses"]
