@@ -104,6 +104,7 @@ def _best_three_way(weights: np.ndarray, k: int) -> list[list[int]]:
             loads = (weights[list(first)].sum(), weights[list(second)].sum(), weights[third].sum())
             if best is None or max(loads) < best:
                 best, best_groups = max(loads), [list(first), list(second), third]
+    assert best_groups is not None  # k >= 1: some first group holds item 0
     return best_groups
 
 

@@ -130,9 +130,9 @@ class CPStats:
             stop.record()
             self._spans.setdefault(name, []).append((start, stop))
         else:
-            start = time.perf_counter()
+            began = time.perf_counter()
             yield
-            self._spans.setdefault(name, []).append(time.perf_counter() - start)
+            self._spans.setdefault(name, []).append(time.perf_counter() - began)
 
     def seconds(self, name: str) -> float:
         """The seconds added to `name` (waits for the CUDA events first)."""
@@ -256,7 +256,7 @@ _checked_node_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  
 _TAGS = {"kv": 0, "dkv": 1}  # gloo matches messages by (peer, tag): K/V and dK/dV in flight at once
 
 
-def _group_key(group) -> dist.ProcessGroup:
+def _group_key(group) -> dist.ProcessGroup | None:
     return group if group is not None else dist.group.WORLD
 
 
@@ -535,7 +535,8 @@ def _forward_mask_aware(attn, comm, q, local):
 
 
 def _backward_mask_aware(attn, comm, dout, q, out, lse, local, remote_kv):
-    local_kv, grads, dq = attn.own_chunks(local), {}, None
+    local_kv, dq = attn.own_chunks(local), None
+    grads: dict[int, torch.Tensor] = {}
 
     def local_grads():
         nonlocal dq
@@ -595,7 +596,7 @@ def _backward_ring(attn, comm, dout, q, out, lse, local, remote_kv):
             blocks = _split(block, chunks, plan.chunk_size)
         else:
             blocks = {c: remote_kv[c] for c in chunks if c in remote_kv}
-        grads = {}
+        grads: dict[int, torch.Tensor] = {}
         dq = attn.backward(dout, q, out, lse, blocks, grads, dq, "compute_local" if step == 0 else "compute_remote")
         block_grad = torch.cat([grads.get(c, zeros) for c in chunks], dim=2)
         if grad_pending is not None:  # this block's accumulator, from the previous rank
@@ -632,7 +633,7 @@ def _backward_allgather(attn, comm, dout, q, out, lse, local, remote_kv):
     plan = attn.plan
     if remote_kv is None:
         remote_kv = _gather_remote_kv(attn, comm, local)
-    grads = {}
+    grads: dict[int, torch.Tensor] = {}
     dq = attn.backward(dout, q, out, lse, attn.own_chunks(local) | remote_kv, grads, None, "compute_remote")
     zeros = torch.zeros(local.shape[:2] + (plan.chunk_size,) + local.shape[3:], dtype=_compute_dtype(q),
                         device=q.device)

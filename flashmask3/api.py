@@ -93,8 +93,8 @@ def attention(
     if backend == "reference":
         out, lse = reference_attention(q, k, v, mask, softmax_scale)
         lse = lse.float()
-    elif backend == "sdpa":
-        out, lse = peers.sdpa_attention(q, k, v, mask, softmax_scale, return_lse)
+    elif backend == "sdpa":  # its lse is None only where not asked for
+        out, lse = peers.sdpa_attention(q, k, v, mask, softmax_scale, return_lse)  # type: ignore[assignment]
     elif backend == "cute":
         out, lse = cute_attention(q, k, v, mask, softmax_scale, deterministic)
     elif backend == "flex":
@@ -202,7 +202,7 @@ def _flash_attention_mask(
     return ColumnMask._band(seqlen_q, seqlen_k, *window, causal, cu_seqlens=cu_seqlens, device=device)
 
 
-def _auto_backend(q: torch.Tensor, k: torch.Tensor) -> str:
+def _auto_backend(q: torch.Tensor, k: torch.Tensor) -> Backend:
     if not q.is_cuda:
         return "reference"
     return "flex" if unsupported_reason(q, k) else "cute"

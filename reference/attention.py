@@ -30,7 +30,7 @@ class _Plan:
     def __init__(self, mask: ColumnMask | None, batch: int, heads: int, sq: int, sk: int, device):
         rows = (_SCORE_BUDGET // max(1, batch * heads * sk)) // KEY_BLOCK * KEY_BLOCK
         chunk = max(KEY_BLOCK, min(rows, QUERY_CHUNK))
-        self.chunks = []
+        self.chunks: list[tuple[slice, torch.Tensor | slice, bool]] = []
         if mask is None:
             if sk:  # with no key, no row sees anything: no chunk to compute
                 self.chunks = [(slice(s, min(s + chunk, sq)), slice(0, sk), False) for s in range(0, sq, chunk)]
@@ -120,7 +120,7 @@ def forward(
     lse = torch.full(qh.shape[:-1], -math.inf, dtype=acc, device=q.device)
     for rows, keys, needs_mask in plan.chunks:
         s = (qh[..., rows, :] @ _take(kh, keys, 3).transpose(-1, -2)).to(acc) * softmax_scale
-        if needs_mask:
+        if needs_mask and mask is not None:
             s = s.masked_fill(_hidden(mask, rows, keys, hkv, hq // hkv, q.device), -math.inf)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows
@@ -164,7 +164,7 @@ def backward(
         s = (q_c @ k_c.transpose(-1, -2)).to(acc) * softmax_scale
         row_lse = lseh[..., rows].unsqueeze(-1)
         p = torch.exp(s - torch.where(torch.isinf(row_lse), torch.full_like(row_lse, math.inf), row_lse))
-        if needs_mask:
+        if needs_mask and mask is not None:
             p = p.masked_fill(_hidden(mask, rows, keys, hkv, hq // hkv, q.device), 0)
         dv_c = (p.to(compute_dtype).transpose(-1, -2) @ do_c).to(acc).sum(2)  # sum over the group
         dp = (do_c @ v_c.transpose(-1, -2)).to(acc)

@@ -29,6 +29,11 @@ class MaskConstructors:
     """`ColumnMask`'s constructors from packing metadata, mixed into it (they build each mask
     with its `_unchecked`)."""
 
+    if TYPE_CHECKING:
+
+        @classmethod
+        def _unchecked(cls, startend_row_indices: torch.Tensor, causal: bool, seqlen_q: int) -> ColumnMask: ...
+
     @classmethod
     def causal_document(
         cls,
@@ -85,7 +90,7 @@ class MaskConstructors:
         if prefix.device.type == "cpu" and bool((prefix < 0).any()):
             raise ValueError(f"prefix_lens must be >= 0, got {prefix.tolist()}")
         prefix = F.pad(prefix, (0, 1), value=0).to(seg.start.device)  # none after cu_seqlens[-1]
-        prefix_end = torch.minimum(seg.start + prefix.gather(-1, seg.index), seg.end)
+        prefix_end = torch.minimum(seg.start + prefix.gather(-1, seg.segment), seg.end)
         j = torch.arange(seg.start.shape[-1], device=seg.start.device)
         # Prefix keys are seen from the document's first row, the others from their own row.
         return cls._from_vectors([seg.end, torch.where(j < prefix_end, seg.start, j)], causal=False)
@@ -115,7 +120,7 @@ class MaskConstructors:
         marks = torch.zeros(*starts.shape[:-1], s + 1, dtype=torch.bool, device=starts.device)
         marks = marks.scatter(-1, starts, True)[..., :s]
         next_question = _next_start(marks)
-        in_question = questions.gather(-1, seg.index)
+        in_question = questions.gather(-1, seg.segment)
         return cls._from_vectors([torch.where(in_question, next_question, seg.end)], causal=True)
 
     @classmethod
@@ -241,7 +246,7 @@ def _next_start(starts: torch.Tensor) -> torch.Tensor:
 class _CuSegments(NamedTuple):
     """Per token, int64 [B, S]: its segment's index, first token and end; `cu` [B, N + 1], clamped."""
 
-    index: torch.Tensor
+    segment: torch.Tensor
     start: torch.Tensor
     end: torch.Tensor
     cu: torch.Tensor

@@ -43,7 +43,9 @@ def doc_count_range(seqlen: int) -> tuple[int, int]:
 def split_lengths(rng: np.random.Generator, total: int, parts: int) -> list[int]:
     """Random composition of `total` into `parts` positive lengths."""
     parts = max(1, min(parts, total))
-    cuts = np.sort(rng.choice(np.arange(1, total), size=parts - 1, replace=False)) if parts > 1 else []
+    cuts: np.ndarray | list[int] = (
+        np.sort(rng.choice(np.arange(1, total), size=parts - 1, replace=False)) if parts > 1 else []
+    )
     edges = [0, *[int(c) for c in cuts], total]
     return [edges[i + 1] - edges[i] for i in range(parts)]
 
@@ -183,8 +185,8 @@ _PER_HEAD = {"random_eviction"}
 
 def _accepted_params(name: str, seqlen: int) -> dict[str, tuple[int, int | None]]:
     """The parameters mask `name` takes, each with its smallest and largest value (None: no limit)."""
-    docs = {"num_docs": (1, seqlen)}  # every document holds at least one token
-    return {
+    docs: dict[str, tuple[int, int | None]] = {"num_docs": (1, seqlen)}  # every document holds at least one token
+    accepted: dict[str, dict[str, tuple[int, int | None]]] = {
         "full": {},
         "causal": {},
         "sliding_window": {"window": (1, None)},  # window 0 would hide every key; past S: causal
@@ -197,12 +199,13 @@ def _accepted_params(name: str, seqlen: int) -> dict[str, tuple[int, int | None]
         "prefix_lm_causal": {"prefix": (0, seqlen)},
         "qk_sparse": docs,
         "random_eviction": {"evict_start": (1, seqlen)},  # a key per row from there, of the first S - 1
-    }[name]
+    }
+    return accepted[name]
 
 
 def _check_int(what: str, value: object, low: int, high: int | None = None) -> None:
-    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    if not is_int or value < low or (high is not None and value > high):
+    if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+            or value < low or (high is not None and value > high)):
         accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{what} must be an int {accepted}, got {value!r}")
 

@@ -1,9 +1,11 @@
-"""The library installs and imports apart from its experiment tooling."""
+"""Packaging: the library without its experiment tooling, the installed layout, the type check."""
 
 import os
 import subprocess
 import sys
 import sysconfig
+
+import pytest
 
 import package_tree  # tools/, on pytest's pythonpath
 
@@ -44,3 +46,11 @@ def test_the_link_tree_imports_as_installed(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(tree / "flashmask3" / "reference" / "__init__.py")
     assert (tree / "flashmask3" / "reference" / "mask.py").resolve() == package_tree.ROOT / "reference" / "mask.py"
+
+
+def test_the_typed_core_passes_mypy():
+    """`tools/typecheck.py`: the targets and settings of pyproject.toml's [tool.mypy]."""
+    pytest.importorskip("mypy")
+    result = subprocess.run([sys.executable, str(package_tree.ROOT / "tools" / "typecheck.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli, a dependency of pytest and mypy there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
