@@ -10,6 +10,7 @@ import torch
 
 from . import peers
 from .reference import ColumnMask
+from .optimized import ops
 from .optimized.interface import cute_attention, unsupported_reason
 from .reference.attention import reference_attention
 
@@ -96,7 +97,9 @@ def attention(
     elif backend == "sdpa":  # its lse is None only where not asked for
         out, lse = peers.sdpa_attention(q, k, v, mask, softmax_scale, return_lse)  # type: ignore[assignment]
     elif backend == "cute":
-        out, lse = cute_attention(q, k, v, mask, softmax_scale, deterministic)
+        if _cute_unsupported(q, k):
+            cute_attention(q, k, v, mask, softmax_scale, deterministic)  # raises, with its error for the reason
+        out, lse = ops.attention(q, k, v, mask, softmax_scale, deterministic)
     elif backend == "flex":
         out, lse = peers.flex_attention(q, k, v, mask, softmax_scale)
     else:
@@ -205,7 +208,21 @@ def _flash_attention_mask(
 def _auto_backend(q: torch.Tensor, k: torch.Tensor) -> Backend:
     if not q.is_cuda:
         return "reference"
-    return "flex" if unsupported_reason(q, k) else "cute"
+    return "flex" if _cute_unsupported(q, k) else "cute"
+
+
+def _cute_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """`unsupported_reason`, which reads devices, dtypes and installed packages, never tensor values:
+    under torch.compile it is evaluated once at trace time instead of traced (no graph break)."""
+    if torch.compiler.is_compiling():
+        return _cute_unsupported_at_trace(q.device, q.dtype, int(q.shape[-1]))
+    return unsupported_reason(q, k)
+
+
+@torch.compiler.assume_constant_result
+def _cute_unsupported_at_trace(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    probe = torch.empty(0, head_dim, dtype=dtype, device=device)
+    return unsupported_reason(probe, probe)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,0 +1,104 @@
+"""The cute kernels as `torch.library` custom ops, so `torch.compile` keeps attention in its graph.
+
+`flashmask3::cute_forward` runs `interface.forward` and `flashmask3::cute_backward` runs
+`interface.backward`; `register_autograd` joins them. Custom ops take tensors and scalars, not
+Python objects, so the mask travels as its `startend_row_indices` (None: no mask) and its `causal`
+flag and is rebuilt inside each op (seqlen_q from q). The fake implementations give the outputs'
+shapes and dtypes without a kernel: Dynamo traces through `attention(..., backend="cute")` with no
+graph break, and AOTAutograd sees the backward as one op.
+
+The kernels are registered for CUDA only; a CPU implementation can be added with
+`cute_forward.register_kernel("cpu", fn)` (the tests do, with the reference backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import ColumnMask
+from . import interface
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: ColumnMask | None,
+    softmax_scale: float,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) through the custom ops; differentiable in q, k, v.
+
+    Inputs as for `interface.forward`; the mask must already be on q's device with seqlen_q = Sq.
+    `deterministic` is read by the backward.
+    """
+    row_indices = None if mask is None else mask.startend_row_indices
+    causal = False if mask is None else mask.causal
+    return cute_forward(q, k, v, row_indices, causal, softmax_scale, deterministic)
+
+
+def _mask(row_indices: torch.Tensor | None, causal: bool, seqlen_q: int) -> ColumnMask | None:
+    # The boundaries were checked when the caller's ColumnMask was built.
+    return None if row_indices is None else ColumnMask._unchecked(row_indices, causal, seqlen_q)
+
+
+@torch.library.custom_op("flashmask3::cute_forward", mutates_args=(), device_types="cuda")
+def cute_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Hopper forward kernel: (out, lse). `deterministic` is an input only for the backward."""
+    return interface.forward(q, k, v, _mask(row_indices, causal, q.shape[1]), softmax_scale)
+
+
+@cute_forward.register_fake
+def _forward_fake(q, k, v, row_indices, causal, softmax_scale, deterministic):
+    b, sq, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashmask3::cute_backward", mutates_args=(), device_types="cuda")
+def cute_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Hopper backward kernels: (dq, dk, dv), dk and dv summed over each GQA group."""
+    mask = _mask(row_indices, causal, q.shape[1])
+    return interface.backward(dout, q, k, v, out, lse, mask, softmax_scale, deterministic)
+
+
+@cute_backward.register_fake
+def _backward_fake(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, row_indices, causal, softmax_scale, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, row_indices)
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, row_indices = ctx.saved_tensors
+    dq, dk, dv = cute_backward(
+        dout, q, k, v, out, lse, row_indices, ctx.causal, ctx.softmax_scale, ctx.deterministic
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+cute_forward.register_autograd(_backward, setup_context=_setup_context)
