@@ -232,8 +232,8 @@ class FlashMaskForwardSm90:
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, work_tiles,
              qheads_per_kvhead, tile_list, timeline):
-        """Producer warp: per work tile, Q once sQ is free, then K and V of every listed key tile, K of
-        tile j+1 before V of tile j (a turn of the consumers' loop needs both)."""
+        """Producer warp: per work tile, Q once one of the two Q buffers is free, then K and V of every
+        listed key tile, K of tile j+1 before V of tile j (a turn of the consumers' loop needs both)."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
