@@ -252,6 +252,7 @@ def _equivalence(rank, world, assignment):
     return rows
 
 
+@pytest.mark.slow  # 2 and 4 gloo processes, ~35 s; the quick tier runs the main job's 2-rank CP check
 @pytest.mark.parametrize("world, assignment", [(2, "zigzag"), (4, "zigzag"), (4, "balanced")])
 def test_cp_attention_equals_single_device(tmp_path, world, assignment):
     """Forward and dQ/dK/dV of every scheme, remote K/V fetched again or held for the backward,

@@ -5,6 +5,7 @@ import pytest
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
 
+@pytest.mark.slow  # 16 compiles, ~30 s; the quick tier compiles one config of each kind below
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal, width", [(True, 1), (True, 2), (False, 2), (False, 4)])
@@ -70,6 +71,7 @@ def test_kernel_options_are_validated_and_restored():
             pass
 
 
+@pytest.mark.slow  # 16 compiles, ~30 s
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal, width", [(True, 1), (True, 2), (False, 2), (False, 4)])
@@ -164,6 +166,7 @@ _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
 }
 
 
+@pytest.mark.slow  # compiles and disassembles every kernel, ~17 s
 def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
     """ptxas serializes every WGMMA when registers run short (its C7512 warning: an arrive and a wait
     around each HGMMA); a kernel built that way measured 1-9% off while looking correct
