@@ -9,9 +9,9 @@ from typing import Literal
 import torch
 
 from . import peers
-from .reference import ColumnMask
 from .optimized import ops
 from .optimized.interface import cute_attention, unsupported_reason
+from .reference import ColumnMask
 from .reference.attention import reference_attention
 
 Backend = Literal["auto", "reference", "cute", "sdpa", "flex"]

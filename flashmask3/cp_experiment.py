@@ -25,7 +25,6 @@ from .reference import masks
 from .verify.compare import random_inputs
 from .verify.suite import DTYPES
 
-
 STAT_NAMES = ("bytes_sent", "chunks_received", "peak_kv_bytes", "wait_s", "compute_local_s", "compute_remote_s")
 """Per-rank `CPStats` fields reported for the forward, and with a `bwd_` prefix for the backward."""
 

@@ -20,6 +20,7 @@ import torch
 from ..reference import ColumnMask
 from .tile_plan import block_minmax, dq_ranks, full_mask
 
+
 @dataclass(frozen=True)
 class KernelOptions:
     """Kernel features (`kernel_options` changes them): the ones measured on the H200 are on by

@@ -25,19 +25,27 @@ import argparse
 import math
 
 import torch
-
-import flashmask3 as fm
-from flashmask3 import bench_peers
-from flashmask3.bench import attention_flops, progress
+from bench_fwd import (
+    ablation_table,
+    add_common_arguments,
+    add_peers_argument,
+    add_row,
+    bench_table,
+    new_record,
+    record_times,
+    run_ablation,
+    run_check,
+    variant_overrides,
+)
 from flashmask3.optimized import compile_seconds, kernel_options
 from flashmask3.optimized.interface import backward as cute_backward
 from flashmask3.optimized.interface import forward as cute_forward
 from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import compare, random_inputs
 
-from bench_fwd import (
-    ablation_table, add_common_arguments, add_peers_argument, add_row, bench_table, new_record, record_times,
-    run_ablation, run_check, variant_overrides)
+import flashmask3 as fm
+from flashmask3 import bench_peers
+from flashmask3.bench import attention_flops, progress
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:

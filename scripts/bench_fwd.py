@@ -31,13 +31,13 @@ import time
 from pathlib import Path
 
 import torch
-
-from flashmask3 import bench_peers
-from flashmask3.bench import attention_flops, git_commit, host_us, interleaved_ms, progress, result_json
 from flashmask3.optimized import KernelOptions, compile_seconds, kernel_options
 from flashmask3.optimized.interface import forward as cute_forward
 from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import compare, random_inputs
+
+from flashmask3 import bench_peers
+from flashmask3.bench import attention_flops, git_commit, host_us, interleaved_ms, progress, result_json
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:

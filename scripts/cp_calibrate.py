@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-from flashmask3.bench import git_commit, result_json
 from flashmask3.distributed import CPConfig, chunk_loads, make_plan
 from flashmask3.distributed.context_parallel import _Layout
 from flashmask3.reference import masks
+
+from flashmask3.bench import git_commit, result_json
 
 
 def rank_features(row: dict, tokens_per_rank: int, chunk: int) -> np.ndarray:

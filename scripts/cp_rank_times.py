@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 import torch
-
-from flashmask3.bench import git_commit, progress, result_json
 from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan
 from flashmask3.distributed.context_parallel import CPStats, _Layout, _LocalAttention
 from flashmask3.reference import masks
+
+from flashmask3.bench import git_commit, progress, result_json
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

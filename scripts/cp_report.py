@@ -24,8 +24,9 @@ from pathlib import Path
 from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan
 from flashmask3.distributed.context_parallel import _Layout
 from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
-from flashmask3.bench import git_commit, progress, result_json
 from flashmask3.reference import masks
+
+from flashmask3.bench import git_commit, progress, result_json
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
 

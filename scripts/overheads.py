@@ -18,14 +18,14 @@ import argparse
 import math
 
 import torch
-
 from bench_fwd import add_common_arguments, fa4_fn, new_record
+from flashmask3.optimized import kernel_options
+from flashmask3.optimized.interface import forward as cute_forward
+from flashmask3.optimized.interface import forward_tile_rows
+from flashmask3.verify import random_inputs
 
 from flashmask3 import attention
 from flashmask3.bench import interleaved_ms
-from flashmask3.optimized import kernel_options
-from flashmask3.optimized.interface import forward as cute_forward, forward_tile_rows
-from flashmask3.verify import random_inputs
 
 TOKENS, TILE_N, SMS = 131072, 128, 132
 

@@ -20,7 +20,6 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
 

@@ -17,9 +17,9 @@ import json
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from flashmask3.reference import ColumnMask
 
 import flashmask3 as fm
-from flashmask3.reference import ColumnMask
 
 
 class Block(nn.Module):

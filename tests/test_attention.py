@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import random_column_mask
+from flashmask3.reference import masks
+from flashmask3.verify import random_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashmask3 as fm
 from flashmask3 import peers
-from conftest import random_column_mask
-from flashmask3.reference import masks
-from flashmask3.verify import random_inputs
 
 
 def dense_attention(q, k, v, dense, scale):

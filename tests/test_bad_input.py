@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from flashmask3.reference import ColumnMask, masks
+from flashmask3.verify.__main__ import main as verify_main
 from hydra import compose, initialize_config_module
 
 import flashmask3 as fm
 from flashmask3.experiment import run_experiment
-from flashmask3.reference import ColumnMask, masks
-from flashmask3.verify.__main__ import main as verify_main
 
 
 def config(overrides):

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
+from flashmask3.reference import PARTIAL, UNMASKED, ColumnMask
 
 from flashmask3 import bench_peers, masks
-from flashmask3.reference import PARTIAL, UNMASKED, ColumnMask
 
 
 def varlen_dense(cu_seqlens: torch.Tensor, causal: bool) -> torch.Tensor:

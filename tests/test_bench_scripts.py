@@ -2,9 +2,8 @@
 
 from pathlib import Path
 
-import pytest
-
 import bench_fwd  # scripts/, on pytest's pythonpath
+import pytest
 
 from flashmask3 import bench, bench_peers
 
@@ -27,7 +26,6 @@ def test_ablation_times_each_variant_under_its_options(monkeypatch):
     KernelOptions, the configurations take turns round by round, and a row holds each one's median
     time, TFLOP/s and largest difference from the default."""
     import torch
-
     from flashmask3.optimized import interface
 
     seen = []
@@ -67,7 +65,6 @@ def test_ablation_times_each_variant_under_its_options(monkeypatch):
 def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monkeypatch):
     """`bench_bwd.py ablate` passes its fwd+bwd step (3.5 forwards of FLOPs) to the same loop."""
     import torch
-
     from flashmask3.optimized import interface
 
     class FakeMask:

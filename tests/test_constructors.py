@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from flashmask3.reference import ColumnMask, masks
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from flashmask3.reference import ColumnMask, masks
 
 # Document lengths per batch row: a single document, all length 1, and random ones with 1s.
 LAYOUTS = {

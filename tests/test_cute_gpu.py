@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from flashmask3.reference import masks
 from flashmask3.verify import compare, random_inputs
 

@@ -9,17 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import flashmask3 as fm
 from conftest import random_column_mask
 from flashmask3.distributed import (
+    SCHEMES,
     ContextParallelAttention,
-    context_parallel,
     CPConfig,
     CPPlan,
-    SCHEMES,
     balance,
     chunk_loads,
+    context_parallel,
     contiguous_assignment,
     cp_attention,
     imbalance,
@@ -31,6 +29,8 @@ from flashmask3.distributed import (
 )
 from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import random_inputs
+
+import flashmask3 as fm
 
 VARIANTS = [(True, 1), (True, 2), (False, 2), (False, 4)]
 

@@ -7,14 +7,13 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from flashmask3.optimized import ops
+from flashmask3.reference import ColumnMask
+from flashmask3.reference import attention as reference
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashmask3 as fm
 import flashmask3.api as api
-from flashmask3.optimized import ops
-from flashmask3.reference import ColumnMask
-from flashmask3.reference import attention as reference
 
 
 def dense_attention(q, k, v, attend, scale=None):

@@ -132,7 +132,6 @@ def test_launch_compiles_once_and_passes_what_each_launch_path_takes(monkeypatch
     tensors and Python scalars as they are (its stream is the env stream)."""
     import cutlass.cute as cute
     import torch
-
     from flashmask3.optimized import interface, kernel_options
 
     compiled, calls = [], []

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-import flashmask3 as fm
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs, rel_l2
+
+import flashmask3 as fm
 
 
 @pytest.mark.slow  # 32K tokens: 3 s idle, ~20 s on a loaded CPU

@@ -4,12 +4,11 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from conftest import random_column_mask
 from flashmask3.reference import PARTIAL, SKIP, UNMASKED, ColumnMask, masks
 from flashmask3.reference import mask as mask_module
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 VARIANTS = [(True, 1), (True, 2), (False, 2), (False, 4)]
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from flashmask3.reference import ColumnMask, masks
 
 # Block sparsity (128 x 128 tiles, fraction skipped) the FlashMask paper reports at 8K, hdim 128.

@@ -5,9 +5,8 @@ import subprocess
 import sys
 import sysconfig
 
-import pytest
-
 import package_tree  # tools/, on pytest's pythonpath
+import pytest
 
 EXPERIMENT_PACKAGES = ("hydra", "omegaconf", "wandb", "tqdm", "matplotlib")  # the `experiments` extra
 

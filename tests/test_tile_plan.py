@@ -3,7 +3,6 @@ the mask role computes, and the deterministic backward's dQ ranks (CPU check).""
 
 import pytest
 import torch
-
 from flashmask3.optimized.tile_plan import block_minmax, dq_ranks, full_mask, tile_classes
 from flashmask3.reference import PARTIAL, SKIP, UNMASKED, masks
 

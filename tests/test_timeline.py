@@ -1,9 +1,8 @@
 """The timeline script's reading of the forward's event stamps (CPU, a hand-made buffer)."""
 
 import pytest
-import torch
-
 import timeline  # scripts/, on pytest's pythonpath
+import torch
 
 
 def test_work_tiles_are_read_per_cta_and_summarized():

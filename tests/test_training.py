@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 import train_tiny  # scripts/, on pytest's pythonpath
 
 

@@ -1,11 +1,10 @@
 """The verify harness: tolerances, pass/fail verdicts and the command line."""
 
+import importlib
 import math
 
 import pytest
 import torch
-
-import importlib
 from flashmask3.reference import masks
 from flashmask3.verify import FLOOR, compare, random_inputs, rel_l2, run_suite
 from flashmask3.verify.__main__ import main
