@@ -7,8 +7,19 @@ from .localize import local_rows_below, localize
 from .plan import CPPlan, contiguous_assignment, make_plan, zigzag_assignment
 
 __all__ = [
-    "CPPlan", "make_plan", "contiguous_assignment", "zigzag_assignment",
-    "localize", "local_rows_below",
-    "balance", "chunk_loads", "imbalance", "lower_bound",
-    "CPConfig", "CPStats", "SCHEMES", "cp_attention", "ContextParallelAttention",
+    "CPPlan",
+    "make_plan",
+    "contiguous_assignment",
+    "zigzag_assignment",
+    "localize",
+    "local_rows_below",
+    "balance",
+    "chunk_loads",
+    "imbalance",
+    "lower_bound",
+    "CPConfig",
+    "CPStats",
+    "SCHEMES",
+    "cp_attention",
+    "ContextParallelAttention",
 ]

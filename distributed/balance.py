@@ -42,7 +42,9 @@ PARTIAL_TILE_COST = 1.3
 _RESOLUTION = 1000  # largest quantized chunk load in the exact splits
 
 
-def chunk_loads(mask: ColumnMask, chunk_size: int, tile: int = 128, partial_cost: float = PARTIAL_TILE_COST) -> np.ndarray:
+def chunk_loads(
+    mask: ColumnMask, chunk_size: int, tile: int = 128, partial_cost: float = PARTIAL_TILE_COST
+) -> np.ndarray:
     """Workload of each query chunk (float64 [S / chunk_size]), summed over batch and mask heads."""
     if chunk_size % tile:
         raise ValueError(f"chunk_size {chunk_size} must be a multiple of the tile {tile}")
@@ -113,7 +115,7 @@ def lower_bound(loads, world_size: int) -> float:
     the mean rank load, and the rank holding the largest chunk holds k - 1 others."""
     loads = np.sort(np.asarray(loads, dtype=np.float64))
     k = len(loads) // world_size
-    return float(max(loads.sum() / world_size, loads[-1] + loads[:k - 1].sum()))
+    return float(max(loads.sum() / world_size, loads[-1] + loads[: k - 1].sum()))
 
 
 def balance(loads, world_size: int, max_rounds: int = 200) -> tuple[tuple[int, ...], ...]:

@@ -294,14 +294,15 @@ def _check_node_layout(group, ranks_per_node: int) -> None:
     places: list = [None] * world
     dist.all_gather_object(places, (socket.gethostname(), os.environ.get("LOCAL_RANK")), group=group)
     for first in range(0, world, ranks_per_node):
-        block = places[first:first + ranks_per_node]
+        block = places[first : first + ranks_per_node]
         hosts = sorted({host for host, _ in block})
         local_ranks = [local for _, local in block if local is not None]
         if len(hosts) > 1 or len(set(local_ranks)) < len(local_ranks):
             raise ValueError(
                 f"CPConfig(ranks_per_node={ranks_per_node}) treats group ranks {first}-{first + ranks_per_node - 1} "
                 f"as one node, but they run on hosts {hosts} with local ranks {local_ranks}; order the group's "
-                f"ranks by node or set ranks_per_node to the number of consecutive group ranks that share a node")
+                f"ranks by node or set ranks_per_node to the number of consecutive group ranks that share a node"
+            )
     _checked_node_layouts.setdefault(_group_key(group), set()).add(ranks_per_node)
 
 
@@ -342,8 +343,9 @@ class _Comm:
         if self.world == 1:
             return _Pending([], {self.rank: block}, [], what)
         block = block.contiguous()
-        return self.post({(self.rank + 1) % self.world: block},
-                         {(self.rank - 1) % self.world: torch.empty_like(block)}, what)
+        return self.post(
+            {(self.rank + 1) % self.world: block}, {(self.rank - 1) % self.world: torch.empty_like(block)}, what
+        )
 
     def wait(self, pending: _Pending) -> dict:
         with self.stats.timed("wait", self.device):
@@ -425,7 +427,7 @@ def _merge(acc, part):
 
 def _split(data: torch.Tensor, chunks, chunk_size: int) -> dict[int, torch.Tensor]:
     """Chunk id -> view of its tokens in `data` ([2, B, S, H, D], the chunks in order)."""
-    return {c: data[:, :, i * chunk_size:(i + 1) * chunk_size] for i, c in enumerate(chunks)}
+    return {c: data[:, :, i * chunk_size : (i + 1) * chunk_size] for i, c in enumerate(chunks)}
 
 
 def _compact(chunks: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -435,8 +437,10 @@ def _compact(chunks: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     for t in chunks.values():
         ptr = t.untyped_storage().data_ptr()
         kept_bytes[ptr] = kept_bytes.get(ptr, 0) + t.numel() * t.element_size()
-    return {c: t if kept_bytes[t.untyped_storage().data_ptr()] == t.untyped_storage().nbytes() else t.clone()
-            for c, t in chunks.items()}
+    return {
+        c: t if kept_bytes[t.untyped_storage().data_ptr()] == t.untyped_storage().nbytes() else t.clone()
+        for c, t in chunks.items()
+    }
 
 
 class _LocalAttention:
@@ -454,8 +458,13 @@ class _LocalAttention:
         if not needed:
             return acc
         with self.stats.timed(span, q.device):
-            part = _local_forward(self.backend, q, torch.cat([kv[c] for c in needed], dim=2),
-                                  self.layout.union_mask(self.rank, needed), self.scale)
+            part = _local_forward(
+                self.backend,
+                q,
+                torch.cat([kv[c] for c in needed], dim=2),
+                self.layout.union_mask(self.rank, needed),
+                self.scale,
+            )
             return _merge(acc, part)
 
     def backward(self, dout, q, out, lse, kv: dict[int, torch.Tensor], grads: dict, dq, span: str):
@@ -464,8 +473,16 @@ class _LocalAttention:
         if not needed:
             return dq
         with self.stats.timed(span, q.device):
-            part, dkv = _local_backward(self.backend, dout, q, torch.cat([kv[c] for c in needed], dim=2), out, lse,
-                                        self.layout.union_mask(self.rank, needed), self.scale)
+            part, dkv = _local_backward(
+                self.backend,
+                dout,
+                q,
+                torch.cat([kv[c] for c in needed], dim=2),
+                out,
+                lse,
+                self.layout.union_mask(self.rank, needed),
+                self.scale,
+            )
             grads.update(_split(dkv, needed, self.plan.chunk_size))
             return part if dq is None else dq + part
 
@@ -477,16 +494,21 @@ class _LocalAttention:
         """The merged (out, lse); zeros and -inf where the rank's queries see no key at all."""
         if acc is None:
             b, s, h, d = q.shape
-            return (torch.zeros(b, s, h, d, dtype=_compute_dtype(q), device=q.device),
-                    torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device))
+            return (
+                torch.zeros(b, s, h, d, dtype=_compute_dtype(q), device=q.device),
+                torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device),
+            )
         return acc
 
 
 # -- runtime: the schemes --------------------------------------------------------------------------
 def _post_phase(comm: _Comm, messages, blocks: dict[int, torch.Tensor], shape, dtype, what: str) -> _Pending:
     """One routing phase: this rank's messages, each its chunks' blocks concatenated along tokens."""
-    sends = {dst: torch.cat([blocks[c] for c in chunks], dim=2) for (src, dst), chunks in messages.items()
-             if src == comm.rank}
+    sends = {
+        dst: torch.cat([blocks[c] for c in chunks], dim=2)
+        for (src, dst), chunks in messages.items()
+        if src == comm.rank
+    }
     recvs = {}
     for (src, dst), chunks in messages.items():
         if dst == comm.rank:
@@ -583,8 +605,9 @@ def _backward_ring(attn, comm, dout, q, out, lse, local, remote_kv):
     passes it on; after a full turn every accumulator is home (ring-flash-attention's loop)."""
     plan, stats = attn.plan, comm.stats
     block, dq, grad_pending = local, None, None
-    zeros = torch.zeros(local.shape[:2] + (plan.chunk_size,) + local.shape[3:], dtype=_compute_dtype(q),
-                        device=q.device)
+    zeros = torch.zeros(
+        local.shape[:2] + (plan.chunk_size,) + local.shape[3:], dtype=_compute_dtype(q), device=q.device
+    )
     for step in range(comm.world):
         owner = (comm.rank - step) % comm.world
         chunks = plan.assignment[owner]
@@ -635,10 +658,12 @@ def _backward_allgather(attn, comm, dout, q, out, lse, local, remote_kv):
         remote_kv = _gather_remote_kv(attn, comm, local)
     grads: dict[int, torch.Tensor] = {}
     dq = attn.backward(dout, q, out, lse, attn.own_chunks(local) | remote_kv, grads, None, "compute_remote")
-    zeros = torch.zeros(local.shape[:2] + (plan.chunk_size,) + local.shape[3:], dtype=_compute_dtype(q),
-                        device=q.device)
-    per_rank = torch.stack([torch.cat([grads.get(c, zeros) for c in plan.assignment[r]], dim=2)
-                            for r in range(comm.world)])
+    zeros = torch.zeros(
+        local.shape[:2] + (plan.chunk_size,) + local.shape[3:], dtype=_compute_dtype(q), device=q.device
+    )
+    per_rank = torch.stack(
+        [torch.cat([grads.get(c, zeros) for c in plan.assignment[r]], dim=2) for r in range(comm.world)]
+    )
     return dq, _split(comm.reduce_scatter(per_rank), attn.own, plan.chunk_size)
 
 
@@ -685,8 +710,8 @@ class _CPFunction(torch.autograd.Function):
         if dq is None:  # the rank's queries see no key
             dq = torch.zeros_like(q)
         zeros = torch.zeros_like(k)
-        dk = torch.cat([grads[c][0] if c in grads else zeros[:, :plan.chunk_size] for c in attn.own], dim=1)
-        dv = torch.cat([grads[c][1] if c in grads else zeros[:, :plan.chunk_size] for c in attn.own], dim=1)
+        dk = torch.cat([grads[c][0] if c in grads else zeros[:, : plan.chunk_size] for c in attn.own], dim=1)
+        dv = torch.cat([grads[c][1] if c in grads else zeros[:, : plan.chunk_size] for c in attn.own], dim=1)
         last_backward_stats = stats
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
@@ -726,9 +751,11 @@ def cp_attention(
     if mask.seqlen_q != plan.seqlen or mask.seqlen_k != plan.seqlen:
         raise ValueError(f"mask covers {mask.seqlen_q}x{mask.seqlen_k} tokens but the plan {plan.seqlen}")
     if q_local.is_cuda and "nccl" in dist.get_backend(group) and q_local.device.index != torch.cuda.current_device():
-        raise ValueError(f"q_local is on {q_local.device} but the current CUDA device is "
-                         f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device first (NCCL's "
-                         "batched point-to-point calls hang otherwise)")
+        raise ValueError(
+            f"q_local is on {q_local.device} but the current CUDA device is "
+            f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device first (NCCL's "
+            "batched point-to-point calls hang otherwise)"
+        )
     if config.scheme == "mask_aware" and config.ranks_per_node is not None:
         _check_node_layout(group, config.ranks_per_node)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
@@ -740,8 +767,9 @@ class ContextParallelAttention(torch.nn.Module):
     """`cp_attention` as a module for a model's attention layers: holds the group and config;
     each call takes the batch's global mask and plan (both change with the packing)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, config: CPConfig = CPConfig(),
-                 softmax_scale: float | None = None):
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, config: CPConfig = CPConfig(), softmax_scale: float | None = None
+    ):
         super().__init__()
         self.group, self.config, self.softmax_scale = group, config, softmax_scale
 

@@ -62,9 +62,18 @@ def _tile_seconds(local: ColumnMask, heads: int, head_dim: int, hw: Hardware) ->
     return weight * 4 * 128 * 128 * head_dim / (hw.tflops * 1e12)
 
 
-def predict(mask: ColumnMask, plan: CPPlan, scheme: str, heads: int, kv_heads: int, head_dim: int,
-            hw: Hardware = Hardware(), bytes_per_elem: int = 2, fit: RankTimeFit | None = None,
-            loads=None) -> dict:
+def predict(
+    mask: ColumnMask,
+    plan: CPPlan,
+    scheme: str,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    hw: Hardware = Hardware(),
+    bytes_per_elem: int = 2,
+    fit: RankTimeFit | None = None,
+    loads=None,
+) -> dict:
     """Modeled per-rank forward seconds, the slowest rank, and the overlap efficiency.
 
     With `fit` (and the plan's `chunk_loads` as `loads`), the mask-aware compute of a rank comes
@@ -81,8 +90,11 @@ def predict(mask: ColumnMask, plan: CPPlan, scheme: str, heads: int, kv_heads: i
     per_rank = []
     for r in range(world):
         own = plan.assignment[r]
-        compute = {c: _tile_seconds(layout.union_mask(r, [c]), heads, head_dim, hw)
-                   for c in range(plan.num_chunks) if layout.needs[r][c]}
+        compute = {
+            c: _tile_seconds(layout.union_mask(r, [c]), heads, head_dim, hw)
+            for c in range(plan.num_chunks)
+            if layout.needs[r][c]
+        }
         local_s = sum(v for c, v in compute.items() if c in own)
         remote_s = sum(v for c, v in compute.items() if c not in own)
         if fit is not None and scheme == "mask_aware":

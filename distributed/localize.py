@@ -54,4 +54,3 @@ def localize(mask: ColumnMask, q_chunks: Sequence[int], k_chunks: Sequence[int],
         vectors = [lts, ute] if width == 2 else [lts, lte, uts, ute]
     idx = torch.stack(vectors, dim=-1).to(torch.int32).contiguous()
     return ColumnMask(idx, False, len(q_chunks) * chunk_size)
-

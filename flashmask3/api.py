@@ -164,8 +164,14 @@ def varlen_attention(
     # Built on cu_seqlens's device, where CPU metadata gets checked; attention moves it to q's.
     mask = _flash_attention_mask(causal, window, q.shape[0], k.shape[0], q.device, cu_seqlens=cu_seqlens_q)
     result = attention(
-        q[None], k[None], v[None], mask,
-        backend=backend, softmax_scale=softmax_scale, return_lse=return_lse, deterministic=deterministic,
+        q[None],
+        k[None],
+        v[None],
+        mask,
+        backend=backend,
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+        deterministic=deterministic,
     )
     if return_lse:
         out, lse = result
@@ -182,7 +188,9 @@ def _check_flash_arguments(causal: bool, window_size: tuple[int, int]) -> tuple[
         or len(window_size) != 2
         or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
     ):
-        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}")
+        raise ValueError(
+            f"window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}"
+        )
     left, right = window_size
     if causal and right > 0:
         raise ValueError(

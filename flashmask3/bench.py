@@ -30,6 +30,7 @@ def git_commit() -> str:
 def result_json(record: dict) -> str:
     """A result record as JSON for bench/results/: floats to 4 significant digits and each row of a
     top-level list on one line, so a committed record stays a few KB."""
+
     def rounded(value):
         if isinstance(value, float):
             return float(f"{value:.4g}")
@@ -99,8 +100,13 @@ def error_string(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
-def interleaved_ms(contenders: dict[str, tuple[Callable, list[tuple]]], rounds: int = 5, warmup: int = 3,
-                   repeats: int = 2, errors: dict[str, str] | None = None) -> dict[str, float]:
+def interleaved_ms(
+    contenders: dict[str, tuple[Callable, list[tuple]]],
+    rounds: int = 5,
+    warmup: int = 3,
+    repeats: int = 2,
+    errors: dict[str, str] | None = None,
+) -> dict[str, float]:
     """Median GPU milliseconds per call of each contender (`name: (fn, argument tuples)`), the
     contenders taking turns: `warmup` untimed calls of each per argument tuple (compilation,
     autotuning), then `rounds` rounds, every other one in reverse order, in which each runs `repeats`

@@ -33,6 +33,7 @@ from .reference import ColumnMask
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """q, k, v [B, S, H, D] -> out [B, S, H, D]."""
 
+
 @dataclass
 class PeerCase:
     """One benchmark mask as the peers take it; what they build from it is built once, outside
@@ -59,8 +60,9 @@ class PeerCase:
         goes to `block_mask_seconds`."""
         start = time.perf_counter()
         seqlen = self.mask.seqlen_k
-        block_mask = flex_block_mask(self.mask, self.batch, self.heads, seqlen, seqlen, self.mask.device,
-                                     from_tiles=True)
+        block_mask = flex_block_mask(
+            self.mask, self.batch, self.heads, seqlen, seqlen, self.mask.device, from_tiles=True
+        )
         if self.mask.device.type == "cuda":
             torch.cuda.synchronize()
         self.block_mask_seconds = time.perf_counter() - start
@@ -78,14 +80,17 @@ def sliding_window_left(mask: ColumnMask) -> int:
     """
     seqlen = mask.seqlen_k
     if not mask.causal or mask.seqlen_q != seqlen:
-        raise ValueError(f"mask must be causal with Sq == Sk for a sliding window, got causal={mask.causal}, "
-                         f"Sq={mask.seqlen_q}, Sk={seqlen}")
+        raise ValueError(
+            f"mask must be causal with Sq == Sk for a sliding window, got causal={mask.causal}, "
+            f"Sq={mask.seqlen_q}, Sk={seqlen}"
+        )
     intervals = mask.intervals()
     width = int(intervals.lts.flatten()[0])  # key 0 is hidden from row W on
     expected = (torch.arange(seqlen, device=mask.device) + width).clamp(max=seqlen)
     if width < 1 or not bool((intervals.lts == expected).all()) or not bool((intervals.lte == seqlen).all()):
-        raise ValueError("mask is not a sliding window: LTS_j != min(j + W, S) for one W, "
-                         f"or an LTE below S (W from key 0: {width})")
+        raise ValueError(
+            f"mask is not a sliding window: LTS_j != min(j + W, S) for one W, or an LTE below S (W from key 0: {width})"
+        )
     return width - 1
 
 
@@ -114,15 +119,20 @@ def document_cu_seqlens(mask: ColumnMask, batch: int) -> tuple[torch.Tensor, int
     for b in range(mask.batch):
         ends = torch.unique_consecutive(intervals.lts[b, 0])
         if int(ends[0]) < 1 or int(ends[-1]) != seqlen or not bool((ends[1:] > ends[:-1]).all()):
-            raise ValueError(f"mask is not packed documents: batch {b}'s LTS is not increasing document ends "
-                             f"ending at S={seqlen}")
+            raise ValueError(
+                f"mask is not packed documents: batch {b}'s LTS is not increasing document ends ending at S={seqlen}"
+            )
         starts = torch.cat([ends.new_zeros(1), ends[:-1]])
         lengths = ends - starts
         first_rows_hidden = torch.zeros_like(starts) if mask.causal else starts
-        if not (torch.equal(intervals.lts[b, 0], ends.repeat_interleave(lengths))
-                and torch.equal(intervals.ute[b, 0], first_rows_hidden.repeat_interleave(lengths))):
-            raise ValueError(f"mask is not packed documents: batch {b} has a key whose LTS is not its "
-                             f"document's end{'' if mask.causal else ' or whose UTE is not its start'}")
+        if not (
+            torch.equal(intervals.lts[b, 0], ends.repeat_interleave(lengths))
+            and torch.equal(intervals.ute[b, 0], first_rows_hidden.repeat_interleave(lengths))
+        ):
+            raise ValueError(
+                f"mask is not packed documents: batch {b} has a key whose LTS is not its "
+                f"document's end{'' if mask.causal else ' or whose UTE is not its start'}"
+            )
         starts_per_element.append(starts)
     starts_per_element *= batch // mask.batch
     offsets = [starts + b * seqlen for b, starts in enumerate(starts_per_element)]
@@ -171,9 +181,17 @@ def _fa4_native(case: PeerCase) -> AttentionFn | None:
     def run(q, k, v):
         batch, seqlen = q.shape[:2]
         packed = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
-        out = flash_attn_varlen_func(*packed, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=longest,
-                                     max_seqlen_k=longest, softmax_scale=scale, causal=causal)[0]
+        out = flash_attn_varlen_func(
+            *packed,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=longest,
+            max_seqlen_k=longest,
+            softmax_scale=scale,
+            causal=causal,
+        )[0]
         return out.view(batch, seqlen, *out.shape[1:])
+
     return run
 
 
@@ -189,8 +207,10 @@ def _fa4_mask_mod(case: PeerCase) -> AttentionFn:
     from .optimized.mask import _hidden
 
     mask, heads, scale = case.mask, case.heads, case.softmax_scale
-    forward, backward = (BlockSparseTensorsTorch(*lists, block_size=(128, 128))  # `head_block_classes`' blocks
-                         for lists in fa4_block_sparse_tensors(mask, heads))
+    forward, backward = (
+        BlockSparseTensorsTorch(*lists, block_size=(128, 128))  # `head_block_classes`' blocks
+        for lists in fa4_block_sparse_tensors(mask, heads)
+    )
     row_indices = mask.startend_row_indices.contiguous()
     causal, width = mask.causal, row_indices.shape[-1]
     per_batch, heads_per_mask_head = mask.batch > 1, heads // mask.heads
@@ -213,8 +233,15 @@ def _fa4_mask_mod(case: PeerCase) -> AttentionFn:
     # FA4 caches its kernels by this hash: name every compile-time constant the closure captures.
     mask_mod.__cute_hash__ = f"flashmask3-column-{causal}-{width}-{per_batch}-{heads_per_mask_head}-{causal_offset}"
     return lambda q, k, v: flash_attn_func(
-        q, k, v, softmax_scale=scale, mask_mod=mask_mod, aux_tensors=[row_indices],
-        block_sparse_tensors=forward, block_sparse_tensors_bwd=backward)[0]
+        q,
+        k,
+        v,
+        softmax_scale=scale,
+        mask_mod=mask_mod,
+        aux_tensors=[row_indices],
+        block_sparse_tensors=forward,
+        block_sparse_tensors_bwd=backward,
+    )[0]
 
 
 @functools.cache
@@ -229,15 +256,24 @@ def _compiled_flex():
 
 def _flex(backend: str) -> Callable[[PeerCase], AttentionFn]:
     """FlexAttention compiled with `kernel_options={"BACKEND": backend}` on the case's BlockMask."""
+
     def build(case: PeerCase) -> AttentionFn:
         block_mask, scale, options = case.block_mask, case.softmax_scale, {"BACKEND": backend}
         flex = _compiled_flex()
 
         def run(q, k, v):
-            out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, scale=scale,
-                       kernel_options=options)
+            out = flex(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                block_mask=block_mask,
+                scale=scale,
+                kernel_options=options,
+            )
             return out.transpose(1, 2)
+
         return run
+
     return build
 
 
@@ -252,7 +288,9 @@ def _cudnn(case: PeerCase) -> AttentionFn | None:
     def run(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale).transpose(1, 2)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale
+            ).transpose(1, 2)
+
     return run
 
 
@@ -275,8 +313,9 @@ def select_peers(names: str) -> tuple[str, ...]:
     return chosen
 
 
-def checked_peers(case: PeerCase, names: tuple[str, ...], check: Callable[[AttentionFn], dict],
-                  row: dict) -> dict[str, AttentionFn]:
+def checked_peers(
+    case: PeerCase, names: tuple[str, ...], check: Callable[[AttentionFn], dict], row: dict
+) -> dict[str, AttentionFn]:
     """The peers `names` built for `case`, each called once through `check(fn)` (its compilation,
     and its differences from our output: `check` returns them as {"max_diff": ...}, which go into
     `row` under f"{name}_max_diff"...). A peer whose build or check raises (import error,

@@ -31,8 +31,16 @@ STAT_NAMES = ("bytes_sent", "chunks_received", "peak_kv_bytes", "wait_s", "compu
 
 def _setup(cfg: dict):
     mask = masks.build(cfg["mask"], cfg["seqlen"], cfg["batch"], cfg["heads"], cfg["seed"], **cfg["params"])
-    inputs = random_inputs(cfg["batch"], cfg["seqlen"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"],
-                           cfg["head_dim"], DTYPES[cfg["dtype"]], seed=cfg["seed"])
+    inputs = random_inputs(
+        cfg["batch"],
+        cfg["seqlen"],
+        cfg["seqlen"],
+        cfg["heads"],
+        cfg["kv_heads"],
+        cfg["head_dim"],
+        DTYPES[cfg["dtype"]],
+        seed=cfg["seed"],
+    )
     chunk = cfg["seqlen"] // (cfg["world_size"] * cfg["chunks_per_rank"])
     tile = 128 if chunk % 128 == 0 else chunk
     loads = chunk_loads(mask, chunk, tile=tile)
@@ -45,8 +53,13 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=cfg["world_size"])
     torch.set_num_threads(1)
     mask, (q, k, v, dout), plan, _loads = _setup(cfg)
-    config = CPConfig(scheme=cfg["scheme"], prune=cfg["prune"], overlap=cfg["overlap"],
-                      ranks_per_node=cfg["ranks_per_node"], hold_remote_kv=cfg["hold_remote_kv"])
+    config = CPConfig(
+        scheme=cfg["scheme"],
+        prune=cfg["prune"],
+        overlap=cfg["overlap"],
+        ranks_per_node=cfg["ranks_per_node"],
+        hold_remote_kv=cfg["hold_remote_kv"],
+    )
     local = [plan.shard(x, rank).requires_grad_() for x in (q, k, v)]
     # Warm-up: the first call opens the point-to-point connections.
     torch.autograd.grad(cp_attention(*local, mask, plan, config=config), local, plan.shard(dout, rank))
@@ -60,8 +73,9 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
     record = {"fwd_s": fwd_s, "total_s": total_s, "saved_kv_bytes": fwd.saved_kv_bytes}
     for prefix, stats in (("", fwd), ("bwd_", bwd)):
         record |= {prefix + name: getattr(stats, name) for name in STAT_NAMES}
-    torch.save({"out": out.detach(), "grads": [g.detach() for g in grads], "record": record},
-               Path(out_dir) / f"rank{rank}.pt")
+    torch.save(
+        {"out": out.detach(), "grads": [g.detach() for g in grads], "record": record}, Path(out_dir) / f"rank{rank}.pt"
+    )
     dist.destroy_process_group()
 
 
@@ -74,12 +88,23 @@ def _free_port() -> int:
 def run_cp(cfg) -> dict:
     """Run the CP experiment described by the Hydra config `cfg` (cfg.cp.scheme != 'none')."""
     plain = {
-        "mask": cfg.mask.name, "params": {k: v for k, v in dict(cfg.mask.params).items() if v is not None},
-        "seqlen": cfg.seqlen, "batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim, "dtype": cfg.dtype, "seed": cfg.seed,
-        "scheme": cfg.cp.scheme, "world_size": cfg.cp.world_size, "chunks_per_rank": cfg.cp.chunks_per_rank,
-        "assignment": cfg.cp.assignment, "prune": cfg.cp.prune, "overlap": cfg.cp.overlap,
-        "ranks_per_node": cfg.cp.ranks_per_node, "hold_remote_kv": bool(cfg.cp.get("hold_remote_kv", False)),
+        "mask": cfg.mask.name,
+        "params": {k: v for k, v in dict(cfg.mask.params).items() if v is not None},
+        "seqlen": cfg.seqlen,
+        "batch": cfg.batch,
+        "heads": cfg.heads,
+        "kv_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "dtype": cfg.dtype,
+        "seed": cfg.seed,
+        "scheme": cfg.cp.scheme,
+        "world_size": cfg.cp.world_size,
+        "chunks_per_rank": cfg.cp.chunks_per_rank,
+        "assignment": cfg.cp.assignment,
+        "prune": cfg.cp.prune,
+        "overlap": cfg.cp.overlap,
+        "ranks_per_node": cfg.cp.ranks_per_node,
+        "hold_remote_kv": bool(cfg.cp.get("hold_remote_kv", False)),
     }
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(plain, _free_port(), tmp), nprocs=plain["world_size"], join=True)
@@ -93,8 +118,19 @@ def run_cp(cfg) -> dict:
         full = plan.unshard([r["grads"][i] for r in ranks])
         errors[name] = float((full - ref_grads[i]).abs().max())
     return {
-        "cp": {k: plain[k] for k in ("scheme", "world_size", "chunks_per_rank", "assignment", "prune", "overlap",
-                                     "ranks_per_node", "hold_remote_kv")},
+        "cp": {
+            k: plain[k]
+            for k in (
+                "scheme",
+                "world_size",
+                "chunks_per_rank",
+                "assignment",
+                "prune",
+                "overlap",
+                "ranks_per_node",
+                "hold_remote_kv",
+            )
+        },
         "imbalance": imbalance(loads, plan.assignment),
         "per_rank": [r["record"] for r in ranks],
         "max_abs_err_vs_single_device": errors,

@@ -108,11 +108,15 @@ def _run_cp_experiment(cfg: DictConfig) -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     } | run_cp(cfg)
     c = record["cp"]
-    print(f"CP {c['scheme']} on {c['world_size']} gloo ranks, {c['assignment']} assignment, mask={cfg.mask.name} "
-          f"seqlen={cfg.seqlen}: imbalance {record['imbalance']:.3f}")
+    print(
+        f"CP {c['scheme']} on {c['world_size']} gloo ranks, {c['assignment']} assignment, mask={cfg.mask.name} "
+        f"seqlen={cfg.seqlen}: imbalance {record['imbalance']:.3f}"
+    )
     for rank, r in enumerate(record["per_rank"]):
-        print(f"  rank {rank}: fwd {r['fwd_s'] * 1e3:.1f} ms, fwd+bwd {r['total_s'] * 1e3:.1f} ms, "
-              f"sent {r['bytes_sent'] / 2**20:.2f} MiB")
+        print(
+            f"  rank {rank}: fwd {r['fwd_s'] * 1e3:.1f} ms, fwd+bwd {r['total_s'] * 1e3:.1f} ms, "
+            f"sent {r['bytes_sent'] / 2**20:.2f} MiB"
+        )
     errs = record["max_abs_err_vs_single_device"]
     print("max abs error vs single device: " + "  ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     _write(record, cfg)
@@ -140,7 +144,9 @@ def _print_summary(rec: dict) -> None:
         f"D={c['head_dim']} {c['dtype']} backend={c['backend']} device={c['device']}"
     )
     t = rec["tiles_128"]
-    print(f"density {rec['density']:.4f}  tiles 128x128: skip {t['skip']} partial {t['partial']} unmasked {t['unmasked']}")
+    print(
+        f"density {rec['density']:.4f}  tiles 128x128: skip {t['skip']} partial {t['partial']} unmasked {t['unmasked']}"
+    )
     line = f"fwd {rec['fwd_ms']:.2f} ms ({_rate(rec['fwd_tflops'])})"
     if "fwd_bwd_ms" in rec:
         line += f"  fwd+bwd {rec['fwd_bwd_ms']:.2f} ms ({_rate(rec['fwd_bwd_tflops'])})"
@@ -176,8 +182,12 @@ def _log_wandb(record: dict, wandb_cfg: DictConfig, out_dir: Path) -> None:
         raise ValueError(f"logging.wandb.mode must be offline, online or disabled, got {wandb_cfg.mode!r}")
     c = record["config"]
     run = wandb.init(
-        project=wandb_cfg.project, mode=wandb_cfg.mode, dir=str(out_dir), config=c,
-        name=f"{c['mask']['name']}-{c['backend']}-{c['seqlen']}", reinit="finish_previous",
+        project=wandb_cfg.project,
+        mode=wandb_cfg.mode,
+        dir=str(out_dir),
+        config=c,
+        name=f"{c['mask']['name']}-{c['backend']}-{c['seqlen']}",
+        reinit="finish_previous",
     )
     metrics = {k: v for k, v in record.items() if isinstance(v, (int, float))}
     for key, errs in record.items():

@@ -22,7 +22,11 @@ def _dense_heads(mask: ColumnMask, heads_q: int) -> torch.Tensor:
 
 
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ColumnMask | None, softmax_scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: ColumnMask | None,
+    softmax_scale: float,
     return_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """torch SDPA with a dense bool mask (O(Sq*Sk) memory); rows that see no key give 0.
@@ -69,7 +73,13 @@ _DENSE_BLOCK_MASK_LIMIT = 2**33  # mask elements create_block_mask may evaluate 
 
 
 def flex_block_mask(
-    mask: ColumnMask | None, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device, from_tiles: bool | None = None
+    mask: ColumnMask | None,
+    batch: int,
+    heads_q: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    device,
+    from_tiles: bool | None = None,
 ):
     """BlockMask (128 x 128) for FlexAttention; None for full attention.
 
@@ -88,12 +98,24 @@ def flex_block_mask(
         from_tiles = mask.batch * heads * seqlen_q * seqlen_k > _DENSE_BLOCK_MASK_LIMIT
     if not from_tiles:
         return create_block_mask(
-            mask_mod, batch if mask.batch > 1 else None, None if heads == 1 else heads, seqlen_q, seqlen_k,
-            device=device, BLOCK_SIZE=128, _compile=torch.device(device).type == "cuda",
+            mask_mod,
+            batch if mask.batch > 1 else None,
+            None if heads == 1 else heads,
+            seqlen_q,
+            seqlen_k,
+            device=device,
+            BLOCK_SIZE=128,
+            _compile=torch.device(device).type == "cuda",
         )
     partial_num, partial_idx, full_num, full_idx = block_lists(head_block_classes(mask, heads, device))
     return BlockMask.from_kv_blocks(
-        partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=128, mask_mod=mask_mod, seq_lengths=(seqlen_q, seqlen_k)
+        partial_num,
+        partial_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=128,
+        mask_mod=mask_mod,
+        seq_lengths=(seqlen_q, seqlen_k),
     )
 
 
@@ -139,8 +161,13 @@ def flex_attention(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention.*compile", category=UserWarning)
         out, aux = fn(
-            qt, kt, vt, block_mask=block_mask, scale=softmax_scale,
-            enable_gqa=k.shape[2] != hq, return_aux=AuxRequest(lse=True),
+            qt,
+            kt,
+            vt,
+            block_mask=block_mask,
+            scale=softmax_scale,
+            enable_gqa=k.shape[2] != hq,
+            return_aux=AuxRequest(lse=True),
         )
     lse = aux.lse.float()
     out = out.masked_fill((lse == -math.inf).unsqueeze(-1), 0)  # rows that see no key

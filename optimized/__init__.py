@@ -3,5 +3,10 @@
 from .interface import KernelOptions, compile_check, compile_seconds, cute_attention, kernel_options, unsupported_reason
 
 __all__ = [
-    "cute_attention", "unsupported_reason", "compile_check", "compile_seconds", "KernelOptions", "kernel_options",
+    "cute_attention",
+    "unsupported_reason",
+    "compile_check",
+    "compile_seconds",
+    "KernelOptions",
+    "kernel_options",
 ]

@@ -50,7 +50,8 @@ class BackwardPreprocess:
         mO, mdO = (assume_aligned(t) for t in (mO, mdO))
         grid = (cute.size(mdQaccum.shape[2]), cute.size(mdQaccum.shape[1]), cute.size(mdQaccum.shape[0]))
         self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream
+        )
 
     @cute.kernel
     def kernel(self, mO, mdO, mLSE, mLSE2, mDelta, mdQaccum):
@@ -103,19 +104,37 @@ class BackwardPostprocess:
         mdQ = select_modes(assume_aligned(mdQ), [1, 3, 2, 0])  # (Sq, D, Hq, B)
         s_layout = smem_layout(self.dtype, self.main.tile_m, self.head_dim)
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.main.tile_m, self.head_dim))
+            cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.main.tile_m, self.head_dim)
+        )
 
         @cute.struct
         class SharedStorage:
             sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_layout)], 1024]
 
         grid = (cute.size(mdQaccum.shape[2]), cute.size(mdQaccum.shape[1]), cute.size(mdQaccum.shape[0]))
-        self.kernel(mdQaccum, tma_mdQ, tma_dq, softmax_scale, self.main.dq_tiled_mma(), self.main.dq_slot_layout(),
-                    s_layout, SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        self.kernel(
+            mdQaccum,
+            tma_mdQ,
+            tma_dq,
+            softmax_scale,
+            self.main.dq_tiled_mma(),
+            self.main.dq_slot_layout(),
+            s_layout,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mdQaccum, mdQ, tma_dq: cute.CopyAtom, softmax_scale: Float32, tiled_mma_dq: cute.TiledMma,
-               slot_layout: cute.Layout, s_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+    def kernel(
+        self,
+        mdQaccum,
+        mdQ,
+        tma_dq: cute.CopyAtom,
+        softmax_scale: Float32,
+        tiled_mma_dq: cute.TiledMma,
+        slot_layout: cute.Layout,
+        s_layout: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         storage = SmemAllocator().allocate(SharedStorage)
@@ -127,11 +146,13 @@ class BackwardPostprocess:
         # The thread holds the fragment its twin thread of the main kernel computed: view it as
         # that accumulator, scale, convert, and store it in place through smem (stmatrix + TMA,
         # which leaves out rows past seqlen_q).
-        acc = cute.make_rmem_tensor(tiled_mma_dq.get_slice(tidx).partition_shape_C((self.main.tile_m, self.head_dim)),
-                                    self.dtype)
+        acc = cute.make_rmem_tensor(
+            tiled_mma_dq.get_slice(tidx).partition_shape_C((self.main.tile_m, self.head_dim)), self.dtype
+        )
         acc.store((cute.make_tensor(values.iterator, acc.layout).load() * softmax_scale).to(self.dtype))
         st_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_dq)
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_dq
+        )
         thr_copy = st_copy.get_slice(tidx)
         cute.copy(st_copy, thr_copy.retile(acc), thr_copy.partition_D(sdQ))
         cute.arch.fence_view_async_shared()
@@ -157,4 +178,3 @@ def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, tile_m: in
     accum = fake(Float32, (b, h, tm, tile_m * head_dim))
     rows = fake(Float32, (b, h, sq))
     return [q_like, q_like, rows, rows, rows, accum, stream], [accum, q_like, Float32(0.1), stream]
-

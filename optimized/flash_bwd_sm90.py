@@ -110,7 +110,11 @@ class FlashMaskBackwardSm90:
         wgs = self.num_consumer_wgs
         split_rows = self.tile_m == 64 * wgs
         return sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
             atom_layout_mnk=(wgs, 1, 1) if split_rows else (1, wgs, 1),
             tiler_mn=(64, self.head_dim) if split_rows else (64, self.head_dim // wgs),
         )
@@ -156,13 +160,24 @@ class FlashMaskBackwardSm90:
         wgs = self.num_consumer_wgs
         # S^T, dP^T: keys x queries, the warpgroups split the keys.
         tiled_mma_sdp = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, self.tile_m),
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(wgs, 1, 1),
+            tiler_mn=(64, self.tile_m),
         )
         # dV, dK: keys x head dim, A (P^T, dS^T) from registers.
         tiled_mma_dkv = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, self.head_dim), a_source=warpgroup.OperandSource.RMEM,
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(wgs, 1, 1),
+            tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
         )
         tiled_mma_dq = self.dq_tiled_mma()
         load_op = cpasync.CopyBulkTensorTileG2SOp()
@@ -174,7 +189,8 @@ class FlashMaskBackwardSm90:
         s_row_layout = cute.make_layout((self.tile_m, self.num_stages))
         tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(load_op, mLSE, cute.make_layout(self.tile_m), (self.tile_m,))
         tma_delta, tma_mDelta = cpasync.make_tiled_tma_atom(
-            load_op, mDelta, cute.make_layout(self.tile_m), (self.tile_m,))
+            load_op, mDelta, cute.make_layout(self.tile_m), (self.tile_m,)
+        )
         q_bytes = cute.size_in_bytes(self.dtype, q_tile) + self.tile_m * 4
         # dK and dV leave through smem (the K and V buffers, free by then) by TMA stores.
         store_op = cpasync.CopyBulkTensorTileS2GOp()
@@ -200,12 +216,43 @@ class FlashMaskBackwardSm90:
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, mdQaccum, tma_mdK, tma_mdV,
-            mRowIndices, mBlockBounds, mDqRanks, mSemaphore,
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, q_bytes, kv_bytes,
-            Float32(softmax_scale * LOG2_E), softmax_scale, qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
-            sQ_layout, sKV_layout, sdS_layout, sdQ_layout, s_row_layout,
-            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage,
+            tma_mQ,
+            tma_mK,
+            tma_mV,
+            tma_mdO,
+            tma_mLSE,
+            tma_mDelta,
+            mdQaccum,
+            tma_mdK,
+            tma_mdV,
+            mRowIndices,
+            mBlockBounds,
+            mDqRanks,
+            mSemaphore,
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_do,
+            tma_lse,
+            tma_delta,
+            tma_dk,
+            tma_dv,
+            q_bytes,
+            kv_bytes,
+            Float32(softmax_scale * LOG2_E),
+            softmax_scale,
+            qheads_per_kvhead,
+            qheads_per_maskhead,
+            mask_batch_stride,
+            sQ_layout,
+            sKV_layout,
+            sdS_layout,
+            sdQ_layout,
+            s_row_layout,
+            tiled_mma_sdp,
+            tiled_mma_dkv,
+            tiled_mma_dq,
+            SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -261,8 +308,9 @@ class FlashMaskBackwardSm90:
         pipe_kv = tma_pipeline(storage.mbar_kv, 1, 2 * kv_bytes, consumer_warps)
         pipe_q = tma_pipeline(storage.mbar_q, self.num_stages, q_bytes, consumer_warps)
         pipe_do = tma_pipeline(storage.mbar_do, self.num_stages, q_bytes, consumer_warps)
-        tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
-                             storage.mbar_tiles.data_ptr())
+        tile_list = TileList(
+            storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)), storage.mbar_tiles.data_ptr()
+        )
         tile_list.init(1 + 4 * self.num_consumer_wgs, warp_idx, self.num_threads // 32)  # read by producer, consumers
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -280,29 +328,121 @@ class FlashMaskBackwardSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
-                          tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_kv, pipe_q, pipe_do,
-                          n_block, head_kv, batch, tile_list, qheads_per_kvhead)
+                self.load(
+                    mQ,
+                    mK,
+                    mV,
+                    mdO,
+                    mLSE,
+                    mDelta,
+                    sQ,
+                    sK,
+                    sV,
+                    sdO,
+                    sLSE,
+                    sDelta,
+                    tma_q,
+                    tma_k,
+                    tma_v,
+                    tma_do,
+                    tma_lse,
+                    tma_delta,
+                    pipe_kv,
+                    pipe_q,
+                    pipe_do,
+                    n_block,
+                    head_kv,
+                    batch,
+                    tile_list,
+                    qheads_per_kvhead,
+                )
             if warp_idx == 1:
                 position = Int32(0)
                 for g in cutlass.range(qheads_per_kvhead, unroll=1):
                     mask_head = (head_kv * qheads_per_kvhead + g) // qheads_per_maskhead
                     position = list_query_tiles(
-                        tile_list, position, mBlockBounds[mask_batch, mask_head, n_block, None], n_block * self.tile_n,
-                        mQ.shape[0], mK.shape[0], mK.shape[0] - mQ.shape[0], self.tile_m, self.tile_n, self.causal,
-                        self.mask_width, self.skip_tiles)
+                        tile_list,
+                        position,
+                        mBlockBounds[mask_batch, mask_head, n_block, None],
+                        n_block * self.tile_n,
+                        mQ.shape[0],
+                        mK.shape[0],
+                        mK.shape[0] - mQ.shape[0],
+                        self.tile_m,
+                        self.tile_n,
+                        self.causal,
+                        self.mask_width,
+                        self.skip_tiles,
+                    )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, tile_list, mDqRanks, mSemaphore,
-                         sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                         pipe_kv, pipe_q, pipe_do,
-                         tidx - 128, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
-                         qheads_per_kvhead, qheads_per_maskhead, mQ.shape[0], mK.shape[0])
+            self.consume(
+                sLSE,
+                sDelta,
+                mdQaccum,
+                mdK,
+                mdV,
+                mRowIndices,
+                tile_list,
+                mDqRanks,
+                mSemaphore,
+                sQ,
+                sK,
+                sV,
+                sdO,
+                sdS,
+                sdQ,
+                tma_dk,
+                tma_dv,
+                tiled_mma_sdp,
+                tiled_mma_dkv,
+                tiled_mma_dq,
+                pipe_kv,
+                pipe_q,
+                pipe_do,
+                tidx - 128,
+                scale_log2,
+                softmax_scale,
+                n_block,
+                head_kv,
+                batch,
+                mask_batch,
+                qheads_per_kvhead,
+                qheads_per_maskhead,
+                mQ.shape[0],
+                mK.shape[0],
+            )
 
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
-             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_kv, pipe_q, pipe_do,
-             n_block, head_kv, batch, tile_list, qheads_per_kvhead):
+    def load(
+        self,
+        mQ,
+        mK,
+        mV,
+        mdO,
+        mLSE,
+        mDelta,
+        sQ,
+        sK,
+        sV,
+        sdO,
+        sLSE,
+        sDelta,
+        tma_q,
+        tma_k,
+        tma_v,
+        tma_do,
+        tma_lse,
+        tma_delta,
+        pipe_kv,
+        pipe_q,
+        pipe_do,
+        n_block,
+        head_kv,
+        batch,
+        tile_list,
+        qheads_per_kvhead,
+    ):
         """Producer warp: K and V once, then Q (+ LSE) and dO (+ Delta) of every listed query tile of
         every query head."""
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
@@ -343,10 +483,43 @@ class FlashMaskBackwardSm90:
                 position += 1
 
     @cute.jit
-    def consume(self, sLSE, sDelta, mdQaccum, mdK, mdV, mRowIndices, tile_list, mDqRanks, mSemaphore,
-                sQ, sK, sV, sdO, sdS, sdQ, tma_dk, tma_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                pipe_kv, pipe_q, pipe_do, tidx, scale_log2, softmax_scale, n_block, head_kv, batch, mask_batch,
-                qheads_per_kvhead, qheads_per_maskhead, seqlen_q, seqlen_k):
+    def consume(
+        self,
+        sLSE,
+        sDelta,
+        mdQaccum,
+        mdK,
+        mdV,
+        mRowIndices,
+        tile_list,
+        mDqRanks,
+        mSemaphore,
+        sQ,
+        sK,
+        sV,
+        sdO,
+        sdS,
+        sdQ,
+        tma_dk,
+        tma_dv,
+        tiled_mma_sdp,
+        tiled_mma_dkv,
+        tiled_mma_dq,
+        pipe_kv,
+        pipe_q,
+        pipe_do,
+        tidx,
+        scale_log2,
+        softmax_scale,
+        n_block,
+        head_kv,
+        batch,
+        mask_batch,
+        qheads_per_kvhead,
+        qheads_per_maskhead,
+        seqlen_q,
+        seqlen_k,
+    ):
         """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T, the dV/dK/dQ products."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
@@ -363,7 +536,8 @@ class FlashMaskBackwardSm90:
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         # dS^T from registers into sdS (where dQ's A operand reads dS), by transposing stmatrix.
         ds_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), tiled_mma_sdp)
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), tiled_mma_sdp
+        )
         thr_ds_copy = ds_copy.get_slice(tidx)
         tdSsdS = thr_ds_copy.partition_D(transpose_view(sdS))
         st_shape = wg_sdp.partition_shape_C((self.tile_n, self.tile_m))
@@ -403,8 +577,20 @@ class FlashMaskBackwardSm90:
                 wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
                 warpgroup.wait_group(1)
                 if (entry & 1) != 0:
-                    apply_column_mask(acc_S, st_coords, mRowIndices, mask_batch, mask_head, query_start, key_start,
-                                      seqlen_k, causal_offset, self.causal, self.mask_width, keys_on_rows=True)
+                    apply_column_mask(
+                        acc_S,
+                        st_coords,
+                        mRowIndices,
+                        mask_batch,
+                        mask_head,
+                        query_start,
+                        key_start,
+                        seqlen_k,
+                        causal_offset,
+                        self.causal,
+                        self.mask_width,
+                        keys_on_rows=True,
+                    )
                 p_rows = acc_rows_view(acc_S)
                 for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
@@ -413,16 +599,18 @@ class FlashMaskBackwardSm90:
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
                 warpgroup.wait_group(0)
-                wgmma(tiled_mma_dkv, acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index],
-                       zero_init=False)
+                wgmma(
+                    tiled_mma_dkv, acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index], zero_init=False
+                )
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
                         ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                wgmma(tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index],
-                       zero_init=False)
+                wgmma(
+                    tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index], zero_init=False
+                )
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2
@@ -447,8 +635,22 @@ class FlashMaskBackwardSm90:
 
         if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        self.store_dkv(acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,
-                       head_kv, batch, tidx)
+        self.store_dkv(
+            acc_dK,
+            acc_dV,
+            tiled_mma_dkv,
+            sK,
+            sV,
+            tma_dk,
+            tma_dv,
+            mdK,
+            mdV,
+            softmax_scale,
+            n_block,
+            head_kv,
+            batch,
+            tidx,
+        )
 
     @cute.jit
     def add_dq(self, acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg):
@@ -477,14 +679,30 @@ class FlashMaskBackwardSm90:
                 cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def store_dkv(self, acc_dK, acc_dV, tiled_mma_dkv, sK, sV, tma_dk, tma_dv, mdK, mdV, softmax_scale, n_block,
-                  head_kv, batch, tidx):
+    def store_dkv(
+        self,
+        acc_dK,
+        acc_dV,
+        tiled_mma_dkv,
+        sK,
+        sV,
+        tma_dk,
+        tma_dv,
+        mdK,
+        mdV,
+        softmax_scale,
+        n_block,
+        head_kv,
+        batch,
+        tidx,
+    ):
         """Epilogue: dK (times the softmax scale) and dV in the output dtype, through the K and V smem
         buffers (stmatrix) and TMA stores, which leave out rows past seqlen_k."""
         # Every warpgroup's last MMAs (dQ reads all of sK) are done before sK, sV are overwritten.
         cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
         st_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_dkv)
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_dkv
+        )
         thr_copy = st_copy.get_slice(tidx)
         for acc, smem, scale in ((acc_dK, sK, softmax_scale), (acc_dV, sV, Float32(1.0))):
             r_out = cute.make_rmem_tensor_like(acc, self.dtype)

@@ -108,12 +108,22 @@ class FlashMaskForwardSm90:
         sKV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
         kv_tile = cute.select(sKV_layout, mode=[0, 1])
         tiled_mma_qk = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_consumer_wgs, 1, 1), tiler_mn=(64, self.tile_n),
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(self.num_consumer_wgs, 1, 1),
+            tiler_mn=(64, self.tile_n),
         )
         tiled_mma_pv = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(self.num_consumer_wgs, 1, 1), tiler_mn=(64, self.head_dim),
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(self.num_consumer_wgs, 1, 1),
+            tiler_mn=(64, self.head_dim),
             a_source=warpgroup.OperandSource.RMEM,
         )
         load_op = cpasync.CopyBulkTensorTileG2SOp()
@@ -121,13 +131,15 @@ class FlashMaskForwardSm90:
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, kv_tile, (self.tile_n, self.head_dim), 1)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, kv_tile, (self.tile_n, self.head_dim), 1)
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, q_tile, (self.tile_m, self.head_dim))
+            cpasync.CopyBulkTensorTileS2GOp(), mO, q_tile, (self.tile_m, self.head_dim)
+        )
         q_bytes = cute.size_in_bytes(self.dtype, q_tile)
         kv_bytes = cute.size_in_bytes(self.dtype, kv_tile)
         # (key in tile, boundary, buffer, warpgroup): each warpgroup alternates two tiles' bounds.
         w = self.mask_width
-        bounds_layout = cute.make_layout((self.tile_n, w, 2, self.num_consumer_wgs),
-                                         stride=(w, 1, self.tile_n * w, 2 * self.tile_n * w))
+        bounds_layout = cute.make_layout(
+            (self.tile_n, w, 2, self.num_consumer_wgs), stride=(w, 1, self.tile_n * w, 2 * self.tile_n * w)
+        )
 
         @cute.struct
         class SharedStorage:
@@ -140,15 +152,35 @@ class FlashMaskForwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             if const_expr(self.bounds_prefetch):  # per warpgroup, two tiles' column bounds
-                sBounds: cute.struct.Align[cute.struct.MemRange[
-                    Int32, cute.cosize(bounds_layout)], 16]
+                sBounds: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(bounds_layout)], 16]
 
         num_ctas = cutlass.min(self.work_tiles(mQ).total, max_ctas)
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mRowIndices, mBlockBounds, mTileCounter, mTimeline,
-            tma_q, tma_k, tma_v, tma_o, q_bytes, kv_bytes,
-            Float32(softmax_scale * LOG2_E), qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride,
-            sQ_layout, sKV_layout, bounds_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
+            tma_mQ,
+            tma_mK,
+            tma_mV,
+            tma_mO,
+            mLSE,
+            mRowIndices,
+            mBlockBounds,
+            mTileCounter,
+            mTimeline,
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_o,
+            q_bytes,
+            kv_bytes,
+            Float32(softmax_scale * LOG2_E),
+            qheads_per_kvhead,
+            qheads_per_maskhead,
+            mask_batch_stride,
+            sQ_layout,
+            sKV_layout,
+            bounds_layout,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -195,8 +227,9 @@ class FlashMaskForwardSm90:
         pipe_q = tma_pipeline(storage.mbar_q, 2, q_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1))
         pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, kv_bytes, consumer_warps)
         pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, kv_bytes, consumer_warps)
-        tile_list = TileList(storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)),
-                             storage.mbar_tiles.data_ptr())
+        tile_list = TileList(
+            storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)), storage.mbar_tiles.data_ptr()
+        )
         tile_list.init(1 + 4 * self.num_consumer_wgs, warp_idx, self.num_threads // 32)  # read by producer, consumers
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -211,17 +244,67 @@ class FlashMaskForwardSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, work_tiles,
-                          qheads_per_kvhead, tile_list, timeline)
+                self.load(
+                    mQ,
+                    mK,
+                    mV,
+                    sQ,
+                    sK,
+                    sV,
+                    tma_q,
+                    tma_k,
+                    tma_v,
+                    pipe_q,
+                    pipe_k,
+                    pipe_v,
+                    work_tiles,
+                    qheads_per_kvhead,
+                    tile_list,
+                    timeline,
+                )
             if warp_idx == 1:
-                list_work_tiles(tile_list, work_tiles, mTileCounter, num_ctas, mBlockBounds, mask_batch_stride,
-                                qheads_per_maskhead, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal,
-                                self.mask_width, self.skip_tiles, timeline)
+                list_work_tiles(
+                    tile_list,
+                    work_tiles,
+                    mTileCounter,
+                    num_ctas,
+                    mBlockBounds,
+                    mask_batch_stride,
+                    qheads_per_maskhead,
+                    seqlen_q,
+                    seqlen_k,
+                    self.tile_m,
+                    self.tile_n,
+                    self.causal,
+                    self.mask_width,
+                    self.skip_tiles,
+                    timeline,
+                )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(tma_o, mO, mLSE, mRowIndices, sQ, sK, transpose_view(sV), sBounds, tiled_mma_qk,
-                         tiled_mma_pv, pipe_q, pipe_k, pipe_v, tidx - 128, scale_log2, work_tiles, heads, tile_list,
-                         seqlen_q, seqlen_k, timeline)
+            self.consume(
+                tma_o,
+                mO,
+                mLSE,
+                mRowIndices,
+                sQ,
+                sK,
+                transpose_view(sV),
+                sBounds,
+                tiled_mma_qk,
+                tiled_mma_pv,
+                pipe_q,
+                pipe_k,
+                pipe_v,
+                tidx - 128,
+                scale_log2,
+                work_tiles,
+                heads,
+                tile_list,
+                seqlen_q,
+                seqlen_k,
+                timeline,
+            )
 
     def work_tiles(self, mQ: cute.Tensor) -> WorkTiles:
         """The work tiles of Q, (Sq, D, Hq, B): query tiles x query heads x batch."""
@@ -230,8 +313,25 @@ class FlashMaskForwardSm90:
         return WorkTiles(num_m_blocks, num_heads, num_m_blocks * num_heads * cute.size(mQ.shape[3]), self.causal)
 
     @cute.jit
-    def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, work_tiles,
-             qheads_per_kvhead, tile_list, timeline):
+    def load(
+        self,
+        mQ,
+        mK,
+        mV,
+        sQ,
+        sK,
+        sV,
+        tma_q,
+        tma_k,
+        tma_v,
+        pipe_q,
+        pipe_k,
+        pipe_v,
+        work_tiles,
+        qheads_per_kvhead,
+        tile_list,
+        timeline,
+    ):
         """Producer warp: per work tile, Q once one of the two Q buffers is free, then K and V of every
         listed key tile, K of tile j+1 before V of tile j (a turn of the consumers' loop needs both)."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
@@ -280,12 +380,35 @@ class FlashMaskForwardSm90:
     def load_tile(self, tma, gmem_tiles, smem_stages, pipe, state, n_block):
         """TMA of key tile `n_block` into the pipeline stage of `state`, once it is free."""
         pipe.producer_acquire(state)
-        cute.copy(tma, gmem_tiles[None, n_block], smem_stages[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state))
+        cute.copy(
+            tma, gmem_tiles[None, n_block], smem_stages[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state)
+        )
 
     @cute.jit
-    def consume(self, tma_o, mO, mLSE, mRowIndices, sQ, sK, sVt, sBounds, tiled_mma_qk, tiled_mma_pv, pipe_q,
-                pipe_k, pipe_v, tidx, scale_log2, work_tiles, heads, tile_list, seqlen_q, seqlen_k, timeline):
+    def consume(
+        self,
+        tma_o,
+        mO,
+        mLSE,
+        mRowIndices,
+        sQ,
+        sK,
+        sVt,
+        sBounds,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        pipe_q,
+        pipe_k,
+        pipe_v,
+        tidx,
+        scale_log2,
+        work_tiles,
+        heads,
+        tile_list,
+        seqlen_q,
+        seqlen_k,
+        timeline,
+    ):
         """Consumer warpgroups: per work tile, the masked online-softmax main loop and the epilogue.
         `sBounds` is the smem for `bounds_prefetch` (or None)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -322,8 +445,15 @@ class FlashMaskForwardSm90:
         while work != NO_MORE_WORK:
             m_block, head, batch = work_tiles.decode(work)
             row_start = m_block * self.tile_m
-            mask_args = (s_coords, mRowIndices, batch * mask_batch_stride, head // qheads_per_maskhead, row_start,
-                         seqlen_k, causal_offset)
+            mask_args = (
+                s_coords,
+                mRowIndices,
+                batch * mask_batch_stride,
+                head // qheads_per_maskhead,
+                row_start,
+                seqlen_k,
+                causal_offset,
+            )
             acc_O.fill(0.0)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
@@ -337,14 +467,46 @@ class FlashMaskForwardSm90:
             previous_q = pipeline.PipelineState(2, q_state.count, 1 - q_state.index, q_state.phase)
             free_previous_q = (pipe_q, previous_q, tiles_done > 0 and tidx == 0)
             k_state, v_state, position = self.overlapped_loop(
-                tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_state.index], tSrK, tOrV, tOrP, acc_O,
-                s_shape, row_max, row_sum, free_previous_q, pipe_k, pipe_v, k_state, v_state, wg, scale_log2,
-                tile_list, position + 1, mask_args, bounds)
+                tiled_mma_qk,
+                tiled_mma_pv,
+                tSrQ[None, None, None, q_state.index],
+                tSrK,
+                tOrV,
+                tOrP,
+                acc_O,
+                s_shape,
+                row_max,
+                row_sum,
+                free_previous_q,
+                pipe_k,
+                pipe_v,
+                k_state,
+                v_state,
+                wg,
+                scale_log2,
+                tile_list,
+                position + 1,
+                mask_args,
+                bounds,
+            )
             if tidx == 0:
                 timeline.record(tiles_done, Event.LOOP_END)
             lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2)
-            self.store(acc_O, lse, tiled_mma_pv, thr_pv, sQ[None, None, q_state.index], tma_o, mO, mLSE, m_block,
-                       head, batch, seqlen_q, tidx)
+            self.store(
+                acc_O,
+                lse,
+                tiled_mma_pv,
+                thr_pv,
+                sQ[None, None, q_state.index],
+                tma_o,
+                mO,
+                mLSE,
+                m_block,
+                head,
+                batch,
+                seqlen_q,
+                tidx,
+            )
             q_state.advance()
             if tidx == 0:
                 timeline.record(tiles_done, Event.STORED)
@@ -354,9 +516,30 @@ class FlashMaskForwardSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem stays valid until the last store has read it
 
     @cute.jit
-    def overlapped_loop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, row_max, row_sum,
-                        free_previous_q, pipe_k, pipe_v, k_state, v_state, wg, scale_log2, tile_list, position,
-                        mask_args, bounds):
+    def overlapped_loop(
+        self,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        tSrQ,
+        tSrK,
+        tOrV,
+        tOrP,
+        acc_O,
+        s_shape,
+        row_max,
+        row_sum,
+        free_previous_q,
+        pipe_k,
+        pipe_v,
+        k_state,
+        v_state,
+        wg,
+        scale_log2,
+        tile_list,
+        position,
+        mask_args,
+        bounds,
+    ):
         """One work tile's main loop, from its first list entry at `position`, with intra-warpgroup
         overlap (FA3): in one turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while its PV runs, and rescales
@@ -445,13 +628,29 @@ class FlashMaskForwardSm90:
                 key = cutlass.min((entry >> 1) * self.tile_n + lane, seqlen_k - 1)
                 atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
                 one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
-                cute.copy(atom, cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
-                          cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy))
+                cute.copy(
+                    atom,
+                    cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
+                    cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy),
+                )
             cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def mask_scores(self, acc_S, entry, position, bounds, s_coords, mRowIndices, mask_batch, mask_head, row_start,
-                    seqlen_k, causal_offset, newer_groups: cutlass.Constexpr[int] = 0):
+    def mask_scores(
+        self,
+        acc_S,
+        entry,
+        position,
+        bounds,
+        s_coords,
+        mRowIndices,
+        mask_batch,
+        mask_head,
+        row_start,
+        seqlen_k,
+        causal_offset,
+        newer_groups: cutlass.Constexpr[int] = 0,
+    ):
         """The element mask, on tiles the mask role listed PARTIAL only; with `bounds` (see
         `prefetch_bounds`) the column boundaries come from smem, once all but the `newer_groups`
         latest cp.async groups (the next entry's) have landed."""
@@ -462,9 +661,20 @@ class FlashMaskForwardSm90:
                 cute.arch.cp_async_wait_group(newer_groups)
                 cute.arch.barrier(barrier_id=self.bounds_barrier + wg, number_of_threads=128)
                 tile_bounds = sBounds[None, None, position % 2]
-            apply_column_mask(acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start,
-                              (entry >> 1) * self.tile_n, seqlen_k, causal_offset, self.causal, self.mask_width,
-                              tile_bounds=tile_bounds)
+            apply_column_mask(
+                acc_S,
+                s_coords,
+                mRowIndices,
+                mask_batch,
+                mask_head,
+                row_start,
+                (entry >> 1) * self.tile_n,
+                seqlen_k,
+                causal_offset,
+                self.causal,
+                self.mask_width,
+                tile_bounds=tile_bounds,
+            )
 
     @cute.jit
     def begin_turn(self, wg):
@@ -490,7 +700,8 @@ class FlashMaskForwardSm90:
         # Every consumer warpgroup's last S GEMM (the readers of this Q buffer) is done.
         cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
         st_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_pv)
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_pv
+        )
         thr_copy = st_copy.get_slice(tidx)
         cute.copy(st_copy, thr_copy.retile(rO), thr_copy.partition_D(sO))
         cute.arch.fence_view_async_shared()

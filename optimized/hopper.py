@@ -35,9 +35,12 @@ def smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int 
 def tma_pipeline(barriers, num_stages: int, tx_count: int, consumers) -> pipeline.PipelineTmaAsync:
     """A `num_stages`-deep pipeline one producer thread fills by TMA (`tx_count` bytes per stage)."""
     return pipeline.PipelineTmaAsync.create(
-        barrier_storage=barriers.data_ptr(), num_stages=num_stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1), consumer_group=consumers,
-        tx_count=tx_count, defer_sync=True,
+        barrier_storage=barriers.data_ptr(),
+        num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=consumers,
+        tx_count=tx_count,
+        defer_sync=True,
     )
 
 
@@ -45,7 +48,8 @@ def tma_tiles(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, tile_mo
     """(smem, gmem) views of a single-CTA TMA copy: the first `tile_modes` modes of both are one tile,
     the remaining mode indexes pipeline stages (smem) or tiles (gmem)."""
     return cpasync.tma_partition(
-        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, tile_modes), cute.group_modes(gmem, 0, tile_modes))
+        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, tile_modes), cute.group_modes(gmem, 0, tile_modes)
+    )
 
 
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, zero_init: bool) -> None:

@@ -89,8 +89,10 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     except ImportError:
         return "backend='cute' needs nvidia-cutlass-dsl (pip install 'flashmask3[gpu]')"
     if options.tvm_ffi and importlib.util.find_spec("tvm_ffi") is None:
-        return ("backend='cute' launches through apache-tvm-ffi (pip install 'flashmask3[gpu]'), "
-                "or set kernel_options(tvm_ffi=False)")
+        return (
+            "backend='cute' launches through apache-tvm-ffi (pip install 'flashmask3[gpu]'), "
+            "or set kernel_options(tvm_ffi=False)"
+        )
     return None
 
 
@@ -98,11 +100,17 @@ def _to_cute(t: torch.Tensor):
     from cutlass.cute.runtime import from_dlpack
 
     return from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=options.tvm_ffi).mark_layout_dynamic(
-        leading_dim=t.dim() - 1)
+        leading_dim=t.dim() - 1
+    )
 
 
 def _make_kernel(
-    dtype: str, head_dim: int, causal: bool, width: int, opts: KernelOptions, direction: str = "fwd",
+    dtype: str,
+    head_dim: int,
+    causal: bool,
+    width: int,
+    opts: KernelOptions,
+    direction: str = "fwd",
     deterministic: bool = False,
 ):
     import cutlass
@@ -111,18 +119,34 @@ def _make_kernel(
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
-        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, deterministic, skip_tiles=opts.skip_tiles,
-                                     lse_ahead=opts.lse_ahead, tile_m=backward_tile_rows(head_dim, opts))
+        return FlashMaskBackwardSm90(
+            cute_dtype,
+            head_dim,
+            causal,
+            width,
+            deterministic,
+            skip_tiles=opts.skip_tiles,
+            lse_ahead=opts.lse_ahead,
+            tile_m=backward_tile_rows(head_dim, opts),
+        )
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
         return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(
-            cute_dtype, head_dim, backward_tile_rows(head_dim, opts))
+            cute_dtype, head_dim, backward_tile_rows(head_dim, opts)
+        )
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
     return FlashMaskForwardSm90(
-        cute_dtype, head_dim, causal, width, num_stages=opts.num_stages, skip_tiles=opts.skip_tiles,
-        bounds_prefetch=opts.bounds_prefetch, q_tile_192=opts.q_tile_192)
+        cute_dtype,
+        head_dim,
+        causal,
+        width,
+        num_stages=opts.num_stages,
+        skip_tiles=opts.skip_tiles,
+        bounds_prefetch=opts.bounds_prefetch,
+        q_tile_192=opts.q_tile_192,
+    )
 
 
 def forward_tile_rows(head_dim: int) -> int:
@@ -135,8 +159,16 @@ def backward_tile_rows(head_dim: int, opts: KernelOptions | None = None) -> int:
     return 128 if head_dim == 64 and (opts or options).bwd_q_tile_128 else 64
 
 
-def _launch(direction: str, dtype: torch.dtype, head_dim: int, causal: bool, width: int,
-            tensors: list[torch.Tensor], scalars: list[float | int], deterministic: bool = False) -> None:
+def _launch(
+    direction: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    causal: bool,
+    width: int,
+    tensors: list[torch.Tensor],
+    scalars: list[float | int],
+    deterministic: bool = False,
+) -> None:
     """Run one kernel on the current stream, compiling it on first use per configuration (the
     scalars: floats are Float32, ints Int32). With `tvm_ffi` the compiled function takes the torch
     tensors and Python scalars as they are; else each call wraps them for the DSL first."""
@@ -145,8 +177,10 @@ def _launch(direction: str, dtype: torch.dtype, head_dim: int, causal: bool, wid
 
     key = (direction, dtype, head_dim, causal, width, options, deterministic, tuple(t is None for t in tensors))
     if key not in _compiled or not options.tvm_ffi:
-        cute_args = [*(None if t is None else _to_cute(t) for t in tensors),
-                     *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars)]
+        cute_args = [
+            *(None if t is None else _to_cute(t) for t in tensors),
+            *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars),
+        ]
     if key not in _compiled:
         name = "bf16" if dtype == torch.bfloat16 else "fp16"
         kernel = _make_kernel(name, head_dim, causal, width, options, direction, deterministic)
@@ -199,8 +233,15 @@ def forward(
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     max_ctas = _sm_count(q.device) if options.persistent else 2**31 - 1
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
-    _launch("fwd", q.dtype, d, mask.causal, row_indices.shape[-1],
-            [q, k, v, out, lse, row_indices, bounds, tile_counter, timeline], scalars)
+    _launch(
+        "fwd",
+        q.dtype,
+        d,
+        mask.causal,
+        row_indices.shape[-1],
+        [q, k, v, out, lse, row_indices, bounds, tile_counter, timeline],
+        scalars,
+    )
     return out, lse
 
 
@@ -331,16 +372,30 @@ def compile_check(
     bwd_tile_m = backward_tile_rows(head_dim, opts)
     if direction == "bwd":
         tensors = [
-            q_like, kv_like, kv_like, q_like,
-            fake(cutlass.Float32, (b, hq, sq)), fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, hq, tm, bwd_tile_m * head_dim)), kv_like, kv_like, row_indices,
-            fake(cutlass.Int32, (bm, hm, tn, 2 * width)), fake(cutlass.Int32, (bm, hm, tn, tm)),
+            q_like,
+            kv_like,
+            kv_like,
+            q_like,
+            fake(cutlass.Float32, (b, hq, sq)),
+            fake(cutlass.Float32, (b, hq, sq)),
+            fake(cutlass.Float32, (b, hq, tm, bwd_tile_m * head_dim)),
+            kv_like,
+            kv_like,
+            row_indices,
+            fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
+            fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
         ]
     else:
         tensors = [
-            q_like, kv_like, kv_like, q_like, fake(cutlass.Float32, (b, hq, sq)), row_indices,
-            fake(cutlass.Int32, (bm, hm, tn, 2 * width)), fake(cutlass.Int32, (1,)),
+            q_like,
+            kv_like,
+            kv_like,
+            q_like,
+            fake(cutlass.Float32, (b, hq, sq)),
+            row_indices,
+            fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
+            fake(cutlass.Int32, (1,)),
             fake(cutlass.Int64, (cute.sym_int32(), cute.sym_int32(), len(Event))) if timeline else None,
         ]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=opts.tvm_ffi)

@@ -19,8 +19,17 @@ from .layout import acc_rows_view
 
 
 @cute.jit
-def _hidden(query, key, first, second, third, fourth, causal_offset, causal: cutlass.Constexpr[bool],
-            width: cutlass.Constexpr[int]):
+def _hidden(
+    query,
+    key,
+    first,
+    second,
+    third,
+    fourth,
+    causal_offset,
+    causal: cutlass.Constexpr[bool],
+    width: cutlass.Constexpr[int],
+):
     """Whether (query, key) is masked, given the key's 1, 2 or 4 boundaries (unused ones repeat)."""
     if cutlass.const_expr(causal and width == 1):
         hidden = query >= first or key > query + causal_offset

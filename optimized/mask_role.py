@@ -1,7 +1,8 @@
 """The mask role: one warp that classifies tiles ahead of the others and hands them a compacted list.
 
 Each CTA works on tiles of one dimension (the forward: query tiles, persistently, which the mask
-warp also draws: tile_scheduler.py; the backward: one key tile) and walks the tiles of the other. The mask warp classifies those 32 at a time, one per lane, from the
+warp also draws: tile_scheduler.py; the backward: one key tile) and walks the tiles of the other.
+The mask warp classifies those 32 at a time, one per lane, from the
 per-key-block min/max of the boundary vectors (`block_minmax`, computed once per call on the GPU;
 FlashMask's rule, exactly `ColumnMask.block_classes`): SKIP tiles are left out, the others are
 published in order as `tile << 1 | partial` into a small smem ring (`TileList`), then -1. The TMA
@@ -178,8 +179,9 @@ def list_key_tiles(
         tile = first + lane
         for w in cutlass.range_constexpr(2 * width):
             bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
-        listed, partial = tile_flags(bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset,
-                                     causal, width, skip_tiles)
+        listed, partial = tile_flags(
+            bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset, causal, width, skip_tiles
+        )
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
     _put_single(tile_list, position, END_OF_LIST)
     return position + 1
@@ -217,9 +219,18 @@ def list_work_tiles(
         m_block, head, batch = work_tiles.decode(work)
         row_start = m_block * tile_m
         position = list_key_tiles(
-            tile_list, header + 1, mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
-            row_start, cutlass.min(row_start + tile_m, seqlen_q), seqlen_k, seqlen_k - seqlen_q, tile_n, causal,
-            width, skip_tiles)
+            tile_list,
+            header + 1,
+            mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
+            row_start,
+            cutlass.min(row_start + tile_m, seqlen_q),
+            seqlen_k,
+            seqlen_k - seqlen_q,
+            tile_n,
+            causal,
+            width,
+            skip_tiles,
+        )
         if cute.arch.lane_idx() == 0:
             timeline.record(tiles_done, Event.LIST_END)
             timeline.record(tiles_done, Event.KEY_TILES, position - header - 2)
@@ -258,8 +269,18 @@ def list_query_tiles(
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
         tile = base + lane
         row_start = tile * tile_m
-        listed, partial = tile_flags(bounds, row_start, cutlass.min(row_start + tile_m, seqlen_q), key_start, tile_n,
-                                     seqlen_k, causal_offset, causal, width, skip_tiles)
+        listed, partial = tile_flags(
+            bounds,
+            row_start,
+            cutlass.min(row_start + tile_m, seqlen_q),
+            key_start,
+            tile_n,
+            seqlen_k,
+            causal_offset,
+            causal,
+            width,
+            skip_tiles,
+        )
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
     _put_single(tile_list, position, END_OF_LIST)
     return position + 1

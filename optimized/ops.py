@@ -95,9 +95,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, row_indices = ctx.saved_tensors
-    dq, dk, dv = cute_backward(
-        dout, q, k, v, out, lse, row_indices, ctx.causal, ctx.softmax_scale, ctx.deterministic
-    )
+    dq, dk, dv = cute_backward(dout, q, k, v, out, lse, row_indices, ctx.causal, ctx.softmax_scale, ctx.deterministic)
     return dq, dk, dv, None, None, None, None
 
 

@@ -73,8 +73,6 @@ def softmax_finalize(
         inv = cute.arch.rcp_approx(1.0 if empty else total)
         o_rows[r, None].store(o_rows[r, None].load() * (0.0 if empty else inv))
         lse[r] = (
-            -Float32.inf
-            if empty
-            else (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+            -Float32.inf if empty else (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * math.log(2.0)
         )
     return lse

@@ -125,10 +125,10 @@ def forward(
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows
         p = torch.exp(s - m)
-        l = p.sum(-1, keepdim=True)
+        row_sum = p.sum(-1, keepdim=True)
         o = (p.to(compute_dtype) @ _take(vh, keys, 3)).to(acc)
-        out[..., rows, :] = o / torch.where(l == 0, torch.ones_like(l), l)
-        lse[..., rows] = (m + torch.log(l)).squeeze(-1)
+        out[..., rows, :] = o / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
+        lse[..., rows] = (m + torch.log(row_sum)).squeeze(-1)
     return _merge_heads(out), lse.flatten(1, 2)
 
 

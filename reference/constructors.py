@@ -211,8 +211,7 @@ def _documents(
     given = {name: value for name, value in given.items() if value is not None}
     if len(given) != 1:
         raise ValueError(
-            "give exactly one of cu_seqlens, document_ids, position_ids; got "
-            + (", ".join(given) if given else "none")
+            "give exactly one of cu_seqlens, document_ids, position_ids; got " + (", ".join(given) if given else "none")
         )
     if cu_seqlens is not None:
         seg = _segments(cu_seqlens, seqlen)

@@ -71,16 +71,13 @@ class ColumnMask(MaskConstructors):
         if idx.dtype != torch.int32:
             raise TypeError(f"startend_row_indices must be int32, got {idx.dtype}")
         if idx.dim() != 4:
-            raise ValueError(
-                f"startend_row_indices must be 4-D [B, H or 1, Sk, 1|2|4], got shape {tuple(idx.shape)}"
-            )
+            raise ValueError(f"startend_row_indices must be 4-D [B, H or 1, Sk, 1|2|4], got shape {tuple(idx.shape)}")
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
         allowed = _VARIANTS[self.causal]
         if idx.shape[-1] not in allowed:
             raise ValueError(
-                f"startend_row_indices last dim must be one of {allowed} when causal={self.causal}, "
-                f"got {idx.shape[-1]}"
+                f"startend_row_indices last dim must be one of {allowed} when causal={self.causal}, got {idx.shape[-1]}"
             )
         if not isinstance(self.seqlen_q, int) or self.seqlen_q < 1:
             raise ValueError(f"seqlen_q must be a positive int, got {self.seqlen_q!r}")

@@ -204,8 +204,12 @@ def _accepted_params(name: str, seqlen: int) -> dict[str, tuple[int, int | None]
 
 
 def _check_int(what: str, value: object, low: int, high: int | None = None) -> None:
-    if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-            or value < low or (high is not None and value > high)):
+    if (
+        not isinstance(value, (int, np.integer))
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
         accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{what} must be an int {accepted}, got {value!r}")
 

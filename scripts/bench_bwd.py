@@ -57,8 +57,19 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
     cute_backward(dout, q, k, v, out, lse, mask, scale, dk=dk, dv=dv)
     torch.cuda.synchronize()
     unwritten = int(dk.isnan().sum() + dv.isnan().sum())
-    row = {"mask": name, "b": b, "sq": sq, "sk": sk, "hq": hq, "hkv": hkv, "d": d, "dtype": str(dtype)[6:],
-           "unwritten": unwritten, "notes": report.notes, "passed": report.passed and unwritten == 0}
+    row = {
+        "mask": name,
+        "b": b,
+        "sq": sq,
+        "sk": sk,
+        "hq": hq,
+        "hkv": hkv,
+        "d": d,
+        "dtype": str(dtype)[6:],
+        "unwritten": unwritten,
+        "notes": report.notes,
+        "passed": report.passed and unwritten == 0,
+    }
     for t in ("out", "lse", "dq", "dk", "dv"):
         row[f"err_{t}"], row[f"tol_{t}"] = report.errors[t], report.tolerance(t)
     return row
@@ -77,7 +88,8 @@ def run_determinism(names=("document", "causal", "share_question", "random_evict
             for deterministic in (True, False):
                 runs = [cute_backward(dout, q, k, v, out, lse, mask, scale, deterministic) for _ in range(4)]
                 result[f"{name}_d{d}_{'deterministic' if deterministic else 'atomic'}"] = all(
-                    all(torch.equal(a, b) for a, b in zip(runs[0], r)) for r in runs[1:])
+                    all(torch.equal(a, b) for a, b in zip(runs[0], r)) for r in runs[1:]
+                )
     return result
 
 
@@ -85,8 +97,10 @@ def fwd_bwd(fn):
     """q, k, v, dout -> one forward and backward through `fn(q, k, v)`, returning dq, dk, dv. Not
     `backward()` into q.grad: on leaf inputs that adds an elementwise pass over the three gradients to
     every call after the first (2.2 ms at 8K, `bwd_profile_v4_8k.json`), which training never pays."""
+
     def run(q, k, v, dout):
         return output_and_gradients(fn, q, k, v, dout)[1:]
+
     return run
 
 
@@ -99,12 +113,20 @@ def output_and_gradients(fn, q, k, v, dout) -> tuple[torch.Tensor, ...]:
 
 def differences(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...]) -> dict[str, float]:
     """Largest absolute differences of a peer's out, dq, dk, dv from ours, as row entries."""
-    return {key: bench_peers.max_abs_diff(a, b)
-            for key, a, b in zip(("max_diff", "max_diff_dq", "max_diff_dk", "max_diff_dv"), ours, theirs)}
+    return {
+        key: bench_peers.max_abs_diff(a, b)
+        for key, a, b in zip(("max_diff", "max_diff_dq", "max_diff_dk", "max_diff_dv"), ours, theirs)
+    }
 
 
-def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], deterministic: bool,
-              save=lambda rows: None, peer_names: tuple[str, ...] = tuple(bench_peers.PEERS)) -> list[dict]:
+def run_bench(
+    seqlens: list[int],
+    head_dim: int,
+    mask_names: list[str],
+    deterministic: bool,
+    save=lambda rows: None,
+    peer_names: tuple[str, ...] = tuple(bench_peers.PEERS),
+) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
     Per mask, cute and the peers of `peer_names` that take the mask take turns (`interleaved_ms`);
     a peer's entries: `_ms`, `_tflops`, `_max_diff` (output) and `_max_diff_dq/dk/dv` (from ours),
@@ -123,8 +145,15 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
             mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
             density = mask.density()
             flops = 3.5 * attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
-            row = {"mask": name, "seqlen": seqlen, "batch": batch, "heads": heads, "head_dim": head_dim,
-                   "density": density, "deterministic": deterministic}
+            row = {
+                "mask": name,
+                "seqlen": seqlen,
+                "batch": batch,
+                "heads": heads,
+                "head_dim": head_dim,
+                "density": density,
+                "deterministic": deterministic,
+            }
 
             def cute(q, k, v):
                 return fm.attention(q, k, v, mask, backend="cute", deterministic=deterministic)
@@ -132,21 +161,22 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], determin
             ours = output_and_gradients(cute, *inputs[0])
             case = bench_peers.PeerCase(name, mask, batch, heads, scale)
             peers = bench_peers.checked_peers(
-                case, peer_names, lambda fn: differences(ours, output_and_gradients(fn, *inputs[0])), row)
+                case, peer_names, lambda fn: differences(ours, output_and_gradients(fn, *inputs[0])), row
+            )
             contenders = {"cute": fwd_bwd(cute), **{peer: fwd_bwd(fn) for peer, fn in peers.items()}}
-            record_times(row, {key: (fn, inputs) for key, fn in contenders.items()}, rounds=rounds, warmup=2,
-                         repeats=1)
+            record_times(row, {key: (fn, inputs) for key, fn in contenders.items()}, rounds=rounds, warmup=2, repeats=1)
             add_row(rows, row, flops, save)
     return rows
 
 
 def backward_step(mask: ColumnMask, head_dim: int):
     """The timed call of the backward ablation: the cute forward, then its backward -> (dq, dk, dv)."""
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
 
     def run(q, k, v, dout):
         out, lse = cute_forward(q, k, v, mask, scale)
         return cute_backward(dout, q, k, v, out, lse, mask, scale)
+
     return run
 
 
@@ -180,8 +210,13 @@ def main() -> None:
     add_common_arguments(parser)
     add_peers_argument(parser)
     parser.add_argument("--deterministic", action="store_true", help="bench the deterministic backward")
-    parser.add_argument("--variants", nargs="*", default=[], metavar="OPTION=VALUE[+OPTION=VALUE]",
-                        help="ablate: kernel variants to time (fwd+bwd) against the default")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        metavar="OPTION=VALUE[+OPTION=VALUE]",
+        help="ablate: kernel variants to time (fwd+bwd) against the default",
+    )
     args = parser.parse_args()
     result, save = new_record(args, "bwd")
     with kernel_options(**result["kernel_options"]):
@@ -189,29 +224,51 @@ def main() -> None:
             result["check"] = run_check(check_case, first_seed=100)
             result["determinism"] = run_determinism()
             result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
-            print(f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} {'tol':>8s} "
-                  f"{'err_dv':>8s} {'tol':>8s} ok")
+            print(
+                f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} "
+                f"{'tol':>8s} "
+                f"{'err_dv':>8s} {'tol':>8s} ok"
+            )
             for r in result["check"]:
-                print(f"{r['mask']:22s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} "
-                      + " ".join(f"{r['err_' + t]:8.1e} {r['tol_' + t]:8.1e}" for t in ("dq", "dk", "dv"))
-                      + (" ok" if r["passed"] else f" FAIL {r['notes']} unwritten={r['unwritten']} "
-                         f"out={r['err_out']:.1e} lse={r['err_lse']:.1e}"))
-            print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
-                  f"{sum(not r['passed'] for r in result['check'])} failed; determinism {result['determinism']}")
+                print(
+                    f"{r['mask']:22s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} "
+                    + " ".join(f"{r['err_' + t]:8.1e} {r['tol_' + t]:8.1e}" for t in ("dq", "dk", "dv"))
+                    + (
+                        " ok"
+                        if r["passed"]
+                        else f" FAIL {r['notes']} unwritten={r['unwritten']} "
+                        f"out={r['err_out']:.1e} lse={r['err_lse']:.1e}"
+                    )
+                )
+            print(
+                f"check: {sum(r['passed'] for r in result['check'])} passed, "
+                f"{sum(not r['passed'] for r in result['check'])} failed; determinism {result['determinism']}"
+            )
         if args.what in ("bench", "all"):
             result["peers"], result["peer_versions"] = list(args.peers), bench_peers.versions()
-            result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","),
-                                        args.deterministic, save=lambda rows: save({**result, "bench": rows}),
-                                        peer_names=args.peers)
+            result["bench"] = run_bench(
+                [int(s) for s in args.seqlens.split(",")],
+                args.head_dim,
+                args.masks.split(","),
+                args.deterministic,
+                save=lambda rows: save({**result, "bench": rows}),
+                peer_names=args.peers,
+            )
             print(bench_table(result["bench"], args.peers))
         if args.what == "profile":
             result["profile"] = run_profile(int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","))
         if args.what == "ablate":
             for variant in args.variants:
                 variant_overrides(variant)  # a typo fails before any GPU time is spent
-            result["ablate"] = run_ablation([int(s) for s in args.seqlens.split(",")], args.head_dim,
-                                            args.masks.split(","), args.variants, backward_step, 3.5,
-                                            save=lambda rows: save({**result, "ablate": rows}))
+            result["ablate"] = run_ablation(
+                [int(s) for s in args.seqlens.split(",")],
+                args.head_dim,
+                args.masks.split(","),
+                args.variants,
+                backward_step,
+                3.5,
+                save=lambda rows: save({**result, "ablate": rows}),
+            )
             print(ablation_table(result["ablate"], args.variants))
     save(result)
 

@@ -50,10 +50,21 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
     unwritten = int(out.isnan().sum() + lse.isnan().sum())
     ok = report.passed and unwritten == 0
     return {
-        "mask": name, "b": b, "sq": sq, "sk": sk, "hq": hq, "hkv": hkv, "d": d, "dtype": str(dtype)[6:],
-        "err_out": report.errors["out"], "err_lse": report.errors["lse"],
-        "tol_out": report.tolerance("out"), "tol_lse": report.tolerance("lse"),
-        "unwritten": unwritten, "notes": report.notes, "passed": ok,
+        "mask": name,
+        "b": b,
+        "sq": sq,
+        "sk": sk,
+        "hq": hq,
+        "hkv": hkv,
+        "d": d,
+        "dtype": str(dtype)[6:],
+        "err_out": report.errors["out"],
+        "err_lse": report.errors["lse"],
+        "tol_out": report.tolerance("out"),
+        "tol_lse": report.tolerance("lse"),
+        "unwritten": unwritten,
+        "notes": report.notes,
+        "passed": ok,
     }
 
 
@@ -115,8 +126,13 @@ def add_row(rows: list[dict], row: dict, flops: float, save) -> None:
     print(json.dumps(row), flush=True)
 
 
-def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lambda rows: None,
-              peer_names: tuple[str, ...] = tuple(bench_peers.PEERS)) -> list[dict]:
+def run_bench(
+    seqlens: list[int],
+    head_dim: int,
+    mask_names: list[str],
+    save=lambda rows: None,
+    peer_names: tuple[str, ...] = tuple(bench_peers.PEERS),
+) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
     Per mask, cute and the peers of `peer_names` that take the mask take turns (`interleaved_ms`);
     a peer's entries: `_ms`, `_tflops` and `_max_diff` (from our output), or `_error`."""
@@ -125,19 +141,28 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lam
     for seqlen in seqlens:
         batch = max(1, 131072 // seqlen)
         sets, rounds, repeats = (3, 5, 2) if seqlen <= 8192 else (2, 4, 1)  # longer runs: fewer, still >= 8 samples
-        inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
-                  for s in range(sets)]
+        inputs = [
+            random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
+            for s in range(sets)
+        ]
         scale = 1 / math.sqrt(head_dim)
         for name in progress(mask_names, f"bench {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
             density = mask.density()
             flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
-            row = {"mask": name, "seqlen": seqlen, "batch": batch, "heads": heads, "head_dim": head_dim,
-                   "density": density}
+            row = {
+                "mask": name,
+                "seqlen": seqlen,
+                "batch": batch,
+                "heads": heads,
+                "head_dim": head_dim,
+                "density": density,
+            }
             ours = cute_forward(*inputs[0], mask, scale)[0]
             case = bench_peers.PeerCase(name, mask, batch, heads, scale)
             peers = bench_peers.checked_peers(
-                case, peer_names, lambda fn: {"max_diff": bench_peers.max_abs_diff(ours, fn(*inputs[0]))}, row)
+                case, peer_names, lambda fn: {"max_diff": bench_peers.max_abs_diff(ours, fn(*inputs[0]))}, row
+            )
             contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, mask, scale), inputs)}
             contenders.update({peer: (fn, inputs) for peer, fn in peers.items()})
             record_times(row, contenders, rounds=rounds, repeats=repeats)
@@ -148,40 +173,57 @@ def run_bench(seqlens: list[int], head_dim: int, mask_names: list[str], save=lam
 def bench_table(rows: list[dict], peer_names: tuple[str, ...]) -> str:
     """TFLOP/s of cute and of each peer ('err' where it failed, '-' where it does not take the mask),
     and cute's speedup over Flex."""
+
     def cell(row: dict, contender: str) -> str:
         if f"{contender}_tflops" in row:
             return f"{row[contender + '_tflops']:10.0f}"
         return f"{'err' if contender + '_error' in row else '-':>10s}"
 
-    lines = [f"{'mask':24s} {'S':>6s} {'dens':>5s} " + " ".join(f"{c:>10s}" for c in ("cute", *peer_names))
-             + f" {'x flex':>6s}"]
+    lines = [
+        f"{'mask':24s} {'S':>6s} {'dens':>5s} "
+        + " ".join(f"{c:>10s}" for c in ("cute", *peer_names))
+        + f" {'x flex':>6s}"
+    ]
     for r in rows:
         speedup = r["cute_tflops"] / r["flex_tflops"] if "cute_tflops" in r and "flex_tflops" in r else math.nan
-        lines.append(f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} "
-                     + " ".join(cell(r, c) for c in ("cute", *peer_names)) + f" {speedup:6.2f}")
+        lines.append(
+            f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} "
+            + " ".join(cell(r, c) for c in ("cute", *peer_names))
+            + f" {speedup:6.2f}"
+        )
     return "\n".join(lines)
 
 
 def variant_overrides(variant: str) -> dict:
-    """"k_ahead=true+num_stages=3" -> {"k_ahead": True, "num_stages": 3}."""
+    """ "k_ahead=true+num_stages=3" -> {"k_ahead": True, "num_stages": 3}."""
     return kernel_overrides(variant.split("+"))
 
 
 def with_options(fn, overrides: dict):
     """`fn` run under the KernelOptions changes `overrides`."""
+
     def run(*args):
         with kernel_options(**overrides):
             return fn(*args)
+
     return run
 
 
 def forward_step(mask: ColumnMask, head_dim: int):
     """The timed call of the forward ablation: q, k, v, dout -> (out,)."""
-    return lambda q, k, v, dout: cute_forward(q, k, v, mask, head_dim ** -0.5)[:1]
+    return lambda q, k, v, dout: cute_forward(q, k, v, mask, head_dim**-0.5)[:1]
 
 
-def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], variants: list[str],
-                 step=forward_step, flops_per_fwd: float = 1.0, save=lambda rows: None, rounds: int = 5) -> list[dict]:
+def run_ablation(
+    seqlens: list[int],
+    head_dim: int,
+    mask_names: list[str],
+    variants: list[str],
+    step=forward_step,
+    flops_per_fwd: float = 1.0,
+    save=lambda rows: None,
+    rounds: int = 5,
+) -> list[dict]:
     """Per mask: the default kernel's time, then each variant's time and largest output difference,
     and each one's host time per call (launch work).
     `step(mask, head_dim)` gives the timed call (q, k, v, dout -> a tuple of output tensors);
@@ -191,8 +233,10 @@ def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], varia
     heads = 4096 // head_dim
     for seqlen in seqlens:
         batch = max(1, 131072 // seqlen)
-        inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)
-                  for s in range(2)]
+        inputs = [
+            random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)
+            for s in range(2)
+        ]
         for name in progress(mask_names, f"ablate {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
             flops = flops_per_fwd * attention_flops(batch, heads, seqlen, seqlen, head_dim, mask.density())
@@ -202,8 +246,9 @@ def run_ablation(seqlens: list[int], head_dim: int, mask_names: list[str], varia
             contenders = {"default": (run, inputs)}
             for variant in variants:
                 timed = with_options(run, variant_overrides(variant))
-                row[f"{variant}_max_diff"] = max(float((a.float() - b.float()).abs().max())
-                                                 for a, b in zip(timed(*inputs[0]), reference))
+                row[f"{variant}_max_diff"] = max(
+                    float((a.float() - b.float()).abs().max()) for a, b in zip(timed(*inputs[0]), reference)
+                )
                 contenders[variant] = (timed, inputs)
             for config, ms in interleaved_ms(contenders, rounds).items():
                 row[f"{config}_ms"] = ms
@@ -217,8 +262,10 @@ def ablation_table(rows: list[dict], variants: list[str]) -> str:
     """TFLOP/s of the default and of each variant (with its largest difference from the default)."""
     lines = [f"{'mask':24s} {'S':>6s} {'default':>8s} " + " ".join(f"{v[-24:]:>24s}" for v in variants)]
     for r in rows:
-        lines.append(f"{r['mask']:24s} {r['seqlen']:6d} {r['default_tflops']:8.0f} " + " ".join(
-            f"{r[v + '_tflops']:14.0f} d={r[v + '_max_diff']:7.1e}" for v in variants))
+        lines.append(
+            f"{r['mask']:24s} {r['seqlen']:6d} {r['default_tflops']:8.0f} "
+            + " ".join(f"{r[v + '_tflops']:14.0f} d={r[v + '_max_diff']:7.1e}" for v in variants)
+        )
     return "\n".join(lines)
 
 
@@ -227,8 +274,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seqlens", default="8192")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
-    parser.add_argument("--kernel", action="append", default=[], metavar="OPTION=VALUE",
-                        help="a KernelOptions field for the cute kernels, e.g. intra_wg_overlap=true (repeatable)")
+    parser.add_argument(
+        "--kernel",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="a KernelOptions field for the cute kernels, e.g. intra_wg_overlap=true (repeatable)",
+    )
 
 
 def new_record(args: argparse.Namespace, prefix: str):
@@ -237,21 +289,31 @@ def new_record(args: argparse.Namespace, prefix: str):
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{prefix}_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-    result = {"commit": git_commit(), "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "kernel_options": kernel_overrides(args.kernel)}
+    result = {
+        "commit": git_commit(),
+        "command": " ".join(sys.argv),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "kernel_options": kernel_overrides(args.kernel),
+    }
     return result, lambda data: path.write_text(result_json(data))
 
 
 def add_peers_argument(parser: argparse.ArgumentParser) -> None:
     """--peers, shared with bench_bwd.py: a comma list of `bench_peers.PEERS`, all by default."""
+
     def peer_list(text: str) -> tuple[str, ...]:
         try:
             return bench_peers.select_peers(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    parser.add_argument("--peers", type=peer_list, default=tuple(bench_peers.PEERS),
-                        help=f"bench: the peers to time, a comma list of {','.join(bench_peers.PEERS)} (default all)")
+    parser.add_argument(
+        "--peers",
+        type=peer_list,
+        default=tuple(bench_peers.PEERS),
+        help=f"bench: the peers to time, a comma list of {','.join(bench_peers.PEERS)} (default all)",
+    )
 
 
 def main() -> None:
@@ -259,8 +321,13 @@ def main() -> None:
     parser.add_argument("what", choices=["check", "bench", "all", "ablate"])
     add_common_arguments(parser)
     add_peers_argument(parser)
-    parser.add_argument("--variants", nargs="*", default=[], metavar="OPTION=VALUE[+OPTION=VALUE]",
-                        help="ablate: kernel variants to time against the default")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        metavar="OPTION=VALUE[+OPTION=VALUE]",
+        help="ablate: kernel variants to time against the default",
+    )
     args = parser.parse_args()
     result, save = new_record(args, "fwd")
     with kernel_options(**result["kernel_options"]):
@@ -269,21 +336,35 @@ def main() -> None:
             result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
             print(f"{'case':24s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_out':>9s} {'tol':>9s} {'err_lse':>9s} ok")
             for r in result["check"]:
-                print(f"{r['mask']:24s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} {r['err_out']:9.2e} "
-                      f"{r['tol_out']:9.2e} {r['err_lse']:9.2e} {'ok' if r['passed'] else 'FAIL ' + str(r['notes']) + ' unwritten=' + str(r['unwritten'])}")
-            print(f"check: {sum(r['passed'] for r in result['check'])} passed, "
-                  f"{sum(not r['passed'] for r in result['check'])} failed; compile s: {result['compile_s']}")
+                print(
+                    f"{r['mask']:24s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} {r['err_out']:9.2e} "
+                    f"{r['tol_out']:9.2e} {r['err_lse']:9.2e} "
+                    f"{'ok' if r['passed'] else 'FAIL ' + str(r['notes']) + ' unwritten=' + str(r['unwritten'])}"
+                )
+            print(
+                f"check: {sum(r['passed'] for r in result['check'])} passed, "
+                f"{sum(not r['passed'] for r in result['check'])} failed; compile s: {result['compile_s']}"
+            )
         if args.what in ("bench", "all"):
             result["peers"], result["peer_versions"] = list(args.peers), bench_peers.versions()
-            result["bench"] = run_bench([int(s) for s in args.seqlens.split(",")], args.head_dim, args.masks.split(","),
-                                        save=lambda rows: save({**result, "bench": rows}), peer_names=args.peers)
+            result["bench"] = run_bench(
+                [int(s) for s in args.seqlens.split(",")],
+                args.head_dim,
+                args.masks.split(","),
+                save=lambda rows: save({**result, "bench": rows}),
+                peer_names=args.peers,
+            )
             print(bench_table(result["bench"], args.peers))
         if args.what == "ablate":
             for variant in args.variants:
                 variant_overrides(variant)  # a typo fails before any GPU time is spent
-            result["ablate"] = run_ablation([int(s) for s in args.seqlens.split(",")], args.head_dim,
-                                            args.masks.split(","), args.variants,
-                                            save=lambda rows: save({**result, "ablate": rows}))
+            result["ablate"] = run_ablation(
+                [int(s) for s in args.seqlens.split(",")],
+                args.head_dim,
+                args.masks.split(","),
+                args.variants,
+                save=lambda rows: save({**result, "ablate": rows}),
+            )
             print(ablation_table(result["ablate"], args.variants))
     save(result)
 

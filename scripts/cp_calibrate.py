@@ -53,38 +53,59 @@ def main() -> None:
     for name, cols in (("load_only", [0, 1]), ("load_and_needed_chunks", [0, 1, 2])):
         coef = np.linalg.lstsq(design[:, cols], y, rcond=None)[0]
         residual = y - design[:, cols] @ coef
-        fits[name] = {"coef": dict(zip(["fixed_s", "per_load_s", "per_needed_chunk_s"], coef.tolist())),
-                      "r2": float(1 - (residual ** 2).sum() / ((y - y.mean()) ** 2).sum()),
-                      "rms_error_s": float(np.sqrt((residual ** 2).mean()))}
+        fits[name] = {
+            "coef": dict(zip(["fixed_s", "per_load_s", "per_needed_chunk_s"], coef.tolist())),
+            "r2": float(1 - (residual**2).sum() / ((y - y.mean()) ** 2).sum()),
+            "rms_error_s": float(np.sqrt((residual**2).mean())),
+        }
     # The same with the per-load slope pinned to the kernel's measured rate (577 TFLOP/s, 32 heads):
     # the free slope comes out faster than the kernel ever ran, trading off against the chunk term.
-    pinned = 32 * 4 * 128 ** 3 / 577e12
+    pinned = 32 * 4 * 128**3 / 577e12
     coef = np.linalg.lstsq(design[:, [0, 2]], y - pinned * design[:, 1], rcond=None)[0]
     residual = y - pinned * design[:, 1] - design[:, [0, 2]] @ coef
-    fits["kernel_rate_slope"] = {"coef": {"fixed_s": coef[0], "per_load_s": pinned, "per_needed_chunk_s": coef[1]},
-                                 "r2": float(1 - (residual ** 2).sum() / ((y - y.mean()) ** 2).sum()),
-                                 "rms_error_s": float(np.sqrt((residual ** 2).mean()))}
+    fits["kernel_rate_slope"] = {
+        "coef": {"fixed_s": coef[0], "per_load_s": pinned, "per_needed_chunk_s": coef[1]},
+        "r2": float(1 - (residual**2).sum() / ((y - y.mean()) ** 2).sum()),
+        "rms_error_s": float(np.sqrt((residual**2).mean())),
+    }
     coef = np.array(list(fits["kernel_rate_slope"]["coef"].values()))
     rows = []
     for row, f in zip(measured["rows"], features):
         times = np.array(row["rank_ms"])
         fitted = np.c_[np.ones(len(f)), f] @ coef
-        rows.append({"mask": row["mask"], "ranks": row["ranks"], "assignment": row["assignment"],
-                     "measured": float(times.max() / times.mean()), "tile_model": float(f[:, 0].max() / f[:, 0].mean()),
-                     "fitted_model": float(fitted.max() / fitted.mean()),
-                     "needed_chunks": [int(f[:, 1].min()), int(f[:, 1].max())]})
-    result = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "source": args.rank_times,
-              "source_commit": measured.get("commit"), "fits": fits, "rows": rows}
+        rows.append(
+            {
+                "mask": row["mask"],
+                "ranks": row["ranks"],
+                "assignment": row["assignment"],
+                "measured": float(times.max() / times.mean()),
+                "tile_model": float(f[:, 0].max() / f[:, 0].mean()),
+                "fitted_model": float(fitted.max() / fitted.mean()),
+                "needed_chunks": [int(f[:, 1].min()), int(f[:, 1].max())],
+            }
+        )
+    result = {
+        "commit": git_commit(),
+        "command": " ".join(["python", *sys.argv]),
+        "source": args.rank_times,
+        "source_commit": measured.get("commit"),
+        "fits": fits,
+        "rows": rows,
+    }
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "cp_calibration.json").write_text(result_json(result))
     for name, fit in fits.items():
-        print(f"{name:24s} R^2 {fit['r2']:.3f}  rms {fit['rms_error_s'] * 1e3:.3f} ms  "
-              + "  ".join(f"{k} {v:.3g}" for k, v in fit["coef"].items()))
+        print(
+            f"{name:24s} R^2 {fit['r2']:.3f}  rms {fit['rms_error_s'] * 1e3:.3f} ms  "
+            + "  ".join(f"{k} {v:.3g}" for k, v in fit["coef"].items())
+        )
     print(f"{'mask':18s} {'R':>3s} {'assignment':>10s} {'measured':>9s} {'tiles':>7s} {'fitted':>7s} {'needed':>7s}")
     for r in rows:
-        print(f"{r['mask']:18s} {r['ranks']:3d} {r['assignment']:>10s} {r['measured']:9.3f} {r['tile_model']:7.3f} "
-              f"{r['fitted_model']:7.3f} {r['needed_chunks'][0]:3d}-{r['needed_chunks'][1]}")
+        print(
+            f"{r['mask']:18s} {r['ranks']:3d} {r['assignment']:>10s} {r['measured']:9.3f} {r['tile_model']:7.3f} "
+            f"{r['fitted_model']:7.3f} {r['needed_chunks'][0]:3d}-{r['needed_chunks'][1]}"
+        )
 
 
 if __name__ == "__main__":

@@ -73,24 +73,39 @@ def main() -> None:
                 times = []
                 for rank in range(world):
                     q = plan.shard(q_all, rank)
-                    held = {c: kv_all[:, :, c * args.chunk:(c + 1) * args.chunk]
-                            for c in range(plan.num_chunks) if layout.needs[rank][c]}
+                    held = {
+                        c: kv_all[:, :, c * args.chunk : (c + 1) * args.chunk]
+                        for c in range(plan.num_chunks)
+                        if layout.needs[rank][c]
+                    }
                     times.append(rank_seconds(q, held, layout, rank, args.backend, scale, args.repeats))
                 mean = sum(times) / world
-                row = {"mask": name, "ranks": world, "assignment": assignment, "rank_ms": [t * 1e3 for t in times],
-                       "measured_imbalance": max(times) / mean, "modeled_imbalance": imbalance(loads, plan.assignment),
-                       "layout_s": layout_s}
+                row = {
+                    "mask": name,
+                    "ranks": world,
+                    "assignment": assignment,
+                    "rank_ms": [t * 1e3 for t in times],
+                    "measured_imbalance": max(times) / mean,
+                    "modeled_imbalance": imbalance(loads, plan.assignment),
+                    "layout_s": layout_s,
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
-              "rows": rows}
+    result = {
+        "commit": git_commit(),
+        "command": " ".join(["python", *sys.argv]),
+        "gpu": torch.cuda.get_device_name(),
+        "rows": rows,
+    }
     (out_dir / "cp_rank_times.json").write_text(result_json(result))
     print(f"{'mask':20s} {'R':>3s} {'assignment':>10s} {'max ms':>8s} {'mean ms':>8s} {'measured':>8s} {'modeled':>8s}")
     for r in rows:
-        print(f"{r['mask']:20s} {r['ranks']:3d} {r['assignment']:>10s} {max(r['rank_ms']):8.2f} "
-              f"{sum(r['rank_ms']) / len(r['rank_ms']):8.2f} {r['measured_imbalance']:8.3f} {r['modeled_imbalance']:8.3f}")
+        print(
+            f"{r['mask']:20s} {r['ranks']:3d} {r['assignment']:>10s} {max(r['rank_ms']):8.2f} "
+            f"{sum(r['rank_ms']) / len(r['rank_ms']):8.2f} {r['measured_imbalance']:8.3f} {r['modeled_imbalance']:8.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -80,16 +80,23 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "rows": rows}
     if args.model:
-        result["model"] = {"kind": "cost model, not a measurement", "hardware": Hardware().__dict__,
-                           "mask_aware_rank_time": RankTimeFit().__dict__}
+        result["model"] = {
+            "kind": "cost model, not a measurement",
+            "hardware": Hardware().__dict__,
+            "mask_aware_rank_time": RankTimeFit().__dict__,
+        }
     out.write_text(result_json(result))
     model = " model TFLOP/s/GPU: mask-aware ring allgather" if args.model else ""
-    print(f"{'mask':24s} {'R':>3s} {'contig':>7s} {'zigzag':>7s} {'balanced':>8s} {'bal ms':>7s} {'AG MB':>8s} "
-          f"{'MA MB':>8s}{model}")
+    print(
+        f"{'mask':24s} {'R':>3s} {'contig':>7s} {'zigzag':>7s} {'balanced':>8s} {'bal ms':>7s} {'AG MB':>8s} "
+        f"{'MA MB':>8s}{model}"
+    )
     for r in rows:
-        line = (f"{r['mask']:24s} {r['ranks']:3d} {r['imbalance_contiguous']:7.2f} {r['imbalance_zigzag']:7.2f} "
-                f"{r['imbalance_balanced']:8.3f} {r['balance_s'] * 1e3:7.1f} {r['kv_mb_allgather']:8.0f} "
-                f"{r['kv_mb_mask_aware']:8.0f}")
+        line = (
+            f"{r['mask']:24s} {r['ranks']:3d} {r['imbalance_contiguous']:7.2f} {r['imbalance_zigzag']:7.2f} "
+            f"{r['imbalance_balanced']:8.3f} {r['balance_s'] * 1e3:7.1f} {r['kv_mb_allgather']:8.0f} "
+            f"{r['kv_mb_mask_aware']:8.0f}"
+        )
         if args.model:
             line += "".join(f" {r[f'{s}_tflops_per_gpu']:6.0f}" for s in ("mask_aware", "ring", "allgather"))
         print(line)

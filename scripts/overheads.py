@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="time the backward alone instead of the forward")
     args = parser.parse_args()
     args.what = "overheads"
-    heads, scale = 4096 // args.head_dim, args.head_dim ** -0.5
+    heads, scale = 4096 // args.head_dim, args.head_dim**-0.5
     result, save = new_record(args, "bwd" if args.backward else "fwd")
     fa4 = fa4_fn(causal=False)
     if args.backward:  # through autograd, so the pre/post passes count as they do in training
@@ -74,8 +74,10 @@ def main() -> None:
         tile_m = TILE_N if args.backward else forward_tile_rows(args.head_dim)
         for seqlen in [int(s) for s in args.seqlens.split(",")]:
             batch = TOKENS // seqlen
-            inputs = [random_inputs(batch, seqlen, seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda",
-                                    seed=s)[:3] for s in range(2)]
+            inputs = [
+                random_inputs(batch, seqlen, seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda", seed=s)[:3]
+                for s in range(2)
+            ]
             if args.profile:
                 cute_forward(*inputs[0], None, scale)
                 if fa4 is not None:
@@ -84,8 +86,10 @@ def main() -> None:
                 return
             row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / tile_m)}
             if args.backward:
-                contenders = {name: (backward_of_kept_graph, [kept_graph(fn, *x) for x in inputs])
-                              for name, fn in forwards.items()}
+                contenders = {
+                    name: (backward_of_kept_graph, [kept_graph(fn, *x) for x in inputs])
+                    for name, fn in forwards.items()
+                }
             else:
                 contenders = {name: (fn, inputs) for name, fn in forwards.items()}
             for kernel, ms in interleaved_ms(contenders).items():

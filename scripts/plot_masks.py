@@ -1,6 +1,6 @@
 """Draw the 12 benchmark masks (black = attend) into one PNG for the README.
 
-    python scripts/plot_masks.py --seqlen 1024 --out docs/masks.png
+python scripts/plot_masks.py --seqlen 1024 --out docs/masks.png
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def main() -> None:
         dense = mask.to_dense()[0, 0].float().numpy()
         ax.imshow(dense, cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
         c = mask.block_classes(128, 128)
-        ax.set_title(f"{name}\ndensity {mask.density():.2f}, skip {c.skip / c.classes.numel():.0%} of tiles", fontsize=9)
+        ax.set_title(
+            f"{name}\ndensity {mask.density():.2f}, skip {c.skip / c.classes.numel():.0%} of tiles", fontsize=9
+        )
         ax.set_xticks([])
         ax.set_yticks([])
     fig.suptitle(f"The 12 benchmark masks, S = {args.seqlen} (rows: queries, columns: keys; black = attend)")

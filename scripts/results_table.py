@@ -14,8 +14,13 @@ import json
 from pathlib import Path
 
 PEERS = ("fa4", "fa4_sparse", "flex_flash", "flex", "cudnn")
-PEER_NAMES = {"fa4": "FA4 native", "fa4_sparse": "FA4 block-sparse", "flex_flash": "Flex FLASH",
-              "flex": "Flex Triton", "cudnn": "cuDNN"}
+PEER_NAMES = {
+    "fa4": "FA4 native",
+    "fa4_sparse": "FA4 block-sparse",
+    "flex_flash": "Flex FLASH",
+    "flex": "Flex Triton",
+    "cudnn": "cuDNN",
+}
 
 
 def merged_rows(records: list[dict]) -> list[dict]:
@@ -34,9 +39,13 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ran = {p: r[f"{p}_tflops"] for p in peers if f"{p}_tflops" in r}
-        cells = [r["mask"], f"{r['seqlen'] // 1024}K", f"{r['cute_tflops']:.0f}",
-                 *(f"{ran[p]:.0f}" if p in ran else "–" for p in peers),
-                 f"{r['cute_tflops'] / max(ran.values()):.2f}" if ran else "–"]
+        cells = [
+            r["mask"],
+            f"{r['seqlen'] // 1024}K",
+            f"{r['cute_tflops']:.0f}",
+            *(f"{ran[p]:.0f}" if p in ran else "–" for p in peers),
+            f"{r['cute_tflops'] / max(ran.values()):.2f}" if ran else "–",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -47,8 +56,13 @@ def main() -> None:
     args = parser.parse_args()
     rows = merged_rows([json.loads(f.read_text()) for f in args.files])
     print(table(rows))
-    print("\n(" + ", ".join(sorted({f"{f.name}" for f in args.files})) + "; commits "
-          + ", ".join(sorted({r["commit"] for r in rows})) + ")")
+    print(
+        "\n("
+        + ", ".join(sorted({f"{f.name}" for f in args.files}))
+        + "; commits "
+        + ", ".join(sorted({r["commit"] for r in rows}))
+        + ")"
+    )
 
 
 if __name__ == "__main__":

@@ -60,13 +60,16 @@ def summarize(per_cta: list[list[dict]]) -> dict:
         if tiles:
             tails.append(end - tiles[-1]["stored"])
     return {
-        "ctas": len(per_cta), "work_tiles": sum(len(t) for t in per_cta), "kernel_us": end,
+        "ctas": len(per_cta),
+        "work_tiles": sum(len(t) for t in per_cta),
+        "kernel_us": end,
         "median_wait_before_tile_us": statistics.median(waits),
         "mean_wait_before_tile_us": statistics.fmean(waits),
         "median_loop_per_key_tile_us": statistics.median(per_key_tile) if per_key_tile else math.nan,
         "median_epilogue_us": statistics.median(epilogues),
         "median_q_issue_to_landed_us": statistics.median(q_latency),
-        "mean_idle_tail_us": statistics.fmean(tails), "max_idle_tail_us": max(tails),
+        "mean_idle_tail_us": statistics.fmean(tails),
+        "max_idle_tail_us": max(tails),
     }
 
 
@@ -83,9 +86,11 @@ def draw(per_cta: list[list[dict]], path: Path, ctas: int, until_us: float, titl
         for tile in tiles:
             if previous_store > until_us:
                 break
-            for begin, finish, color in ((previous_store, tile["loop_start"], "0.8"),
-                                         (tile["loop_start"], tile["loop_end"], "tab:blue"),
-                                         (tile["loop_end"], tile["stored"], "tab:orange")):
+            for begin, finish, color in (
+                (previous_store, tile["loop_start"], "0.8"),
+                (tile["loop_start"], tile["loop_end"], "tab:blue"),
+                (tile["loop_end"], tile["stored"], "tab:orange"),
+            ):
                 ax.barh(row, max(finish - begin, 0.0), left=begin, height=0.7, color=color, linewidth=0)
             previous_store = tile["stored"]
     ax.set_xlim(0, until_us)
@@ -122,8 +127,13 @@ def main() -> None:
             forward(q, k, v, mask, scale, timeline=stamps)
         torch.cuda.synchronize()
     per_cta = work_tiles_of(stamps.cpu())
-    summary = {"mask": args.mask, "seqlen": args.seqlen, "head_dim": args.head_dim,
-               "kernel_options": kernel_overrides(args.kernel), **summarize(per_cta)}
+    summary = {
+        "mask": args.mask,
+        "seqlen": args.seqlen,
+        "head_dim": args.head_dim,
+        "kernel_options": kernel_overrides(args.kernel),
+        **summarize(per_cta),
+    }
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"timeline_{args.mask}_{args.seqlen}" + "".join(f"_{o}" for o in args.kernel)

@@ -65,8 +65,8 @@ def packed_batch(gen: torch.Generator, batch: int, seqlen: int, vocab: int, devi
         while pos < seqlen:
             length = min(int(torch.randint(16, seqlen // 2, (1,), generator=gen)), seqlen - pos)
             pattern = torch.randint(0, vocab, (4,), generator=gen)
-            tokens[b, pos:pos + length] = pattern.repeat(length // 4 + 1)[:length]
-            ends[b, pos:pos + length] = pos + length
+            tokens[b, pos : pos + length] = pattern.repeat(length // 4 + 1)[:length]
+            ends[b, pos : pos + length] = pos + length
             pos += length
     mask = ColumnMask(ends.view(batch, 1, seqlen, 1).contiguous(), True, seqlen)
     return tokens.to(device), mask.to(device)
@@ -117,8 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
     line = f"{args.backend}: loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}"
     if args.compare:
         other = train(args.compare, args.steps, args.seed, args.device, dtype, args)
-        result |= {"compare": args.compare, "compare_losses": other,
-                   "max_loss_diff": max(abs(a - b) for a, b in zip(result["losses"], other))}
+        result |= {
+            "compare": args.compare,
+            "compare_losses": other,
+            "max_loss_diff": max(abs(a - b) for a, b in zip(result["losses"], other)),
+        }
         line += f"; {args.compare}: {other[0]:.3f} -> {other[-1]:.3f}; max |diff| {result['max_loss_diff']:.2e}"
     print(line)
     print(json.dumps(result))

@@ -247,9 +247,17 @@ def test_sliding_window_is_flash_attentions_window_size(window):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(mask=masks.build("causal", 32), causal=True), ValueError, "either mask or FlashAttention's causal / window_size"),
+        (
+            dict(mask=masks.build("causal", 32), causal=True),
+            ValueError,
+            "either mask or FlashAttention's causal / window_size",
+        ),
         (dict(mask=masks.build("causal", 32), window_size=(4, 0)), ValueError, r"window_size=\(4, 0\)"),
-        (dict(causal=True, window_size=(4, 2)), ValueError, r"window_size\[1\] must be 0 or -1 with causal=True .*, got 2"),
+        (
+            dict(causal=True, window_size=(4, 2)),
+            ValueError,
+            r"window_size\[1\] must be 0 or -1 with causal=True .*, got 2",
+        ),
         (dict(window_size=(4,)), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
         (dict(window_size=(-2, 0)), ValueError, "window_size must be a pair"),
         (dict(causal=1), TypeError, "causal must be a bool"),
@@ -268,7 +276,9 @@ def per_document_sdpa(q, k, v, cu, causal, window_size, scale):
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         qd, kd, vd = (x[s:e].transpose(0, 1) for x in (q, k, v))
         allowed = window_dense(e - s, e - s, causal, *window_size)[0, 0]
-        outs.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=allowed, scale=scale, enable_gqa=True).transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(qd, kd, vd, attn_mask=allowed, scale=scale, enable_gqa=True).transpose(0, 1)
+        )
         scores = (qd @ kd.repeat_interleave(g, 0).transpose(-1, -2)) * scale
         lses.append(torch.logsumexp(scores.masked_fill(~allowed, -math.inf), -1))
     return torch.cat(outs), torch.cat(lses, -1)
@@ -281,7 +291,15 @@ def test_varlen_attention_matches_per_document_sdpa(causal, window_size):
     scale = 0.3
     ins = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = fm.varlen_attention(
-        *ins, cu, cu, 30, 30, causal=causal, window_size=window_size, softmax_scale=scale, return_lse=True,
+        *ins,
+        cu,
+        cu,
+        30,
+        30,
+        causal=causal,
+        window_size=window_size,
+        softmax_scale=scale,
+        return_lse=True,
         backend="reference",
     )
     ref_ins = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -291,18 +309,25 @@ def test_varlen_attention_matches_per_document_sdpa(causal, window_size):
     torch.testing.assert_close(lse.double(), ref_lse.float().double(), rtol=1e-6, atol=1e-6)
     assert_grads_close(ins, ref_ins, out, ref_out, dout)
     # The same boundaries in another tensor are compared, and accepted.
-    again = fm.varlen_attention(q, k, v, cu, cu.long(), 30, 30, causal=causal, window_size=window_size, softmax_scale=scale)
+    again = fm.varlen_attention(
+        q, k, v, cu, cu.long(), 30, 30, causal=causal, window_size=window_size, softmax_scale=scale
+    )
     torch.testing.assert_close(again, ref_out.detach(), rtol=1e-10, atol=1e-10)
 
 
 def test_varlen_attention_errors_name_the_argument():
     q = k = v = torch.zeros(8, 2, 16, dtype=torch.float64)
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q must equal cu_seqlens_k .* cu_seqlens_q=\[0, 4, 8\] and cu_seqlens_k=\[0, 3, 8\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"cu_seqlens_q must equal cu_seqlens_k .* cu_seqlens_q=\[0, 4, 8\] and cu_seqlens_k=\[0, 3, 8\]",
+    ):
         fm.varlen_attention(q, k, v, cu, torch.tensor([0, 3, 8], dtype=torch.int32), 4, 5)
     with pytest.raises(ValueError, match=r"q must be a 3-D tensor \[total, H, D\]"):
         fm.varlen_attention(q[None], k, v, cu, cu, 4, 4)
-    with pytest.raises(ValueError, match=r"cu_seqlens_k must be an int32 or int64 tensor \[N \+ 1\], got torch.float32"):
+    with pytest.raises(
+        ValueError, match=r"cu_seqlens_k must be an int32 or int64 tensor \[N \+ 1\], got torch.float32"
+    ):
         fm.varlen_attention(q, k, v, cu, cu.float(), 4, 4)
     with pytest.raises(ValueError, match="q and k must hold the same number of tokens, got 8 and 6"):
         fm.varlen_attention(q, k[:6], v[:6], cu, cu, 4, 4)

@@ -52,7 +52,8 @@ def test_masks_build_keeps_defaults_and_the_ends_of_each_range():
     assert masks.build("sliding_window", 256, window=None) == masks.build("sliding_window", 256)
     assert masks.build("sliding_window", 256, window=1).to_dense()[0, 0].sum() == 256  # the diagonal
     assert masks.build("global_sliding_window", 256, window=0, global_tokens=4) == (
-        ColumnMask.global_sliding_window(256, window=0, global_tokens=4))
+        ColumnMask.global_sliding_window(256, window=0, global_tokens=4)
+    )
     assert masks.build("document", 256, num_docs=256).to_dense()[0, 0].equal(torch.eye(256, dtype=torch.bool))
     assert masks.build("prefix_lm_causal", 256, prefix=256).to_dense().all()
     evict_none = masks.build("random_eviction", 256, evict_start=256)
@@ -126,13 +127,23 @@ def test_cute_on_a_gpu_that_is_not_hopper_names_its_capability(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     q = SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.bfloat16, shape=(1, 128, 2, 128))
-    with pytest.raises(NotImplementedError, match=r"Hopper GPU \(sm_90\), got NVIDIA A100.*compute capability 8.0 \(sm_80\)"):
+    with pytest.raises(
+        NotImplementedError, match=r"Hopper GPU \(sm_90\), got NVIDIA A100.*compute capability 8.0 \(sm_80\)"
+    ):
         interface.cute_attention(q, q, q, None, 0.1)
 
 
 def run_main(tmp_path, *overrides, multirun=False):
-    cmd = [sys.executable, "-m", "flashmask3", *(["-m"] if multirun else []), *overrides,
-           f"logging.out_dir={tmp_path}/runs", f"hydra.run.dir={tmp_path}/hydra", f"hydra.sweep.dir={tmp_path}/sweep"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashmask3",
+        *(["-m"] if multirun else []),
+        *overrides,
+        f"logging.out_dir={tmp_path}/runs",
+        f"hydra.run.dir={tmp_path}/hydra",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
 
@@ -143,13 +154,15 @@ def test_main_job_without_a_gpu_says_so_in_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: device=cuda, but torch {torch.__version__} sees no CUDA GPU: on the CPU use backend=reference, "
-        "sdpa or flex with device=cpu (backend=cute and backend=flex_cuda set device=cuda)"]
+        "sdpa or flex with device=cpu (backend=cute and backend=flex_cuda set device=cuda)"
+    ]
 
 
 def test_named_ablations_ask_for_multirun(tmp_path):
     result = run_main(tmp_path, "+experiment=cp_ablation")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "error: +experiment=cp_ablation is a sweep: run it with -m (python -m flashmask3 -m +experiment=cp_ablation)"]
+        "error: +experiment=cp_ablation is a sweep: run it with -m (python -m flashmask3 -m +experiment=cp_ablation)"
+    ]
     assert not (tmp_path / "runs").exists()
 
 
@@ -157,7 +170,10 @@ def test_named_ablations_ask_for_multirun(tmp_path):
     "override, match",
     [
         ("+mask.params.num_doc=3", "mask 'causal_document' takes no parameter 'num_doc'; its parameters: num_docs"),
-        ("mask.params.num_docs=0", r"num_docs \(mask 'causal_document', seqlen 256\) must be an int in \[1, 256\], got 0"),
+        (
+            "mask.params.num_docs=0",
+            r"num_docs \(mask 'causal_document', seqlen 256\) must be an int in \[1, 256\], got 0",
+        ),
         ("+mask.params.window=8", "mask 'causal_document' takes no parameter 'window'"),
     ],
 )
@@ -167,11 +183,13 @@ def test_mask_parameters_from_hydra_overrides_are_checked(tmp_path, override, ma
 
 
 def test_a_failing_job_of_a_sweep_leaves_the_others_running(tmp_path):
-    result = run_main(tmp_path, "mask.params.num_docs=0,2", "seqlen=256", "bench.repeats=1", "bench.backward=false",
-                      multirun=True)
+    result = run_main(
+        tmp_path, "mask.params.num_docs=0,2", "seqlen=256", "bench.repeats=1", "bench.backward=false", multirun=True
+    )
     assert result.returncode == 2
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
-        "error: num_docs (mask 'causal_document', seqlen 256) must be an int in [1, 256], got 0"]
+        "error: num_docs (mask 'causal_document', seqlen 256) must be an int in [1, 256], got 0"
+    ]
     assert len(list((tmp_path / "runs").glob("*.json"))) == 1
 
 

@@ -38,13 +38,16 @@ def test_document_cu_seqlens_take_a_mask_repeated_over_heads():
     assert torch.equal(bench_peers.document_cu_seqlens(per_head, 2)[0], bench_peers.document_cu_seqlens(mask, 2)[0])
 
 
-@pytest.mark.parametrize("name, message", [
-    ("share_question", "batch 0's LTS is not increasing document ends"),
-    ("sliding_window", "batch 0 has a key whose LTS is not its document's end"),
-    ("prefix_lm_document", "whose UTE is not its start"),
-    ("causal_blockwise", "an LTE below S"),
-    ("random_eviction", "mask heads differ"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("share_question", "batch 0's LTS is not increasing document ends"),
+        ("sliding_window", "batch 0 has a key whose LTS is not its document's end"),
+        ("prefix_lm_document", "whose UTE is not its start"),
+        ("causal_blockwise", "an LTE below S"),
+        ("random_eviction", "mask heads differ"),
+    ],
+)
 def test_document_cu_seqlens_refuse_masks_that_are_not_documents(name, message):
     mask = masks.build(name, 512, batch=2, heads=2, seed=3)
     with pytest.raises(ValueError, match=message):
@@ -81,8 +84,18 @@ def listed(counts: torch.Tensor, indices: torch.Tensor, columns: int) -> torch.T
     return named[..., :columns]
 
 
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "share_question", "global_sliding_window",
-                                  "random_eviction", "prefix_lm_causal"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "causal",
+        "sliding_window",
+        "document",
+        "share_question",
+        "global_sliding_window",
+        "random_eviction",
+        "prefix_lm_causal",
+    ],
+)
 def test_backward_block_lists_are_the_transposed_forward_lists(name):
     """FA4's backward walks key blocks: per key block the query blocks whose forward list names it,
     partial and full apart, from `ColumnMask.block_classes` (SKIP left out); listed in order."""
@@ -91,7 +104,8 @@ def test_backward_block_lists_are_the_transposed_forward_lists(name):
     classes = mask.block_classes(128, 128).classes.expand(2, heads, 6, 6)
     forward, backward = bench_peers.fa4_block_sparse_tensors(mask, heads)
     for kind, (fwd_counts, fwd_indices, bwd_counts, bwd_indices) in {
-        PARTIAL: (*forward[:2], *backward[:2]), UNMASKED: (*forward[2:], *backward[2:])
+        PARTIAL: (*forward[:2], *backward[:2]),
+        UNMASKED: (*forward[2:], *backward[2:]),
     }.items():
         forward_blocks = listed(fwd_counts, fwd_indices, 6).expand(2, heads, 6, 6)
         assert torch.equal(forward_blocks, classes == kind)
@@ -114,7 +128,7 @@ def test_flex_block_mask_at_128k_comes_from_the_block_classes(monkeypatch):
 
     monkeypatch.setattr(ColumnMask, "to_dense", dense_forbidden)
     monkeypatch.setattr("torch.nn.attention.flex_attention.create_block_mask", dense_forbidden)
-    case = bench_peers.PeerCase("causal_document", mask, 1, 32, 128 ** -0.5)
+    case = bench_peers.PeerCase("causal_document", mask, 1, 32, 128**-0.5)
     block_mask = case.block_mask
     classes = mask.block_classes(128, 128).classes[0, 0]
     partial = listed(block_mask.kv_num_blocks, block_mask.kv_indices, 1024)[0, 0]
@@ -131,16 +145,22 @@ def test_peers_that_do_not_express_a_mask_are_left_out_without_importing_them():
 def test_checked_peers_record_differences_and_errors():
     """A peer that fails to build or on its first call leaves its error in the row and is left
     out; one that does not take the mask leaves nothing; the others come back, checked."""
+
     def unavailable(case):
         raise ModuleNotFoundError("No module named 'flash_attn'")
 
     def fails_to_compile(case):
         def run(q, k, v):
             raise RuntimeError("CuteDSL template failed:\n  unsupported head dim")
+
         return run
 
-    peers = {"good": lambda case: lambda q, k, v: q + 1, "absent": lambda case: None, "missing": unavailable,
-             "broken": fails_to_compile}
+    peers = {
+        "good": lambda case: lambda q, k, v: q + 1,
+        "absent": lambda case: None,
+        "missing": unavailable,
+        "broken": fails_to_compile,
+    }
     row = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bench_peers, "PEERS", peers)
@@ -148,21 +168,32 @@ def test_checked_peers_record_differences_and_errors():
         q = torch.zeros(3)
         built = bench_peers.checked_peers(case, tuple(peers), lambda fn: {"max_diff": float(fn(q, q, q).max())}, row)
     assert list(built) == ["good"] and built["good"](q, q, q).tolist() == [1.0] * 3
-    assert row == {"good_max_diff": 1.0, "missing_error": "ModuleNotFoundError: No module named 'flash_attn'",
-                   "broken_error": "RuntimeError: CuteDSL template failed: unsupported head dim"}
+    assert row == {
+        "good_max_diff": 1.0,
+        "missing_error": "ModuleNotFoundError: No module named 'flash_attn'",
+        "broken_error": "RuntimeError: CuteDSL template failed: unsupported head dim",
+    }
 
 
 def test_select_peers_names_the_accepted_ones():
     assert bench_peers.select_peers("fa4, flex_flash") == ("fa4", "flex_flash")
     assert bench_peers.select_peers("") == ()
-    with pytest.raises(ValueError, match="unknown peer 'fa5' in peers='fa4,fa5'; accepted: flex, flex_flash, fa4, "
-                                         "fa4_sparse, cudnn"):
+    with pytest.raises(
+        ValueError, match="unknown peer 'fa5' in peers='fa4,fa5'; accepted: flex, flex_flash, fa4, fa4_sparse, cudnn"
+    ):
         bench_peers.select_peers("fa4,fa5")
 
 
 def test_the_library_never_imports_the_benchmark_peers():
     imported = subprocess.run(
-        [sys.executable, "-c", "import sys, flashmask3, flashmask3.api, flashmask3.peers; "
-                               "print('flashmask3.bench_peers' in sys.modules, 'flash_attn' in sys.modules)"],
-        capture_output=True, text=True, check=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, flashmask3, flashmask3.api, flashmask3.peers; "
+            "print('flashmask3.bench_peers' in sys.modules, 'flash_attn' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert imported.stdout.split() == ["False", "False"]

@@ -10,13 +10,19 @@ from flashmask3 import bench, bench_peers
 
 def test_kernel_overrides_are_typed_like_the_kernel_options():
     assert bench_fwd.kernel_overrides(["lse_ahead=true", "num_stages=3", "skip_tiles=0"]) == {
-        "lse_ahead": True, "num_stages": 3, "skip_tiles": False}
+        "lse_ahead": True,
+        "num_stages": 3,
+        "skip_tiles": False,
+    }
     assert bench_fwd.kernel_overrides([]) == {}
 
 
 def test_ablation_variants_join_kernel_options_with_plus():
     assert bench_fwd.variant_overrides("bounds_prefetch=true+num_stages=3+tvm_ffi=1") == {
-        "bounds_prefetch": True, "num_stages": 3, "tvm_ffi": True}
+        "bounds_prefetch": True,
+        "num_stages": 3,
+        "tvm_ffi": True,
+    }
     with pytest.raises(SystemExit, match="unknown option 'stages'"):
         bench_fwd.variant_overrides("bounds_prefetch=true+stages=3")
 
@@ -95,6 +101,7 @@ def _fake_peers(monkeypatch, module, calls: list, density: float) -> list:
         def run(q, k, v, *rest, **kwargs):
             calls.append(name)
             return q + k + v
+
         return run
 
     def no_wheel(case):
@@ -111,6 +118,7 @@ def _fake_peers(monkeypatch, module, calls: list, density: float) -> list:
             if calls.count("cudnn") == 4:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
             return kernel("cudnn")(q, k, v)
+
         return run
 
     created = []
@@ -119,22 +127,37 @@ def _fake_peers(monkeypatch, module, calls: list, density: float) -> list:
         def density(self):
             return density
 
-    monkeypatch.setattr(module, "random_inputs", lambda *a, **k: created.extend(torch.zeros(2) for _ in range(4))
-                        or tuple(created[-4:]))
+    monkeypatch.setattr(
+        module, "random_inputs", lambda *a, **k: created.extend(torch.zeros(2) for _ in range(4)) or tuple(created[-4:])
+    )
     monkeypatch.setattr(bench_fwd.masks, "build", lambda name, *a, **k: FakeMask())
-    monkeypatch.setattr(bench_peers, "PEERS", {
-        "flex": lambda case: kernel("flex"), "flex_flash": lambda case: compile_error,
-        "fa4": lambda case: kernel("fa4") if case.mask_name == "full" else None, "fa4_sparse": no_wheel,
-        "cudnn": cudnn})
+    monkeypatch.setattr(
+        bench_peers,
+        "PEERS",
+        {
+            "flex": lambda case: kernel("flex"),
+            "flex_flash": lambda case: compile_error,
+            "fa4": lambda case: kernel("fa4") if case.mask_name == "full" else None,
+            "fa4_sparse": no_wheel,
+            "cudnn": cudnn,
+        },
+    )
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: (
-        [fn(*x) for x in inputs] and [{"cute": 1.0, "flex": 2.0}.get(calls[-1], 0.5)] * repeats * len(inputs)))
+    monkeypatch.setattr(
+        bench,
+        "gpu_times_ms",
+        lambda fn, inputs, warmup, repeats: (
+            [fn(*x) for x in inputs] and [{"cute": 1.0, "flex": 2.0}.get(calls[-1], 0.5)] * repeats * len(inputs)
+        ),
+    )
     return created
 
 
-PEER_ERRORS = {"flex_flash_error": "RuntimeError: CuteDSL template failed",
-               "fa4_sparse_error": "ModuleNotFoundError: No module named 'flash_attn'",
-               "cudnn_error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 64.00 GiB"}
+PEER_ERRORS = {
+    "flex_flash_error": "RuntimeError: CuteDSL template failed",
+    "fa4_sparse_error": "ModuleNotFoundError: No module named 'flash_attn'",
+    "cudnn_error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 64.00 GiB",
+}
 
 
 def test_forward_bench_times_cute_and_each_peer_in_turns(monkeypatch):
@@ -143,8 +166,9 @@ def test_forward_bench_times_cute_and_each_peer_in_turns(monkeypatch):
     (at its build, its first call or while timed) leaves its error in the row and the rest go on."""
     calls = []
     _fake_peers(monkeypatch, bench_fwd, calls, density=0.5)
-    monkeypatch.setattr(bench_fwd, "cute_forward", lambda q, k, v, mask, scale: (
-        calls.append("cute") or bench_fwd.torch.zeros(2), None))
+    monkeypatch.setattr(
+        bench_fwd, "cute_forward", lambda q, k, v, mask, scale: (calls.append("cute") or bench_fwd.torch.zeros(2), None)
+    )
     full, document = bench_fwd.run_bench([8192], 128, ["full", "document"])
     assert {k for k in full if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_ms"}
     assert {k for k in document if k.endswith("_ms")} == {"cute_ms", "flex_ms"}
@@ -156,9 +180,28 @@ def test_forward_bench_times_cute_and_each_peer_in_turns(monkeypatch):
     assert calls[4:16:3] == ["cute", "flex", "fa4", "cudnn"]  # warm-ups (3 input sets) in turn
     assert calls.count("cudnn") == 4  # out of the turns after its error
     table = bench_fwd.bench_table([full, document], tuple(bench_peers.PEERS)).splitlines()
-    assert table[0].split() == ["mask", "S", "dens", "cute", "flex", "flex_flash", "fa4", "fa4_sparse", "cudnn", "x", "flex"]
-    assert table[2].split()[3:] == [f"{document['cute_tflops']:.0f}", f"{document['flex_tflops']:.0f}", "err", "-", "err",
-                                    "-", "2.00"]
+    assert table[0].split() == [
+        "mask",
+        "S",
+        "dens",
+        "cute",
+        "flex",
+        "flex_flash",
+        "fa4",
+        "fa4_sparse",
+        "cudnn",
+        "x",
+        "flex",
+    ]
+    assert table[2].split()[3:] == [
+        f"{document['cute_tflops']:.0f}",
+        f"{document['flex_tflops']:.0f}",
+        "err",
+        "-",
+        "err",
+        "-",
+        "2.00",
+    ]
 
 
 def test_backward_bench_times_fwd_and_bwd_of_cute_and_each_peer(monkeypatch):
@@ -173,7 +216,11 @@ def test_backward_bench_times_fwd_and_bwd_of_cute_and_each_peer(monkeypatch):
     assert {k for k in row if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_ms"}
     assert {k: row[k] for k in PEER_ERRORS} == PEER_ERRORS
     assert {k: row[k] for k in row if k.startswith("fa4_max_diff")} == {
-        "fa4_max_diff": 0.0, "fa4_max_diff_dq": 0.0, "fa4_max_diff_dk": 0.0, "fa4_max_diff_dv": 0.0}
+        "fa4_max_diff": 0.0,
+        "fa4_max_diff_dq": 0.0,
+        "fa4_max_diff_dk": 0.0,
+        "fa4_max_diff_dv": 0.0,
+    }
     assert row["cute_ms"] == 1.0 and row["fa4_ms"] == 0.5
     assert row["cute_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 1e-3 / 1e12)
     # the gradients are returned, never accumulated into the inputs' .grad (an extra pass per call)
@@ -225,11 +272,17 @@ def test_record_names_the_kernel_options_and_is_saved_under_out(tmp_path, monkey
 def test_result_json_rounds_floats_and_puts_each_row_on_one_line():
     import json
 
-    record = {"commit": "abc", "kernel_options": {}, "bench": [{"mask": "full", "ms": 39.284849, "n": 3},
-                                                              {"mask": "causal", "ms": 0.000123456}]}
+    record = {
+        "commit": "abc",
+        "kernel_options": {},
+        "bench": [{"mask": "full", "ms": 39.284849, "n": 3}, {"mask": "causal", "ms": 0.000123456}],
+    }
     text = bench.result_json(record)
-    assert json.loads(text) == {"commit": "abc", "kernel_options": {},
-                                "bench": [{"mask": "full", "ms": 39.28, "n": 3}, {"mask": "causal", "ms": 0.0001235}]}
+    assert json.loads(text) == {
+        "commit": "abc",
+        "kernel_options": {},
+        "bench": [{"mask": "full", "ms": 39.28, "n": 3}, {"mask": "causal", "ms": 0.0001235}],
+    }
     assert '  {"mask": "full", "ms": 39.28, "n": 3},' in text.splitlines()
 
 
@@ -317,8 +370,14 @@ def test_device_steps_runs_each_step_under_its_limit_and_logs_it(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     script = Path(__file__).resolve().parents[1] / "tools" / "device_steps.sh"
-    result = subprocess.run(["bash", str(script), str(steps)], cwd=tmp_path, capture_output=True, text=True,
-                            env={"PATH": "/usr/bin:/bin", "COMMIT": "abc1234", "OUT": str(out)}, timeout=60)
+    result = subprocess.run(
+        ["bash", str(script), str(steps)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "COMMIT": "abc1234", "OUT": str(out)},
+        timeout=60,
+    )
     status = (out / "steps.txt").read_text().splitlines()
     assert [line.split()[1:3] for line in status] == [["hello", "rc=0"], ["slow", "rc=124"], ["after", "rc=0"]]
     assert (out / "hello.log").read_text() == "hi\n" and (out / "after.log").read_text() == "still\n"
@@ -331,8 +390,15 @@ def test_ncu_source_summary_finds_the_hot_loop_and_its_stalls():
     retry jump spanning both (not a loop of its own)."""
     import ncu_source_summary
 
-    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
-              "stall_barrier", "stall_wait", "stall_barrier (Not Issued)"]
+    header = [
+        "Address",
+        "Source",
+        "Warp Stall Sampling (All Samples)",
+        "Instructions Executed",
+        "stall_barrier",
+        "stall_wait",
+        "stall_barrier (Not Issued)",
+    ]
     body = [  # address, source, samples, barrier, wait
         ("0x1000", "MOV R1, c[0x0][0x28]", 1, 0, 1),
         ("0x1010", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2", 10, 0, 10),
@@ -344,8 +410,7 @@ def test_ncu_source_summary_finds_the_hot_loop_and_its_stalls():
         ("0x1070", "EXIT", 0, 0, 0),
         ("0x1080", "BRA 0x1000", 0, 0, 0),
     ]
-    lines = ["==PROF== Connected to process 1", '{"mask": "full"}',
-             ",".join(f'"{h}"' for h in header)]
+    lines = ["==PROF== Connected to process 1", '{"mask": "full"}', ",".join(f'"{h}"' for h in header)]
     lines += [",".join(f'"{v}"' for v in (a, s, n, 1, b, w, 0)) for a, s, n, b, w in body]
     instructions = ncu_source_summary.read_instructions(lines)
     assert ncu_source_summary.hottest_loop(instructions) == (0x30, 0x60)
@@ -364,12 +429,14 @@ def test_ncu_source_summary_attributes_the_loop_to_source_lines():
     import ncu_source_summary
 
     header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_barrier", "stall_wait"]
-    body = [("0x100", "ULDC.64 UR8, c[0x0][0x518]", 1, 0, 1),
-            ("0x110", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24", 30, 0, 30),
-            ("0x120", "MUFU.EX2 R3, R4", 50, 0, 50),
-            ("0x130", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 20, 20, 0),
-            ("0x140", "@P1 BRA 0x110", 0, 0, 0),
-            ("0x150", "EXIT", 3, 3, 0)]
+    body = [
+        ("0x100", "ULDC.64 UR8, c[0x0][0x518]", 1, 0, 1),
+        ("0x110", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24", 30, 0, 30),
+        ("0x120", "MUFU.EX2 R3, R4", 50, 0, 50),
+        ("0x130", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 20, 20, 0),
+        ("0x140", "@P1 BRA 0x110", 0, 0, 0),
+        ("0x150", "EXIT", 3, 3, 0),
+    ]
     lines = [",".join(f'"{h}"' for h in header)] + [",".join(f'"{v}"' for v in row) for row in body]
     instructions = ncu_source_summary.read_instructions(lines)
     sass = """
@@ -391,7 +458,10 @@ def test_ncu_source_summary_attributes_the_loop_to_source_lines():
     report = ncu_source_summary.loop_lines(instructions, listing).splitlines()
     assert report[0].startswith("loop samples per source line (0% unaligned")
     assert [line.split()[:2] for line in report[1:]] == [
-        ["50.0%", "softmax.py:26"], ["30.0%", "flash_fwd_sm90.py:84"], ["20.0%", "flash_fwd_sm90.py:439"]]
+        ["50.0%", "softmax.py:26"],
+        ["30.0%", "flash_fwd_sm90.py:84"],
+        ["20.0%", "flash_fwd_sm90.py:439"],
+    ]
     assert report[1].endswith("(wait 100%)") and report[3].endswith("(barrier 100%)")
     outside = ncu_source_summary.loop_lines(instructions, listing, outside=True).splitlines()
     # Outside the loop: the EXIT (3 of all 104 samples); the ULDC.64 has no counterpart in the listing.
@@ -425,18 +495,30 @@ def test_sass_path_splits_blocks_at_branches_and_finds_the_loop():
 
     blocks = sass_path.read_blocks(SASS.splitlines())
     assert [(name, len(body)) for name, body in blocks] == [
-        ("start", 1), ("L_x_1", 3), ("L_x_1+3", 1), ("L_x_2", 3), ("L_x_2+3", 1), ("L_x_9", 2)]
+        ("start", 1),
+        ("L_x_1", 3),
+        ("L_x_1+3", 1),
+        ("L_x_2", 3),
+        ("L_x_2+3", 1),
+        ("L_x_9", 2),
+    ]
     assert [name for name, _ in sass_path.hot_loop(blocks)] == ["L_x_1", "L_x_1+3", "L_x_2"]
     unmasked = sass_path.path_opcodes(blocks, ["L_x_1", "L_x_2"])
     assert unmasked == {"HGMMA": 1, "SYNCS": 1, "BRA": 2, "MUFU": 2}
     masked = sass_path.path_opcodes(blocks, ["L_x_1", "L_x_1+3", "L_x_2"])
     assert sass_path.compare(masked, unmasked).splitlines()[1:] == [
-        "(all)             7        6     +1", "FSEL              1        0     +1"]
+        "(all)             7        6     +1",
+        "FSEL              1        0     +1",
+    ]
     with pytest.raises(ValueError, match="no such block: L_x_7"):
         sass_path.path_opcodes(blocks, ["L_x_7"])
     assert sass_path.loop_summary(sass_path.hot_loop(blocks)) == "hot loop: 7 instructions, 1 HGMMA, 0 WARPGROUP.ARRIVE"
-    serialized = [("L_x_1", ["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32 R24, R8, gdesc[UR4], R24",
-                             "WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 2)]
+    serialized = [
+        (
+            "L_x_1",
+            ["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32 R24, R8, gdesc[UR4], R24", "WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 2,
+        )
+    ]
     assert sass_path.loop_summary(serialized).endswith("(an arrive per HGMMA: the WGMMAs are serialized)")
 
 

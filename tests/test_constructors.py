@@ -79,7 +79,9 @@ def test_prefix_lm_document_matches_the_dense_definition(layout):
     rows = LAYOUTS[layout]
     n = max(len(r) for r in rows)
     # Prefix 0 (causal), 1, the whole document and longer than it; 0 on padded slots.
-    prefix = torch.tensor([[(0, 1, length, length + 5)[d % 4] for d, length in enumerate(r)] + [0] * (n - len(r)) for r in rows])
+    prefix = torch.tensor(
+        [[(0, 1, length, length + 5)[d % 4] for d, length in enumerate(r)] + [0] * (n - len(r)) for r in rows]
+    )
     doc = doc_of(rows)
     cu = cu_of(rows)
     start = cu.gather(1, doc)
@@ -96,7 +98,9 @@ def share_question_case(rows):
         gen = np.random.default_rng(len(r))
         parts, is_q = [], []
         for length in r:  # each document: a question, then 0-3 answers when it is long enough
-            cuts = np.sort(gen.choice(np.arange(1, length), size=min(length - 1, int(gen.integers(0, 4))), replace=False))
+            cuts = np.sort(
+                gen.choice(np.arange(1, length), size=min(length - 1, int(gen.integers(0, 4))), replace=False)
+            )
             sizes = np.diff(np.concatenate([[0], cuts, [length]]))
             parts += sizes.tolist()
             is_q += [True] + [False] * (len(sizes) - 1)
@@ -178,7 +182,9 @@ def test_sliding_window_equals_masks_build_and_the_dense_definition(seqlen, wind
         assert torch.equal(both_sides.to_dense()[0, 0], (i - j).abs() < window)
 
 
-@pytest.mark.parametrize("seqlen, window, global_tokens", [(40, 3, 4), (40, 0, 0), (40, 5, 40), (40, 39, 2), (8192, 512, 16)])
+@pytest.mark.parametrize(
+    "seqlen, window, global_tokens", [(40, 3, 4), (40, 0, 0), (40, 5, 40), (40, 39, 2), (8192, 512, 16)]
+)
 def test_global_sliding_window_equals_masks_build_and_the_dense_definition(seqlen, window, global_tokens):
     mask = ColumnMask.global_sliding_window(seqlen, window, global_tokens)
     if window > 0:  # masks.build takes window=0 for its default
@@ -219,7 +225,11 @@ def test_constructors_read_no_value_on_the_host():
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda: ColumnMask.causal_document(), ValueError, "exactly one of cu_seqlens, document_ids, position_ids; got none"),
+        (
+            lambda: ColumnMask.causal_document(),
+            ValueError,
+            "exactly one of cu_seqlens, document_ids, position_ids; got none",
+        ),
         (
             lambda: ColumnMask.document([0, 4], document_ids=torch.zeros(4, dtype=torch.int64)),
             ValueError,
@@ -242,7 +252,11 @@ def test_constructors_read_no_value_on_the_host():
             ValueError,
             r"document_ids must be a tensor \[S\] or \[B, S\]",
         ),
-        (lambda: ColumnMask.prefix_lm_document([0, 3, 8], [1]), ValueError, r"prefix_lens must have one entry per segment of cu_seqlens, shape \(2,\)"),
+        (
+            lambda: ColumnMask.prefix_lm_document([0, 3, 8], [1]),
+            ValueError,
+            r"prefix_lens must have one entry per segment of cu_seqlens, shape \(2,\)",
+        ),
         (lambda: ColumnMask.prefix_lm_document([0, 3, 8], [1, -2]), ValueError, "prefix_lens must be >= 0"),
         (lambda: ColumnMask.share_question([0, 3, 8], [1, 0]), TypeError, "is_question must be bool"),
         (lambda: ColumnMask.sliding_window(16, 0), ValueError, "window must be an int >= 1, got 0"),

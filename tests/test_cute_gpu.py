@@ -74,10 +74,19 @@ def test_persistent_forward_is_bitwise_the_one_cta_per_tile_forward(monkeypatch,
     from flashmask3.optimized.interface import forward
     from flashmask3.reference import ColumnMask
 
-    cases = [(name, masks.build(name, 1536, batch=3, heads=2, seed=11, device="cuda"), 3, 1536, 1536)
-             for name in masks.MASK_NAMES]
-    cases.append(("causal_sq>sk", ColumnMask(torch.full((1, 1, 700, 1), 1300, dtype=torch.int32, device="cuda"),
-                                             True, 1300), 2, 1300, 700))
+    cases = [
+        (name, masks.build(name, 1536, batch=3, heads=2, seed=11, device="cuda"), 3, 1536, 1536)
+        for name in masks.MASK_NAMES
+    ]
+    cases.append(
+        (
+            "causal_sq>sk",
+            ColumnMask(torch.full((1, 1, 700, 1), 1300, dtype=torch.int32, device="cuda"), True, 1300),
+            2,
+            1300,
+            700,
+        )
+    )
     for name, mask, batch, sq, sk in cases:
         q, k, v, _ = random_inputs(batch, sq, sk, 8, 2, head_dim, dtype, "cuda", seed=sq + len(name))
         scale = 1 / math.sqrt(head_dim)

@@ -131,8 +131,10 @@ def best_pair_split(loads, first, second):
     """The smallest larger half of an equal-count split of two ranks' chunks."""
     pool = list(first) + list(second)
     total = loads[pool].sum()
-    return min(max(loads[list(half)].sum(), total - loads[list(half)].sum())
-               for half in itertools.combinations(pool, len(first)))
+    return min(
+        max(loads[list(half)].sum(), total - loads[list(half)].sum())
+        for half in itertools.combinations(pool, len(first))
+    )
 
 
 def check_balancer_guarantee(loads, world):
@@ -152,8 +154,10 @@ def check_balancer_guarantee(loads, world):
         assert got <= optimum + tol
     else:  # a pairwise optimum: some heaviest rank cannot be lowered with any one partner
         heaviest = [h for h in range(world) if rank_loads[h] >= got - tol]
-        assert any(all(best_pair_split(loads, assignment[h], assignment[p]) >= got - tol
-                       for p in range(world) if p != h) for h in heaviest)
+        assert any(
+            all(best_pair_split(loads, assignment[h], assignment[p]) >= got - tol for p in range(world) if p != h)
+            for h in heaviest
+        )
     return got, optimum
 
 
@@ -173,8 +177,7 @@ def test_balancer_is_a_local_search_not_an_exact_one():
 def test_balancer_beats_contiguous_and_zigzag(name):
     mask = masks.build(name, 16384, seed=2)
     loads = chunk_loads(mask, 256)
-    assert loads.sum() == pytest.approx(
-        float(chunk_loads(mask, 16384)[0]), rel=1e-6)  # loads add up
+    assert loads.sum() == pytest.approx(float(chunk_loads(mask, 16384)[0]), rel=1e-6)  # loads add up
     for world in (4, 8):
         balanced = imbalance(loads, balance(loads, world))
         assert balanced <= imbalance(loads, zigzag_assignment(world, len(loads) // world)) + 1e-9
@@ -215,8 +218,11 @@ def run_ranks(tmp_path, world, fn, *args) -> list:
 
 def single_device(name_or_mask, seqlen, seed=0, heads=4, kv_heads=2):
     """mask, inputs and the fp64 single-device reference output and gradients."""
-    mask = masks.build(name_or_mask, seqlen, batch=1, heads=heads, seed=seed) if isinstance(name_or_mask, str) \
+    mask = (
+        masks.build(name_or_mask, seqlen, batch=1, heads=heads, seed=seed)
+        if isinstance(name_or_mask, str)
         else name_or_mask
+    )
     q, k, v, dout = random_inputs(1, seqlen, seqlen, heads, kv_heads, 16, torch.float64, seed=seed)
     ins = [x.clone().requires_grad_() for x in (q, k, v)]
     out = fm.attention(*ins, mask, backend="reference")
@@ -244,8 +250,10 @@ def _equivalence(rank, world, assignment):
         for scheme, options in CASES:
             if options.get("ranks_per_node") and world < 4:
                 continue
-            refetched, held = (run_cp(rank, plan, mask, inputs, CPConfig(scheme=scheme, hold_remote_kv=hold, **options))
-                               for hold in (False, True))
+            refetched, held = (
+                run_cp(rank, plan, mask, inputs, CPConfig(scheme=scheme, hold_remote_kv=hold, **options))
+                for hold in (False, True)
+            )
             err = max(max_error(rank, plan, refetched, expected), max_error(rank, plan, held, expected))
             identical = all(torch.equal(a, b) for a, b in zip(refetched, held))
             rows.append((name, scheme, options, err, identical))
@@ -267,6 +275,7 @@ def _recorded(log, label, fn):
     def wrapper(*args, **kwargs):
         log.append(label(*args) if callable(label) else label)
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -300,9 +309,11 @@ def test_ring_posts_the_next_block_before_computing(tmp_path):
         assert logs[False, "backward"] == (
             ["post kv", "backward", "post dkv", "wait kv"]
             + ["post kv", "backward", "wait dkv", "post dkv", "wait kv"]
-            + ["backward", "wait dkv", "post dkv", "wait dkv"])
+            + ["backward", "wait dkv", "post dkv", "wait dkv"]
+        )
         assert logs[True, "backward"] == (  # K/V held: only the dK/dV accumulators travel
-            ["backward", "post dkv"] + ["backward", "wait dkv", "post dkv"] * 2 + ["wait dkv"])
+            ["backward", "post dkv"] + ["backward", "wait dkv", "post dkv"] * 2 + ["wait dkv"]
+        )
 
 
 def _block_diagonal(seqlen, starts):
@@ -365,8 +376,12 @@ def _node_layouts(rank, world):
     mask, inputs, expected = single_device("document", 256)
     plan = make_plan(256, world, 2, "zigzag")
     outcomes = []
-    for ranks_per_node, host, local_rank in ((3, "node0", None), (2, f"node{rank % 2}", None),
-                                             (2, "node0", rank // 2), (2, f"node{rank // 2}", rank % 2)):
+    for ranks_per_node, host, local_rank in (
+        (3, "node0", None),
+        (2, f"node{rank % 2}", None),
+        (2, "node0", rank // 2),
+        (2, f"node{rank // 2}", rank % 2),
+    ):
         cp.socket.gethostname = lambda: host
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = str(local_rank)
@@ -410,8 +425,10 @@ def _kernel_routing(rank, world):
 
     interface.unsupported_reason = lambda q, k: None  # "a Hopper GPU": the fakes compute in fp64
     interface.forward, interface.backward = fake_forward, fake_backward
-    errors = {scheme: max_error(rank, plan, run_cp(rank, plan, mask, inputs, CPConfig(scheme=scheme)), expected)
-              for scheme in SCHEMES}
+    errors = {
+        scheme: max_error(rank, plan, run_cp(rank, plan, mask, inputs, CPConfig(scheme=scheme)), expected)
+        for scheme in SCHEMES
+    }
     return refused, sorted(set(calls)), errors
 
 
@@ -431,8 +448,17 @@ def _held_kv(rank, world):
         for hold in (False, True):
             run_cp(rank, plan, mask, inputs, CPConfig(scheme=scheme, hold_remote_kv=hold))
             fwd, bwd = cp.last_forward_stats, cp.last_backward_stats
-            rows.append((scheme, hold, fwd.saved_kv_bytes, fwd.peak_kv_bytes, bwd.peak_kv_bytes,
-                         fwd.chunks_received, bwd.chunks_received))
+            rows.append(
+                (
+                    scheme,
+                    hold,
+                    fwd.saved_kv_bytes,
+                    fwd.peak_kv_bytes,
+                    bwd.peak_kv_bytes,
+                    fwd.chunks_received,
+                    bwd.chunks_received,
+                )
+            )
     return rows
 
 
@@ -457,9 +483,12 @@ def test_backward_fetches_remote_kv_again_unless_held(tmp_path):
 def _one_rank(rank, world):
     mask, inputs, expected = single_device("causal_document", 256)
     plan = make_plan(256, 1, 2, "zigzag")
-    return {(scheme, hold): max_error(rank, plan, run_cp(rank, plan, mask, inputs, config), expected)
-            for scheme in SCHEMES for hold in (False, True)
-            for config in [CPConfig(scheme=scheme, hold_remote_kv=hold)]}
+    return {
+        (scheme, hold): max_error(rank, plan, run_cp(rank, plan, mask, inputs, config), expected)
+        for scheme in SCHEMES
+        for hold in (False, True)
+        for config in [CPConfig(scheme=scheme, hold_remote_kv=hold)]
+    }
 
 
 def test_a_group_of_one_rank_is_single_device_attention(tmp_path):
@@ -473,15 +502,19 @@ def _pruning_worker(rank, world):
     q, k, v, _ = random_inputs(1, 512, 512, 2, 2, 16, torch.float32)
     plan = make_plan(512, world, 2, "contiguous")
     sent = {}
-    for name, config in [("pruned", CPConfig()), ("unpruned", CPConfig(prune=False)),
-                         ("allgather", CPConfig(scheme="allgather")),
-                         ("hierarchical", CPConfig(ranks_per_node=2, prune=False))]:
+    for name, config in [
+        ("pruned", CPConfig()),
+        ("unpruned", CPConfig(prune=False)),
+        ("allgather", CPConfig(scheme="allgather")),
+        ("hierarchical", CPConfig(ranks_per_node=2, prune=False)),
+    ]:
         cp_attention(*(plan.shard(x, rank) for x in (q, k, v)), mask, plan, config=config)
         sent[name] = cp.last_forward_stats.bytes_sent
     layer = ContextParallelAttention(config=CPConfig(scheme="ring"))
     local = [plan.shard(x, rank) for x in (q, k, v)]
-    sent["module_matches"] = int(torch.equal(layer(*local, mask, plan),
-                                             cp_attention(*local, mask, plan, config=CPConfig(scheme="ring"))))
+    sent["module_matches"] = int(
+        torch.equal(layer(*local, mask, plan), cp_attention(*local, mask, plan, config=CPConfig(scheme="ring")))
+    )
     return sent
 
 
@@ -497,8 +530,10 @@ def test_pruning_sends_fewer_bytes(tmp_path):
     mask, plan = masks.build("document", 512, num_docs=4, seed=0), make_plan(512, 4, 2, "contiguous")
     dense = mask.to_dense()[0, 0]
     needed = sum(
-        bool(dense[plan.token_index(r)][:, c * 64:(c + 1) * 64].any())
-        for r in range(4) for c in range(8) if plan.owner(c) != r
+        bool(dense[plan.token_index(r)][:, c * 64 : (c + 1) * 64].any())
+        for r in range(4)
+        for c in range(8)
+        if plan.owner(c) != r
     )
     assert totals["pruned"] == needed * chunk_bytes < totals["unpruned"]
     # Hierarchical without pruning: as many messages (relays forward inside the node), but ...
@@ -513,8 +548,9 @@ def test_hierarchical_routes_cross_nodes_once_per_chunk():
 
     def crossings(config):
         layout = cp._Layout(mask, plan, config)
-        return sum(len(chunks) for phase in layout.phases for (src, dst), chunks in phase.items()
-                   if node(src) != node(dst))
+        return sum(
+            len(chunks) for phase in layout.phases for (src, dst), chunks in phase.items() if node(src) != node(dst)
+        )
 
     # ... each chunk crosses to the other node once instead of once per receiver there.
     assert crossings(CPConfig(ranks_per_node=4)) == plan.num_chunks

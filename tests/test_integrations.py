@@ -137,7 +137,9 @@ PADDLE_EXAMPLES = {
     "causal document": (True, [[4, 4, 4, 4, 7, 7, 7, 10, 10, 10]], (_j <= _i) & (_doc[:, None] == _doc)),
     "document": (False, [[4, 4, 4, 4, 7, 7, 7, 10, 10, 10], [0, 0, 0, 0, 4, 4, 4, 7, 7, 7]], _doc[:, None] == _doc),
     "share question": (  # question [0, 4), answers [4, 7) and [7, 10)
-        True, [[10, 10, 10, 10, 7, 7, 7, 10, 10, 10]], (_j <= _i) & ((_j < 4) | (_doc[:, None] == _doc))
+        True,
+        [[10, 10, 10, 10, 7, 7, 7, 10, 10, 10]],
+        (_j <= _i) & ((_j < 4) | (_doc[:, None] == _doc)),
     ),
     "global + sliding window": (
         False,
@@ -145,17 +147,20 @@ PADDLE_EXAMPLES = {
         (_i < 2) | (_j < 2) | ((_i - _j).abs() <= 1),
     ),
     "causal blockwise": (  # the last block sees every earlier one
-        True, [[4, 4, 4, 4, 10, 10, 10, 10, 10, 10], [7, 7, 7, 7, 10, 10, 10, 10, 10, 10]],
+        True,
+        [[4, 4, 4, 4, 10, 10, 10, 10, 10, 10], [7, 7, 7, 7, 10, 10, 10, 10, 10, 10]],
         (_j <= _i) & ((_doc[:, None] == _doc) | (_i >= 7)),
     ),
     "prefix-LM document": (  # documents [0, 3), [3, 5), [5, 10), prefixes of 2
-        False, [[3, 3, 3, 5, 5, 10, 10, 10, 10, 10], [0, 0, 2, 3, 3, 5, 5, 7, 8, 9]],
+        False,
+        [[3, 3, 3, 5, 5, 10, 10, 10, 10, 10], [0, 0, 2, 3, 3, 5, 5, 7, 8, 9]],
         (torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2]).view(-1, 1) == torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2]))
         & ((_j <= _i) | torch.isin(_j, torch.tensor([0, 1, 3, 4, 5, 6]))),
     ),
     "prefix-LM causal": (False, [[10] * 10, [0, 0, 0, 0, 0, 5, 6, 7, 8, 9]], (_j <= _i) | (_j < 5)),
     "QK-sparse": (
-        True, [[10, 10, 2, 3, 4, 5, 6, 7, 10, 10], [10, 10, 5, 5, 5, 5, 8, 8, 10, 10]],
+        True,
+        [[10, 10, 2, 3, 4, 5, 6, 7, 10, 10], [10, 10, 5, 5, 5, 5, 8, 8, 10, 10]],
         (_j <= _i) & ~((_i >= 2) & (_i < 5) & (_j >= 2)) & ~((_i >= 6) & (_i < 8) & (_j >= 6)),
     ),
 }
@@ -233,12 +238,21 @@ def test_flashmask_attention_without_a_mask_and_with_a_scale():
         ({"rng_name": "local_seed"}, ValueError, "rng_name='local_seed'"),
         ({"window_size": -1}, ValueError, "window_size must be an int >= 0"),
         ({"window_size": (1, 2, 3)}, ValueError, "window_size must be an int >= 0"),
-        ({"startend_row_indices": torch.full((1, 1, 10, 1), 10, dtype=torch.int32), "window_size": 2},
-         ValueError, "window_size and startend_row_indices cannot be given together"),
-        ({"startend_row_indices": torch.full((1, 1, 10, 1), 10), "causal": True}, TypeError,
-         "startend_row_indices must be int32"),
-        ({"startend_row_indices": torch.full((1, 1, 10, 3), 10, dtype=torch.int32)}, ValueError,
-         r"last dim must be one of \(2, 4\) when causal=False"),
+        (
+            {"startend_row_indices": torch.full((1, 1, 10, 1), 10, dtype=torch.int32), "window_size": 2},
+            ValueError,
+            "window_size and startend_row_indices cannot be given together",
+        ),
+        (
+            {"startend_row_indices": torch.full((1, 1, 10, 1), 10), "causal": True},
+            TypeError,
+            "startend_row_indices must be int32",
+        ),
+        (
+            {"startend_row_indices": torch.full((1, 1, 10, 3), 10, dtype=torch.int32)},
+            ValueError,
+            r"last dim must be one of \(2, 4\) when causal=False",
+        ),
     ],
 )
 def test_flashmask_attention_refuses_what_it_cannot_honour(kwargs, error, match):
@@ -268,8 +282,15 @@ def llama(transformers):
     from flashmask3.integrations import hf
 
     torch.manual_seed(0)
-    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    config = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation=hf.NAME)).double()
     sdpa = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="sdpa")).double()
     sdpa.load_state_dict(model.state_dict())
@@ -368,11 +389,15 @@ def assert_same_generation(model, sdpa, cache):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
     keep = torch.ones(2, 8, dtype=torch.long)
     keep[0, :3] = 0
-    assert_same(model(input_ids=ids, attention_mask=keep), sdpa(input_ids=ids, attention_mask=keep), rows=slice(3, None))
+    assert_same(
+        model(input_ids=ids, attention_mask=keep), sdpa(input_ids=ids, attention_mask=keep), rows=slice(3, None)
+    )
     model.eval(), sdpa.eval()
     try:
-        ours, theirs = (m.generate(ids, attention_mask=keep, max_new_tokens=6, do_sample=False, cache_implementation=cache)
-                        for m in (model, sdpa))
+        ours, theirs = (
+            m.generate(ids, attention_mask=keep, max_new_tokens=6, do_sample=False, cache_implementation=cache)
+            for m in (model, sdpa)
+        )
     finally:
         model.train(), sdpa.train()
     assert ours.shape == (2, 14) and torch.equal(ours, theirs)
@@ -388,8 +413,16 @@ def test_packed_sliding_window_matches_sdpa(transformers):
     from flashmask3.integrations import hf
 
     torch.manual_seed(3)
-    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3)
+    config = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=3,
+    )
     model = transformers.MistralForCausalLM(transformers.MistralConfig(**config, attn_implementation=hf.NAME)).double()
     sdpa = transformers.MistralForCausalLM(transformers.MistralConfig(**config, attn_implementation="sdpa")).double()
     sdpa.load_state_dict(model.state_dict())
@@ -408,8 +441,16 @@ def test_packed_bidirectional_model_matches_sdpa(transformers):
     from flashmask3.integrations import hf
 
     torch.manual_seed(5)
-    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, is_causal=False)
+    config = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        is_causal=False,
+    )
     model = transformers.LlamaModel(transformers.LlamaConfig(**config, attn_implementation=hf.NAME)).double()
     sdpa = transformers.LlamaModel(transformers.LlamaConfig(**config, attn_implementation="sdpa")).double()
     sdpa.load_state_dict(model.state_dict())
@@ -440,8 +481,7 @@ def test_what_flashmask3_cannot_honour_raises_naming_it(llama, packed, transform
     with pytest.raises(ValueError, match="^output_attentions=True"):
         model(input_ids=ids, output_attentions=True)
     with pytest.raises(ValueError, match=r"^mask_function: .* or_mask"):
-        create_causal_mask(model.config, torch.zeros(1, 21, 32), None, None,
-                           or_mask_function=lambda b, h, i, j: j < 2)
+        create_causal_mask(model.config, torch.zeros(1, 21, 32), None, None, or_mask_function=lambda b, h, i, j: j < 2)
     layer.attention_dropout = 0.1  # as from the config's attention_dropout, in training
     try:
         with pytest.raises(ValueError, match=r"^dropout=0.1: flashmask3 has no attention dropout"):
@@ -468,6 +508,7 @@ def test_compiled_model_with_a_column_mask_has_no_graph_break(llama, packed, cut
     mask = hf.as_attention_mask(ColumnMask.causal_document(position_ids=positions))
     hf.register(backend="cute")
     try:
+
         def loss(ids, mask):
             return model(input_ids=ids, position_ids=positions, attention_mask=mask, labels=labels).loss
 

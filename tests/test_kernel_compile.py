@@ -147,7 +147,7 @@ def test_launch_compiles_once_and_passes_what_each_launch_path_takes(monkeypatch
     with kernel_options(tvm_ffi=tvm_ffi):
         for _ in range(2):
             interface._launch("bwd_post", torch.bfloat16, 64, False, 2, [out, dq], [0.125])
-    (name, args, flags), = compiled
+    ((name, args, flags),) = compiled
     assert name == "BackwardPostprocess" and len(args) == 4 and len(calls) == 2
     if tvm_ffi:
         assert flags == {"options": "--enable-tvm-ffi"}
@@ -192,7 +192,7 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path / name))
         code = f"from flashmask3.optimized.interface import KernelOptions, compile_check; compile_check({args})"
         subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=600)
-        cubin, = (tmp_path / name).glob(f"*{kernel}Sm90*.cubin")
+        (cubin,) = (tmp_path / name).glob(f"*{kernel}Sm90*.cubin")
         sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
         summaries[name] = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())))
     assert "serialized" not in summaries["fwd"] and "serialized" not in summaries["bwd"], summaries

@@ -34,16 +34,32 @@ def test_default_job_records_density_tiles_and_errors(tmp_path):
 
 
 def test_overrides_pick_mask_and_backend(tmp_path):
-    cfg = config([f"logging.out_dir={tmp_path}", "mask=share_question", "seqlen=384", "backend=flex",
-                  "bench.backward=false", "bench.repeats=1", "mask.params.num_docs=2"])
+    cfg = config(
+        [
+            f"logging.out_dir={tmp_path}",
+            "mask=share_question",
+            "seqlen=384",
+            "backend=flex",
+            "bench.backward=false",
+            "bench.repeats=1",
+            "mask.params.num_docs=2",
+        ]
+    )
     record = run_experiment(cfg)
     assert record["config"]["mask"]["name"] == "share_question" and "fwd_bwd_ms" not in record
     assert record["max_abs_err_vs_sdpa"]["out"] < 1e-4
 
 
 def test_wandb_offline_run_writes_its_files(tmp_path):
-    cfg = config([f"logging.out_dir={tmp_path}", "seqlen=256", "bench.repeats=1", "bench.backward=false",
-                  "logging.wandb.enabled=true"])
+    cfg = config(
+        [
+            f"logging.out_dir={tmp_path}",
+            "seqlen=256",
+            "bench.repeats=1",
+            "bench.backward=false",
+            "logging.wandb.enabled=true",
+        ]
+    )
     env = {"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -58,8 +74,15 @@ def test_wandb_offline_run_writes_its_files(tmp_path):
 
 
 def test_command_line_entry_point(tmp_path):
-    cmd = [sys.executable, "-m", "flashmask3", "seqlen=256", "bench.repeats=1", f"logging.out_dir={tmp_path}",
-           f"hydra.run.dir={tmp_path}/hydra"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashmask3",
+        "seqlen=256",
+        "bench.repeats=1",
+        f"logging.out_dir={tmp_path}",
+        f"hydra.run.dir={tmp_path}/hydra",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "density" in result.stdout and "max abs error vs sdpa" in result.stdout
@@ -69,8 +92,18 @@ def test_command_line_entry_point(tmp_path):
 
 
 def test_cp_job_matches_single_device(tmp_path):
-    cfg = config([f"logging.out_dir={tmp_path}", "cp=mask_aware", "cp.world_size=2", "seqlen=512",
-                  "mask=share_question", "heads=2", "kv_heads=1", "head_dim=16"])
+    cfg = config(
+        [
+            f"logging.out_dir={tmp_path}",
+            "cp=mask_aware",
+            "cp.world_size=2",
+            "seqlen=512",
+            "mask=share_question",
+            "heads=2",
+            "kv_heads=1",
+            "head_dim=16",
+        ]
+    )
     record = run_experiment(cfg)
     assert record["cp"]["scheme"] == "mask_aware" and len(record["per_rank"]) == 2
     assert max(record["max_abs_err_vs_single_device"].values()) < 1e-5
@@ -106,11 +139,22 @@ def test_groups_select_shapes_and_backends():
 def test_plot_script_draws_records(tmp_path):
     records = []
     for backend in ("reference", "flex"):
-        cfg = config([f"logging.out_dir={tmp_path}", "seqlen=256", "bench.repeats=1", "bench.backward=false",
-                      f"backend={backend}"])
+        cfg = config(
+            [
+                f"logging.out_dir={tmp_path}",
+                "seqlen=256",
+                "bench.repeats=1",
+                "bench.backward=false",
+                f"backend={backend}",
+            ]
+        )
         records.append(run_experiment(cfg)["path"])
     out = tmp_path / "chart.png"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot.py"), *records, "--out", str(out)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plot.py"), *records, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 5000

@@ -40,8 +40,9 @@ def test_the_link_tree_imports_as_installed(tmp_path):
     paths = sysconfig.get_paths()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), paths["purelib"], paths["platlib"]]))
     code = "import flashmask3.distributed, flashmask3.verify, flashmask3.conf; print(flashmask3.reference.__file__)"
-    result = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(tree / "flashmask3" / "reference" / "__init__.py")
     assert (tree / "flashmask3" / "reference" / "mask.py").resolve() == package_tree.ROOT / "reference" / "mask.py"
@@ -50,6 +51,17 @@ def test_the_link_tree_imports_as_installed(tmp_path):
 def test_the_typed_core_passes_mypy():
     """`tools/typecheck.py`: the targets and settings of pyproject.toml's [tool.mypy]."""
     pytest.importorskip("mypy")
-    result = subprocess.run([sys.executable, str(package_tree.ROOT / "tools" / "typecheck.py")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(package_tree.ROOT / "tools" / "typecheck.py")], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_the_tree_passes_ruff(command):
+    """The house style: pyproject.toml's [tool.ruff] lint rules and formatting."""
+    pytest.importorskip("ruff")
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", *command, str(package_tree.ROOT)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -16,7 +16,7 @@ def test_block_minmax_is_the_min_then_max_of_each_column_per_key_tile(name, seql
     width = idx.shape[-1]
     assert bounds.shape == (*idx.shape[:2], -(-seqlen // 128), 2 * width) and bounds.dtype == torch.int32
     for n in range(bounds.shape[2]):
-        keys = idx[:, :, n * 128:(n + 1) * 128]
+        keys = idx[:, :, n * 128 : (n + 1) * 128]
         assert torch.equal(bounds[:, :, n, :width], keys.amin(2))
         assert torch.equal(bounds[:, :, n, width:], keys.amax(2))
 

@@ -36,14 +36,28 @@ def test_the_picture_is_drawn(tmp_path):
 def test_results_table_merges_runs_and_compares_with_the_fastest_peer():
     import results_table
 
-    older = {"commit": "a", "bench": [{"mask": "full", "seqlen": 8192, "cute_tflops": 600.0, "fa4_tflops": 650.0},
-                                      {"mask": "share_question", "seqlen": 8192, "cute_tflops": 370.0,
-                                       "fa4_sparse_tflops": 330.0, "flex_flash_tflops": 300.0}]}
-    newer = {"commit": "b", "bench": [{"mask": "full", "seqlen": 8192, "cute_tflops": 620.0, "fa4_tflops": 640.0,
-                                       "cudnn_tflops": 610.0}]}
+    older = {
+        "commit": "a",
+        "bench": [
+            {"mask": "full", "seqlen": 8192, "cute_tflops": 600.0, "fa4_tflops": 650.0},
+            {
+                "mask": "share_question",
+                "seqlen": 8192,
+                "cute_tflops": 370.0,
+                "fa4_sparse_tflops": 330.0,
+                "flex_flash_tflops": 300.0,
+            },
+        ],
+    }
+    newer = {
+        "commit": "b",
+        "bench": [{"mask": "full", "seqlen": 8192, "cute_tflops": 620.0, "fa4_tflops": 640.0, "cudnn_tflops": 610.0}],
+    }
     rows = results_table.merged_rows([older, newer])
-    assert [(r["mask"], r["cute_tflops"], r["commit"]) for r in rows] == [("full", 620.0, "b"),
-                                                                           ("share_question", 370.0, "a")]
+    assert [(r["mask"], r["cute_tflops"], r["commit"]) for r in rows] == [
+        ("full", 620.0, "b"),
+        ("share_question", 370.0, "a"),
+    ]
     lines = results_table.table(rows).splitlines()
     assert lines[0] == "| mask | S | ours | FA4 native | FA4 block-sparse | Flex FLASH | cuDNN | ours / best peer |"
     assert lines[2] == "| full | 8K | 620 | 640 | – | – | 610 | 0.97 |"

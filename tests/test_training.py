@@ -17,6 +17,24 @@ def test_reference_training_matches_sdpa_and_learns():
 def test_cute_training_follows_the_reference_curve():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the cute backend needs a Hopper GPU")
-    result = train_tiny.main(["--backend", "cute", "--compare", "reference", "--device", "cuda",
-                              "--dtype", "bf16", "--steps", "30", "--dim", "256", "--heads", "2", "--kv-heads", "1"])
+    result = train_tiny.main(
+        [
+            "--backend",
+            "cute",
+            "--compare",
+            "reference",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--steps",
+            "30",
+            "--dim",
+            "256",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+        ]
+    )
     assert result["max_loss_diff"] < 5e-2

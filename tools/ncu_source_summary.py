@@ -84,18 +84,27 @@ def read_instructions(lines) -> list[Instruction]:
         raise ValueError("no 'Address' header: not an ncu --page source --csv dump")
     header = rows[header_at]
     samples_at = header.index(SAMPLES)
-    reasons = {i: name[len("stall_"):] for i, name in enumerate(header)
-               if name.startswith("stall_") and "Not Issued" not in name}
-    body = [row for row in rows[header_at + 1:] if len(row) == len(header) and row[0].startswith("0x")]
+    reasons = {
+        i: name[len("stall_") :]
+        for i, name in enumerate(header)
+        if name.startswith("stall_") and "Not Issued" not in name
+    }
+    body = [row for row in rows[header_at + 1 :] if len(row) == len(header) and row[0].startswith("0x")]
     if not body:
         raise ValueError("the dump has a header but no instructions")
     base = int(body[0][0], 16)
     instructions = []
     for row in body:
         target = _branch_target(row[1])
-        instructions.append(Instruction(int(row[0], 16) - base, row[1].strip(), _number(row[samples_at]),
-                                        {name: _number(row[i]) for i, name in reasons.items()},
-                                        None if target is None else target - base))
+        instructions.append(
+            Instruction(
+                int(row[0], 16) - base,
+                row[1].strip(),
+                _number(row[samples_at]),
+                {name: _number(row[i]) for i, name in reasons.items()},
+                None if target is None else target - base,
+            )
+        )
     return instructions
 
 
@@ -168,13 +177,15 @@ def _shape(source: str) -> str:
     return _REGISTER.sub("#", " ".join(kept))
 
 
-def loop_lines(instructions: list[Instruction], listing: list[tuple[str, str]], top: int = 16,
-               outside: bool = False) -> str:
+def loop_lines(
+    instructions: list[Instruction], listing: list[tuple[str, str]], top: int = 16, outside: bool = False
+) -> str:
     """The hottest loop's samples per source line, through an alignment of the two instruction streams
     (`outside`: the samples outside it instead, the prologue, epilogue and the other roles' loops, as
     shares of all samples; waiting warps are sampled too, so a share is presence, not critical path)."""
-    matcher = difflib.SequenceMatcher(None, [_shape(i.source) for i in instructions],
-                                      [_shape(source) for source, _ in listing], autojunk=False)
+    matcher = difflib.SequenceMatcher(
+        None, [_shape(i.source) for i in instructions], [_shape(source) for source, _ in listing], autojunk=False
+    )
     where = {}
     for block in matcher.get_matching_blocks():
         for k in range(block.size):
@@ -191,15 +202,17 @@ def loop_lines(instructions: list[Instruction], listing: list[tuple[str, str]], 
             reasons[line].update(inst.stalls)
     share_of = sum(inst.samples for inst in instructions) if outside else in_region
     title = "samples outside the loop" if outside else "loop samples"
-    lines = [f"{title} per source line ({100 * per_line['unaligned'] / in_region:.0f}% unaligned; "
-             "main stall reasons of each):"]
+    lines = [
+        f"{title} per source line ({100 * per_line['unaligned'] / in_region:.0f}% unaligned; "
+        "main stall reasons of each):"
+    ]
     for line, samples in per_line.most_common(top + 1):
         if line == "unaligned":
             continue
         total = sum(reasons[line].values()) or 1.0
         main = ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in reasons[line].most_common(2) if n)
         lines.append(f"  {100 * samples / share_of:5.1f}% {line:28s} ({main})")
-    return "\n".join(lines[:top + 1])
+    return "\n".join(lines[: top + 1])
 
 
 def main() -> None:
@@ -207,8 +220,11 @@ def main() -> None:
     parser.add_argument("csv", help="ncu --page source --csv output")
     parser.add_argument("--top", type=int, default=16, help="hottest loop instructions (and lines) to list")
     parser.add_argument("--lines", help="nvdisasm -g output of the kernel compiled with line info")
-    parser.add_argument("--outside", action="store_true",
-                        help="with --lines: the samples outside the hot loop per line, as shares of all")
+    parser.add_argument(
+        "--outside",
+        action="store_true",
+        help="with --lines: the samples outside the hot loop per line, as shares of all",
+    )
     args = parser.parse_args()
     with open(args.csv, newline="") as f:
         instructions = read_instructions(f)

@@ -61,9 +61,11 @@ def hot_loop(blocks: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]
             # a loop closes with a predicated backward branch; unconditional ones come back from
             # out-of-line wait retries
             if target and inst.startswith("@") and target.group(1) in where and where[target.group(1)] <= i:
-                span = blocks[where[target.group(1)]:i + 1]
-                weight = (sum(opcode(x) in ("MUFU", "HGMMA") for _, body in span for x in body),
-                          -sum(len(body) for _, body in span))
+                span = blocks[where[target.group(1)] : i + 1]
+                weight = (
+                    sum(opcode(x) in ("MUFU", "HGMMA") for _, body in span for x in body),
+                    -sum(len(body) for _, body in span),
+                )
                 if weight > best_weight:
                     best, best_weight = span, weight
     if best is None:
@@ -101,9 +103,11 @@ def loop_summary(loop: list[tuple[str, list[str]]]) -> str:
 
 
 def compare(ours: collections.Counter, theirs: collections.Counter) -> str:
-    rows = [f"{'opcode':12s} {'path':>6s} {'against':>8s} {'diff':>6s}",
-            f"{'(all)':12s} {sum(ours.values()):6d} {sum(theirs.values()):8d} "
-            f"{sum(ours.values()) - sum(theirs.values()):+6d}"]
+    rows = [
+        f"{'opcode':12s} {'path':>6s} {'against':>8s} {'diff':>6s}",
+        f"{'(all)':12s} {sum(ours.values()):6d} {sum(theirs.values()):8d} "
+        f"{sum(ours.values()) - sum(theirs.values()):+6d}",
+    ]
     for op in sorted(set(ours) | set(theirs), key=lambda op: (-(ours[op] - theirs[op]), op)):
         if ours[op] != theirs[op]:
             rows.append(f"{op:12s} {ours[op]:6d} {theirs[op]:8d} {ours[op] - theirs[op]:+6d}")

@@ -19,17 +19,30 @@ from package_tree import ROOT, build, package_dirs
 
 def main(mypy_options: list[str]) -> int:
     # "flashmask3/reference/mask.py" -> "reference/mask.py": the deepest package first
-    tree_to_checkout = sorted(((package.replace(".", "/") + "/", folder + "/")
-                               for package, folder in package_dirs().items()), key=lambda pair: -len(pair[0]))
+    tree_to_checkout = sorted(
+        ((package.replace(".", "/") + "/", folder + "/") for package, folder in package_dirs().items()),
+        key=lambda pair: -len(pair[0]),
+    )
     with tempfile.TemporaryDirectory() as tree:
         build(Path(tree))
         result = subprocess.run(
-            [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-             "--cache-dir", str(ROOT / "build" / "mypy_cache"), *mypy_options],
-            cwd=tree, capture_output=True, text=True)
+            [
+                sys.executable,
+                "-m",
+                "mypy",
+                "--config-file",
+                str(ROOT / "pyproject.toml"),
+                "--cache-dir",
+                str(ROOT / "build" / "mypy_cache"),
+                *mypy_options,
+            ],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+        )
     for line in result.stdout.splitlines():
         prefix = next((pair for pair in tree_to_checkout if line.startswith(pair[0])), None)
-        print(prefix[1] + line[len(prefix[0]):] if prefix else line)
+        print(prefix[1] + line[len(prefix[0]) :] if prefix else line)
     print(result.stderr, end="", file=sys.stderr)
     return result.returncode
 

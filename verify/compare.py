@@ -110,7 +110,9 @@ def compare(
 
         return fn
 
-    exact = _run(run_reference(torch.float64), q.double(), k.double(), v.double(), dout.double() if backward else None, backward)
+    exact = _run(
+        run_reference(torch.float64), q.double(), k.double(), v.double(), dout.double() if backward else None, backward
+    )
     low = _run(run_reference(q.dtype), q, k, v, dout, backward)
     got = _run(run_backend, q, k, v, dout, backward)
     report = Report(backend, q.dtype)

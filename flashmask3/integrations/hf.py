@@ -240,7 +240,11 @@ def _attention_forward(
     elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         mask = _from_dense(attention_mask)
     else:
-        got = f"shape {tuple(attention_mask.shape)}" if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        got = (
+            f"shape {tuple(attention_mask.shape)}"
+            if isinstance(attention_mask, torch.Tensor)
+            else type(attention_mask).__name__
+        )
         raise TypeError(f"attention_mask must be a 4-D tensor, a ColumnMask (hf.as_attention_mask) or None, got {got}")
     return cast(torch.Tensor, attention(q, k, v, mask, softmax_scale=scaling, backend=backend)), None
 
@@ -257,9 +261,13 @@ def _documents(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """First token and end of each token's document, int32 [B or 1, S] each; None: one document."""
     if cu_seq_lens_q is not None:
-        if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and (
-            cu_seq_lens_k.shape != cu_seq_lens_q.shape
-            or (not cu_seq_lens_q.is_cuda and not torch.equal(cu_seq_lens_q, cu_seq_lens_k.to(cu_seq_lens_q)))
+        if (
+            cu_seq_lens_k is not None
+            and cu_seq_lens_k is not cu_seq_lens_q
+            and (
+                cu_seq_lens_k.shape != cu_seq_lens_q.shape
+                or (not cu_seq_lens_q.is_cuda and not torch.equal(cu_seq_lens_q, cu_seq_lens_k.to(cu_seq_lens_q)))
+            )
         ):
             raise ValueError(
                 "cu_seq_lens_k must equal cu_seq_lens_q (self-attention over the same packed documents), "

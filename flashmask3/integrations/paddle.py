@@ -77,14 +77,24 @@ def flashmask_attention(
         mask = ColumnMask(startend_row_indices, causal, query.shape[1])
         causal = False  # the mask carries it
     return attention(
-        query, key, value, mask, causal=causal, window_size=window, softmax_scale=softmax_scale,
+        query,
+        key,
+        value,
+        mask,
+        causal=causal,
+        window_size=window,
+        softmax_scale=softmax_scale,
         return_lse=return_softmax_lse,
     )
 
 
 def _window(window_size: int | tuple[int, int], causal: bool) -> tuple[int, int]:
     """Paddle's window_size as FlashAttention's (left, right)."""
-    pair = (window_size, window_size) if isinstance(window_size, int) and not isinstance(window_size, bool) else window_size
+    pair = (
+        (window_size, window_size)
+        if isinstance(window_size, int) and not isinstance(window_size, bool)
+        else window_size
+    )
     if (
         not isinstance(pair, (tuple, list))
         or len(pair) != 2
