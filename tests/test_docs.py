@@ -8,7 +8,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("doc", ["README.md", "bench/NOTES.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/kernel-notes.md"])
 def test_every_cited_result_file_exists(doc):
     cited = set(re.findall(r"`([\w.\-]+\.(?:json|txt))`", (ROOT / doc).read_text()))
     assert cited, f"{doc} cites no result files"

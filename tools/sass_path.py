@@ -12,7 +12,7 @@ its size and whether ptxas serialized its WGMMAs (an arrive per HGMMA), then blo
 label, size, commonest opcodes and its control and synchronization instructions, so the blocks one
 iteration takes (e.g. past the element mask of an unmasked tile) can be picked by hand. With
 `--path`: the opcode counts summed over those blocks; with `--against`, another kernel's path beside
-it and the difference per opcode (how FA4's per-tile path was compared with ours, bench/NOTES.md).
+it and the difference per opcode (how FA4's per-tile path was compared with ours, docs/kernel-notes.md).
 """
 
 from __future__ import annotations
