@@ -5,8 +5,8 @@
     python scripts/plot.py runs/*.json        # records of `python -m flashmask3 -m ...`: runs/tflops.png
 
 Kernel benchmark files (`scripts/bench_fwd.py`) give one bar group per mask and sequence length
-(cute, Flex, FA4 with block sparsity, FA4, cuDNN) plus a scaling panel; main-job records give fwd TFLOP/s per mask per
-backend.
+(cute, FA4 native, FA4 with block sparsity, Flex FLASH and Triton, cuDNN) plus a scaling panel;
+main-job records give fwd TFLOP/s per mask per backend.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-BACKENDS = ("cute", "flex", "fa4_sparse", "fa4", "cudnn")  # fa4_sparse: FA4 with our block lists
+BACKENDS = ("cute", "fa4", "fa4_sparse", "flex_flash", "flex", "cudnn")  # fa4_sparse: FA4 with our block lists
 
 
 def load_rows(paths: list[str]) -> tuple[list[dict], list[dict]]:
@@ -41,6 +41,7 @@ def plot_bench(rows: list[dict], out: str) -> None:
     masks = list(dict.fromkeys(r["mask"] for r in rows))
     fig, axes = plt.subplots(len(seqlens) + 1, 1, figsize=(13, 3.6 * (len(seqlens) + 1)))
     width = 0.8 / len(BACKENDS)
+    direction = "forward + backward" if any("deterministic" in r for r in rows) else "forward"  # bench_bwd rows
     for ax, seqlen in zip(axes, seqlens):
         by_mask = {r["mask"]: r for r in rows if r["seqlen"] == seqlen}
         for i, backend in enumerate(BACKENDS):
@@ -50,7 +51,7 @@ def plot_bench(rows: list[dict], out: str) -> None:
                 ax.bar([x + (i - (len(BACKENDS) - 1) / 2) * width for x in xs], ys, width, label=backend, color=f"C{i}")
         ax.set_xticks(range(len(masks)), masks, rotation=25, ha="right", fontsize=8)
         ax.set_ylabel("TFLOP/s (unmasked work)")
-        ax.set_title(f"forward, S = {seqlen // 1024}K, hidden 4096, 128K tokens per run")
+        ax.set_title(f"{direction}, S = {seqlen // 1024}K, hidden 4096, 128K tokens per run")
         ax.legend(fontsize=8, ncol=4)
     scaling = axes[-1]
     per_mask = defaultdict(list)
@@ -62,7 +63,7 @@ def plot_bench(rows: list[dict], out: str) -> None:
     scaling.set_xscale("log", base=2)
     scaling.set_xlabel("sequence length")
     scaling.set_ylabel("cute TFLOP/s")
-    scaling.set_title("scaling of the cute forward with sequence length")
+    scaling.set_title(f"scaling of the cute {direction} with sequence length")
     scaling.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     fig.savefig(out, dpi=70)
