@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +142,24 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+_block_masks: dict[tuple, tuple[weakref.ref, object]] = {}
+
+
+def _cached_block_mask(mask: ColumnMask | None, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device):
+    """`flex_block_mask`, built once per mask object and shape (a layer stack shares one; masks are
+    not changed in place) and dropped with the mask. Keyed by identity: comparing masks by value
+    would read their tensors, a host sync on the GPU."""
+    if mask is None:
+        return None
+    key = (id(mask), batch, heads, seqlen_q, seqlen_k, str(device))
+    hit = _block_masks.get(key)
+    if hit is not None and hit[0]() is mask:
+        return hit[1]
+    block_mask = flex_block_mask(mask, batch, heads, seqlen_q, seqlen_k, device)
+    _block_masks[key] = (weakref.ref(mask, lambda _, key=key: _block_masks.pop(key, None)), block_mask)
+    return block_mask
+
+
 def flex_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -155,7 +174,7 @@ def flex_attention(
 
     b, sq, hq, _ = q.shape
     if block_mask is None:
-        block_mask = flex_block_mask(mask, b, hq, sq, k.shape[1], q.device)
+        block_mask = _cached_block_mask(mask, b, hq, sq, k.shape[1], q.device)
     fn = _compiled_flex() if q.is_cuda else flex_eager
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     with warnings.catch_warnings():

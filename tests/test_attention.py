@@ -335,3 +335,27 @@ def test_varlen_attention_errors_name_the_argument():
         fm.varlen_attention(q, k, v, cu, cu, 4, 4, causal=True, window_size=(2, 2))
     with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
         fm.varlen_attention(q, k, v, torch.tensor([0, 5, 4, 8]), torch.tensor([0, 5, 4, 8]), 5, 5)
+
+
+def test_flex_builds_a_masks_block_mask_once_and_drops_it_with_the_mask(monkeypatch):
+    """The flex backend builds a BlockMask once per mask object and shape (every layer of a model
+    passes the same mask) and forgets it when the mask is gone; the output is unchanged."""
+    import gc
+
+    from flashmask3 import peers
+
+    built = []
+    real = peers.flex_block_mask
+    monkeypatch.setattr(peers, "flex_block_mask", lambda *a, **kw: built.append(a[1:]) or real(*a, **kw))
+    monkeypatch.setattr(peers, "_block_masks", {})
+    q, k, v, _ = random_inputs(1, 256, 256, 2, 2, 32, torch.float32, seed=4)
+    mask = masks.build("causal_document", 256, seed=4)
+    first, _ = peers.flex_attention(q, k, v, mask, 0.125)
+    again, _ = peers.flex_attention(q, k, v, mask, 0.125)
+    assert len(built) == 1 and torch.equal(first, again)
+    same_values = masks.build("causal_document", 256, seed=4)  # another object: keyed by identity, no sync
+    peers.flex_attention(q, k, v, same_values, 0.125)
+    assert len(built) == 2
+    del mask, same_values
+    gc.collect()
+    assert len(peers._block_masks) == 0
