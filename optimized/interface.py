@@ -1,9 +1,9 @@
 """Torch-facing side of the CuTe DSL kernels: support checks, compile cache, launch, autograd.
 
-`cute_attention(q, k, v, mask, softmax_scale, deterministic)` runs the Hopper forward kernel and,
-under autograd, the Hopper backward (`backward`): a preprocess kernel (Delta = rowsum(dO * O), the
-base-2 LSE, the zeroed dQ accumulator), the main kernel, and a postprocess kernel (dQ in place and in
-the input dtype), all counted in the timings.
+`cute_attention(q, k, v, mask, softmax_scale, deterministic)` checks the inputs and runs the Hopper
+forward kernel and, under autograd, the Hopper backward (`backward`) through the custom ops (ops.py):
+a preprocess kernel (Delta = rowsum(dO * O), the base-2 LSE, the zeroed dQ accumulator), the main
+kernel, and a postprocess kernel (dQ in place and in the input dtype), all counted in the timings.
 """
 
 from __future__ import annotations
@@ -303,22 +303,6 @@ def backward(
     return dq, dk, dv
 
 
-class CuteAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mask, softmax_scale, deterministic):
-        out, lse = forward(q, k, v, mask, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.softmax_scale, ctx.deterministic = mask, softmax_scale, deterministic
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = backward(dout, q, k, v, out, lse, ctx.mask, ctx.softmax_scale, ctx.deterministic)
-        return (*grads, None, None, None)
-
-
 def cute_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -337,7 +321,9 @@ def cute_attention(
         )
     if reason:
         raise ValueError(reason)
-    return CuteAttention.apply(q, k, v, mask, softmax_scale, deterministic)
+    from .ops import attention  # the custom ops, which import this module
+
+    return attention(q, k, v, mask, softmax_scale, deterministic)
 
 
 def compile_check(
