@@ -10,6 +10,10 @@ same function serves the forward bench and the fwd+bwd bench (autograd):
   `window_size` for sliding_window, varlen `cu_seqlens` for causal_document and document.
 - `fa4_sparse`: FA4 with a CuTe `mask_mod` and block sparsity, forward and backward: every mask.
 - `cudnn`: cuDNN's attention through torch SDPA (`is_causal`): full and causal.
+- `cudnn_flex`: cuDNN frontend's interval-mask attention (`cudnn.flex_attention`, CuTe DSL kernels,
+  forward and backward), each query row's visible keys as intervals (`reference.row_intervals`):
+  every mask whose intervals fit `CUDNN_FLEX_MASK_BYTES` (at the benchmarks' 128K query rows, all
+  but random_eviction).
 
 The block-sparse peers (`flex`, `flex_flash`, `fa4_sparse`) use the 128 x 128 blocks of
 `ColumnMask.block_classes`, the classification our kernels make: SKIP blocks left out, UNMASKED
@@ -20,6 +24,9 @@ in O(B * Hm * Tm * Tn), never from a dense [S, S] mask, so 128K-token masks fit.
 from __future__ import annotations
 
 import functools
+import importlib
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,7 +35,7 @@ import torch
 
 from .bench import error_string
 from .peers import block_lists, flex_block_mask, head_block_classes
-from .reference import ColumnMask
+from .reference import ColumnMask, IntervalLimitError, row_intervals
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """q, k, v [B, S, H, D] -> out [B, S, H, D]."""
@@ -294,12 +301,83 @@ def _cudnn(case: PeerCase) -> AttentionFn | None:
     return run
 
 
+CUDNN_FLEX_PATH_VARIABLE = "FLASHMASK3_CUDNN_FLEX_PATH"
+"""Environment variable naming a folder that holds cuDNN frontend's `cudnn/` package (an unpacked
+frontend), searched before the installed packages for `cudnn.flex_attention`."""
+
+CUDNN_FLEX_MASK_BYTES = 1 << 30
+"""The most memory `cudnn_flex`'s interval mask may take. cuDNN takes any number of intervals per
+row, but holds them all (int32 per endpoint, query row and mask head) and reads them all for every
+key block it classifies: random_eviction's late rows see O(S) runs of keys, which over 128K query
+rows of 32 per-head masks is 8 GiB at 1K tokens per sequence, growing with S."""
+
+
+def cudnn_flex_mask_func(mask: ColumnMask, batch: int, heads: int) -> torch.Tensor | None:
+    """cuDNN flex_attention's `mask_func` of `mask` for q of `batch` sequences and `heads` heads,
+    or None where it would take more than `CUDNN_FLEX_MASK_BYTES`.
+
+    int32 [Hmask, nfunc, batch * S], contiguous, on the mask's device: Hmask is 1 for a mask shared
+    by the heads, else `heads` (mask heads repeated, as `head_block_classes` does); column b * S + i
+    holds query i of sequence b's `reference.row_intervals` endpoints, nfunc of them (odd): the
+    visible keys [0, F_0) U [F_1, F_2) U ... of that sequence. Raises a ValueError if the mask's
+    batch or heads do not fit `batch` and `heads`.
+    """
+    if mask.batch not in (1, batch):
+        raise ValueError(f"mask batch must be 1 or batch={batch}, got {mask.batch}")
+    if heads % mask.heads:
+        raise ValueError(f"mask heads must divide heads={heads}, got {mask.heads}")
+    mask_heads = 1 if mask.heads == 1 else heads
+    query_rows = batch * mask.seqlen_q
+    most_endpoints = CUDNN_FLEX_MASK_BYTES // (4 * mask_heads * query_rows)
+    if most_endpoints < 1:
+        return None
+    try:
+        endpoints = row_intervals(mask, max_intervals=(most_endpoints + 1) // 2)
+    except IntervalLimitError:
+        return None
+    endpoints = endpoints.expand(batch, -1, -1, -1).repeat_interleave(mask_heads // mask.heads, dim=1)
+    # [B, Hmask, S, nfunc] -> [Hmask, nfunc, B * S]: cuDNN's query rows are the sequences' rows in turn.
+    return endpoints.permute(1, 3, 0, 2).reshape(mask_heads, -1, query_rows).contiguous()
+
+
+def _import_cudnn_flex():
+    """`cudnn.flex_attention`, from the folder `CUDNN_FLEX_PATH_VARIABLE` names if set."""
+    folder = os.environ.get(CUDNN_FLEX_PATH_VARIABLE)
+    if folder and folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("cudnn.flex_attention")
+
+
+def _cudnn_flex(case: PeerCase) -> AttentionFn | None:
+    """cuDNN frontend's interval-mask attention on `cudnn_flex_mask_func` of the case's mask (None
+    where that is None), q, k, v in its fixed-length layout, which is ours: [B, S, H, D]. Its
+    autograd Function runs its own backward. Its plan (the block lists and mask payloads, the
+    backward's too when q, k or v need gradients) is made on the first call for a q, k, v geometry,
+    the benchmarks' check outside the timing, and reused."""
+    mask_func = cudnn_flex_mask_func(case.mask, case.batch, case.heads)
+    if mask_func is None:
+        return None
+    flex_attention = _import_cudnn_flex()
+    scale = case.softmax_scale
+    plans: dict[tuple, object] = {}
+
+    def run(q, k, v):
+        with_backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        geometry = (q.shape, k.shape, v.shape, q.dtype, q.device, with_backward)
+        if geometry not in plans:
+            plans[geometry] = flex_attention.create_mask_plan(mask_func, q, k, v, build_backward=with_backward)
+        return flex_attention.flex_attn_func(q, k, v, mask_plan=plans[geometry], softmax_scale=scale)
+
+    return run
+
+
 PEERS: dict[str, Callable[[PeerCase], AttentionFn | None]] = {
     "flex": _flex("TRITON"),
     "flex_flash": _flex("FLASH"),
     "fa4": _fa4_native,
     "fa4_sparse": _fa4_mask_mod,
     "cudnn": _cudnn,
+    "cudnn_flex": _cudnn_flex,
 }
 """Peer name -> builder: the peer's function for a case, or None where it cannot express the mask."""
 

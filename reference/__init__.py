@@ -1,8 +1,9 @@
-"""Ground truth: mask semantics, the 12 benchmark masks and pure-PyTorch attention."""
+"""Ground truth: mask semantics, the masks row by row, the 12 benchmark masks and pure-PyTorch attention."""
 
 from . import masks
 from .attention import reference_attention
 from .mask import PARTIAL, SKIP, UNMASKED, BlockClasses, ColumnMask, Intervals
+from .row_intervals import IntervalLimitError, row_intervals
 
 __all__ = [
     "ColumnMask",
@@ -13,4 +14,6 @@ __all__ = [
     "UNMASKED",
     "masks",
     "reference_attention",
+    "row_intervals",
+    "IntervalLimitError",
 ]
