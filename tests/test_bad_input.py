@@ -214,3 +214,56 @@ def test_plot_and_cp_report_write_under_runs_by_default(tmp_path, monkeypatch, c
         cp_report.main()
         assert json.loads(path.read_text())["rows"][0]["mask"] == "causal"
         assert capsys.readouterr().out.strip().endswith(f"wrote {path}")
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "mask=nope",
+            "error: In 'config': Could not find 'mask/nope'; Available options in 'mask': causal, causal_blockwise, "
+            "causal_document, document, full, global_sliding_window, prefix_lm_causal, prefix_lm_document, qk_sparse, "
+            "random_eviction, share_question, sliding_window",
+        ),
+        (
+            "nope=1",
+            "error: Could not override 'nope'. To append to your config use +nope=1 (Key 'nope' is not in struct)",
+        ),
+        ("seqlen=[1", "error: cannot parse the override 'seqlen=[1': no viable alternative at input '[1'; See "),
+    ],
+)
+def test_hydra_errors_print_one_line(tmp_path, override, line):
+    result = run_main(tmp_path, override)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (printed,) = result.stderr.strip().splitlines()
+    assert printed.startswith(line)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_hydra_full_error_still_gives_the_traceback(tmp_path):
+    env = dict(os.environ, HYDRA_FULL_ERROR="1")
+    cmd = [sys.executable, "-m", "flashmask3", "nope=1", f"hydra.run.dir={tmp_path}/hydra"]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 1 and "Traceback" in result.stderr
+    assert "hydra.errors.ConfigCompositionException: Could not override 'nope'." in result.stderr
+
+
+def test_hydra_error_messages_are_joined_into_one_line():
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import ConfigKeyError
+
+    from flashmask3.__main__ import one_line
+
+    missing = MissingConfigException(
+        "In 'config': Could not find 'mask/x'\n\nAvailable options in 'mask':\n\tcausal\n\tfull\n"
+        "Config search path:\n\tprovider=main, path=pkg://flashmask3.conf"
+    )
+    assert one_line(missing) == "In 'config': Could not find 'mask/x'; Available options in 'mask': causal, full"
+    composed = ConfigCompositionException("Could not override 'x'.\nTo append to your config use +x=1")
+    composed.__cause__ = ConfigKeyError("Key 'x' is not in struct\n    full_key: x\n    object_type=dict")
+    assert one_line(composed) == "Could not override 'x'. To append to your config use +x=1 (Key 'x' is not in struct)"
+
+
+def test_mask_params_must_be_given_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"mask.params takes the mask's parameters by name .*, got 3$"):
+        run_experiment(config([f"logging.out_dir={tmp_path}", "seqlen=256", "mask.params=3"]))
