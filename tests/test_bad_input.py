@@ -267,3 +267,35 @@ def test_hydra_error_messages_are_joined_into_one_line():
 def test_mask_params_must_be_given_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"mask.params takes the mask's parameters by name .*, got 3$"):
         run_experiment(config([f"logging.out_dir={tmp_path}", "seqlen=256", "mask.params=3"]))
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["backend=cute"], "error: backend=cute runs on a Hopper GPU (sm_90): add device=cuda"),
+        (["backend=nope"], "error: unknown backend 'nope'; accepted: auto, reference, cute, sdpa, flex"),
+        (["dtype=bf17"], "error: dtype must be one of bf16, fp16, fp32, fp64, got 'bf17'"),
+        (["head_dim=abc"], "error: head_dim must be an int >= 1, got 'abc'"),
+        (["seqlens=1000,"], "error: each of seqlens must be an int >= 2, got ''"),
+        (["kv_heads=3"], "error: heads must be a multiple of kv_heads (GQA), got heads=4 kv_heads=3"),
+        (["backward=maybe"], "error: backward must be true or false, got 'maybe'"),
+        (["device=mps"], "error: device must be cpu or cuda (or cuda:N), got 'mps'"),
+        (["masks=x"], "error: unknown mask 'x'; accepted: full, causal, sliding_window, "),
+        (["color=red"], "error: unknown option 'color'; usage: python -m flashmask3.verify "),
+    ],
+)
+def test_verify_prints_one_line_for_a_bad_option(capsys, args, line):
+    assert verify_main(args) == 2
+    captured = capsys.readouterr()
+    (printed,) = captured.err.strip().splitlines()
+    assert printed.startswith(line) and not captured.out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
+def test_verify_on_cuda_without_a_gpu_says_so_in_one_line():
+    cmd = [sys.executable, "-m", "flashmask3.verify", "device=cuda", "backend=cute"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and not result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"error: device=cuda, but torch {torch.__version__} sees no CUDA GPU: use device=cpu"
+    ]
