@@ -98,8 +98,8 @@ def _drop_last_row(mask: ColumnMask) -> ColumnMask:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="reference")
-    parser.add_argument("--compare", default=None, help="a second backend trained from the same start")
+    parser.add_argument("--backend", default="reference", choices=fm.BACKENDS)
+    parser.add_argument("--compare", default=None, choices=fm.BACKENDS, help="a second backend from the same start")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--steps", type=int, default=20)
@@ -112,6 +112,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    try:
+        cuda = torch.device(args.device).type == "cuda"
+    except RuntimeError:
+        parser.error(f"--device must be cpu or cuda (or cuda:N), got {args.device!r}")
+    if cuda and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}, but torch {torch.__version__} sees no CUDA GPU: use --device cpu")
+    if "cute" in (args.backend, args.compare) and not cuda:
+        parser.error("the cute backend runs on a Hopper GPU (sm_90): add --device cuda")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     result = {"backend": args.backend, "losses": train(args.backend, args.steps, args.seed, args.device, dtype, args)}
     line = f"{args.backend}: loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}"

@@ -299,3 +299,30 @@ def test_verify_on_cuda_without_a_gpu_says_so_in_one_line():
     assert result.stderr.strip().splitlines() == [
         f"error: device=cuda, but torch {torch.__version__} sees no CUDA GPU: use device=cpu"
     ]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backend", "cute"], "the cute backend runs on a Hopper GPU (sm_90): add --device cuda"),
+        (["--compare", "cute"], "the cute backend runs on a Hopper GPU (sm_90): add --device cuda"),
+        (["--device", "xyz"], "--device must be cpu or cuda (or cuda:N), got 'xyz'"),
+        (["--backend", "nope"], "argument --backend: invalid choice: 'nope'"),
+    ],
+)
+def test_train_tiny_refuses_a_backend_or_device_it_cannot_run(capsys, args, message):
+    import train_tiny
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_tiny.main(args)
+    assert exit_info.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
+def test_train_tiny_on_cuda_without_a_gpu_says_so(capsys):
+    import train_tiny
+
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--device", "cuda"])
+    assert f"error: --device cuda, but torch {torch.__version__} sees no CUDA GPU" in capsys.readouterr().err
