@@ -8,7 +8,8 @@ For every measured rank (scripts/cp_rank_times.py), recompute on the CPU its wor
 (and, for comparison, without the needed-chunk term, and with the per-load slope pinned to the
 kernel's measured rate; the last is the one the cost model uses, `RankTimeFit`). Prints the fits
 (R^2) and, per mask / CP size / assignment, the measured imbalance (max / mean rank time) next to
-the tile-count model and the pinned fit. Writes bench/results/cp_calibration.json (or $OUT).
+the tile-count model and the pinned fit. Writes runs/cp_calibration.json ($OUT/ if set; the
+committed fit is in bench/results/).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def main() -> None:
         "fits": fits,
         "rows": rows,
     }
-    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir = Path(os.environ.get("OUT", "runs"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "cp_calibration.json").write_text(result_json(result))
     for name, fit in fits.items():

@@ -6,7 +6,7 @@ For each mask, CP size R and assignment (zigzag, balanced), every rank's local a
 queries against every KV chunk it needs, localized masks, LSE merge) runs in turn on the one GPU
 and is timed with CUDA events; the spread max/mean of the rank times is the load imbalance a real
 run would see. 8K tokens per rank, hidden 4096 (32 query heads x 128, 8 kv heads), bf16.
-Writes JSON to $OUT (or bench/results/) and prints a table.
+Writes JSON to $OUT (or runs/) and prints a table.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir = Path(os.environ.get("OUT", "runs"))
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {
         "commit": git_commit(),

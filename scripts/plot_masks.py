@@ -1,11 +1,12 @@
-"""Draw the 12 benchmark masks (black = attend) into one PNG for the README.
+"""Draw the 12 benchmark masks (black = attend) into one PNG, runs/masks.png unless --out.
 
-python scripts/plot_masks.py --seqlen 1024 --out docs/masks.png
+python scripts/plot_masks.py --seqlen 1024 --out docs/masks.png   # the README's figure
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import matplotlib
 
@@ -18,7 +19,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seqlen", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs/masks.png")
+    # Under runs/ by default, so a trial never overwrites the committed figure in docs/.
+    parser.add_argument("--out", type=Path, default=Path("runs/masks.png"))
     args = parser.parse_args()
     fig, axes = plt.subplots(3, 4, figsize=(12, 9.6))
     for ax, name in zip(axes.flat, masks.MASK_NAMES):
@@ -33,6 +35,7 @@ def main() -> None:
         ax.set_yticks([])
     fig.suptitle(f"The 12 benchmark masks, S = {args.seqlen} (rows: queries, columns: keys; black = attend)")
     fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=72)
     print(f"wrote {args.out}")
 

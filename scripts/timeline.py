@@ -7,7 +7,7 @@ role's events (`optimized/timeline.py`), then per work tile: the consumers' wait
 the previous tile's store to this tile's first turn, or from the kernel's start), its main loop per
 key tile, its epilogue, and how long Q took from issue to landing; per CTA the idle tail (the
 kernel's last store minus the CTA's). Writes the summary as JSON and a picture of the first CTAs'
-tiles over time to $OUT (or bench/results/); prints the summary last.
+tiles over time to $OUT (or runs/); prints the summary last.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main() -> None:
         "kernel_options": kernel_overrides(args.kernel),
         **summarize(per_cta),
     }
-    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir = Path(os.environ.get("OUT", "runs"))
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"timeline_{args.mask}_{args.seqlen}" + "".join(f"_{o}" for o in args.kernel)
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))

@@ -326,3 +326,12 @@ def test_train_tiny_on_cuda_without_a_gpu_says_so(capsys):
     with pytest.raises(SystemExit):
         train_tiny.main(["--device", "cuda"])
     assert f"error: --device cuda, but torch {torch.__version__} sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_plot_masks_writes_under_runs_by_default(tmp_path, monkeypatch):
+    import plot_masks
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["plot_masks.py", "--seqlen", "256"])
+    plot_masks.main()
+    assert (tmp_path / "runs" / "masks.png").stat().st_size > 5000
