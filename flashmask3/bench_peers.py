@@ -10,6 +10,9 @@ same function serves the forward bench and the fwd+bwd bench (autograd):
   `window_size` for sliding_window, varlen `cu_seqlens` for causal_document and document.
 - `fa4_sparse`: FA4 with a CuTe `mask_mod` and block sparsity, forward and backward: every mask.
 - `cudnn`: cuDNN's attention through torch SDPA (`is_causal`): full and causal.
+- `flashmask_v3`: FlashMask V3, the FA3-based Hopper kernel of the FlashMask paper (a PyTorch build
+  of PaddlePaddle/flash-attention's, `tools/peers/build_flashmask_v3.sh`), on our column mask as it
+  is: the same `startend_row_indices` format and `causal` flag. Every mask; head dim 128 as built.
 - `cudnn_flex`: cuDNN frontend's interval-mask attention (`cudnn.flex_attention`, CuTe DSL kernels,
   forward and backward), each query row's visible keys as intervals (`reference.row_intervals`):
   every mask whose intervals fit `CUDNN_FLEX_MASK_BYTES` (at the benchmarks' 128K query rows, all
@@ -340,12 +343,13 @@ def cudnn_flex_mask_func(mask: ColumnMask, batch: int, heads: int) -> torch.Tens
     return endpoints.permute(1, 3, 0, 2).reshape(mask_heads, -1, query_rows).contiguous()
 
 
-def _import_cudnn_flex():
-    """`cudnn.flex_attention`, from the folder `CUDNN_FLEX_PATH_VARIABLE` names if set."""
-    folder = os.environ.get(CUDNN_FLEX_PATH_VARIABLE)
+def _import_peer(path_variable: str, module: str):
+    """`module`, from the folder the environment variable `path_variable` names if set (peers
+    unpacked beside the benchmark rather than installed), else from the installed packages."""
+    folder = os.environ.get(path_variable)
     if folder and folder not in sys.path:
         sys.path.insert(0, folder)
-    return importlib.import_module("cudnn.flex_attention")
+    return importlib.import_module(module)
 
 
 def _cudnn_flex(case: PeerCase) -> AttentionFn | None:
@@ -357,7 +361,7 @@ def _cudnn_flex(case: PeerCase) -> AttentionFn | None:
     mask_func = cudnn_flex_mask_func(case.mask, case.batch, case.heads)
     if mask_func is None:
         return None
-    flex_attention = _import_cudnn_flex()
+    flex_attention = _import_peer(CUDNN_FLEX_PATH_VARIABLE, "cudnn.flex_attention")
     scale = case.softmax_scale
     plans: dict[tuple, object] = {}
 
@@ -371,6 +375,25 @@ def _cudnn_flex(case: PeerCase) -> AttentionFn | None:
     return run
 
 
+FLASHMASK_V3_PATH_VARIABLE = "FLASHMASK3_FLASHMASK_V3_PATH"
+"""Environment variable naming a folder that holds FlashMask V3's built extension
+(`flashmask/_C.abi3.so`) and its `interface_torch.py`, as `tools/peers/build_flashmask_v3.sh`
+packs them."""
+
+
+def _flashmask_v3(case: PeerCase) -> AttentionFn:
+    """FlashMask V3's `flashmask_attention` on the case's column mask, q, k, v [B, S, H, D] as
+    ours; its autograd Function runs its backward. It takes the mask's batch only equal to q's."""
+    interface = _import_peer(FLASHMASK_V3_PATH_VARIABLE, "interface_torch")
+    bounds = case.mask.startend_row_indices.expand(case.batch, -1, -1, -1).contiguous()
+    causal, scale = case.mask.causal, case.softmax_scale
+
+    def run(q, k, v):
+        return interface.flashmask_attention(q, k, v, bounds, causal=causal, softmax_scale=scale)
+
+    return run
+
+
 PEERS: dict[str, Callable[[PeerCase], AttentionFn | None]] = {
     "flex": _flex("TRITON"),
     "flex_flash": _flex("FLASH"),
@@ -378,6 +401,7 @@ PEERS: dict[str, Callable[[PeerCase], AttentionFn | None]] = {
     "fa4_sparse": _fa4_mask_mod,
     "cudnn": _cudnn,
     "cudnn_flex": _cudnn_flex,
+    "flashmask_v3": _flashmask_v3,
 }
 """Peer name -> builder: the peer's function for a case, or None where it cannot express the mask."""
 

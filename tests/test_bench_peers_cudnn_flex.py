@@ -156,5 +156,5 @@ def test_cudnn_flex_is_imported_from_the_folder_the_variable_names(tmp_path, mon
     for name in ("cudnn", "cudnn.flex_attention"):  # removed again after the test
         monkeypatch.setitem(sys.modules, name, None)
         monkeypatch.delitem(sys.modules, name)
-    module = bench_peers._import_cudnn_flex()
+    module = bench_peers._import_peer(bench_peers.CUDNN_FLEX_PATH_VARIABLE, "cudnn.flex_attention")
     assert module.UNPACKED and module.__file__ == str(tmp_path / "cudnn" / "flex_attention" / "__init__.py")
