@@ -1,17 +1,27 @@
 """Markdown tables of the benchmark JSON (bench_fwd.py / bench_bwd.py `bench` records), peers as columns.
 
     python scripts/results_table.py bench/results/fwd_bench_v12_8k_peers.json bench/results/fwd_bench_v13_8k_fa4.json
+    python scripts/results_table.py --readme              # the README's result tables, as the README has them
+    python scripts/results_table.py --readme --write README.md   # regenerate them there
 
 One row per (mask, sequence length), TFLOP/s on unmasked work; a later file's row replaces an
 earlier one's for the same mask and length (pass them oldest first). The last column is ours over
-the fastest peer that ran the mask. The README's result tables are this script's output.
+the fastest peer that ran the mask. Each table is followed by its files, the commits they were
+measured at and those commits' dates (from git). `--readme` makes the README's tables, from the
+files of `README_TABLES` in bench/results/, each under its title and with the date it was measured;
+`--write` puts them between the README's `<!-- results_table.py -->` markers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+BEGIN, END = "<!-- results_table.py --readme: begin -->", "<!-- results_table.py --readme: end -->"
 
 PEERS = ("fa4", "fa4_sparse", "flex_flash", "flex", "cudnn")
 PEER_NAMES = {
@@ -21,6 +31,13 @@ PEER_NAMES = {
     "flex": "Flex Triton",
     "cudnn": "cuDNN",
 }
+
+# The README's result tables: title, then the files (oldest first) in bench/results/.
+README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Forward, S = 8K", ("fwd_bench_v12_8k_peers.json", "fwd_bench_v13_8k_fa4.json")),
+    ("Forward, S = 32K and 128K", ("fwd_bench_v12_32k_peers.json", "fwd_bench_v13_128k_partial.json")),
+    ("Forward + backward, S = 8K", ("bwd_bench_v12_8k_peers.json",)),
+)
 
 
 def merged_rows(records: list[dict]) -> list[dict]:
@@ -50,19 +67,65 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def commit_date(commit: str) -> str | None:
+    """The commit's date (YYYY-MM-DD) from git, or None where git or the commit is not there."""
+    try:
+        result = subprocess.run(
+            ["git", "show", "-s", "--format=%cs", commit], cwd=ROOT, capture_output=True, text=True, timeout=30
+        )
+    except OSError:
+        return None
+    return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+def provenance(names: list[str], rows: list[dict], with_commits: bool = True) -> str:
+    """`(files; commits A, B of DATE)`, or the dates alone without `with_commits`."""
+    commits = sorted({r["commit"] for r in rows})
+    dates = sorted({d for d in map(commit_date, commits) if d})
+    files = ", ".join(f"`{n}`" for n in names)
+    when = ("measured " + " to ".join(dict.fromkeys([dates[0], dates[-1]]))) if dates else ""
+    if with_commits:
+        return f"({files}; commits {', '.join(commits)}" + (f", {when}" if when else "") + ")"
+    return f"({files}" + (f"; {when}" if when else "") + ")"
+
+
+def readme_tables(results: Path = RESULTS) -> str:
+    """The README's result tables, each with its title and files, from `README_TABLES`."""
+    blocks = []
+    for title, names in README_TABLES:
+        rows = merged_rows([json.loads((results / n).read_text()) for n in names])
+        blocks.append(f"**{title}** {provenance(list(names), rows, with_commits=False)}:\n\n{table(rows)}")
+    return "\n\n".join(blocks)
+
+
+def write_readme(readme: Path, tables: str) -> None:
+    """Replace what stands between the README's markers by `tables`."""
+    text = readme.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise SystemExit(f"{readme} must hold the markers {BEGIN!r} and {END!r} once each")
+    head, rest = text.split(BEGIN)
+    readme.write_text(f"{head}{BEGIN}\n{tables}\n{END}{rest.split(END)[1]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("files", nargs="*", type=Path)
+    parser.add_argument("--readme", action="store_true", help="the README's tables, from bench/results/")
+    parser.add_argument("--write", type=Path, metavar="README", help="with --readme: put them into this file")
     args = parser.parse_args()
+    if args.readme == bool(args.files) or (args.write and not args.readme):
+        parser.error("give either result files or --readme (with --write README to update the README)")
+    if args.readme:
+        tables = readme_tables()
+        if args.write:
+            write_readme(args.write, tables)
+            print(f"wrote the result tables into {args.write}")
+        else:
+            print(tables)
+        return
     rows = merged_rows([json.loads(f.read_text()) for f in args.files])
     print(table(rows))
-    print(
-        "\n("
-        + ", ".join(sorted({f"{f.name}" for f in args.files}))
-        + "; commits "
-        + ", ".join(sorted({r["commit"] for r in rows}))
-        + ")"
-    )
+    print("\n" + provenance([f.name for f in args.files], rows))
 
 
 if __name__ == "__main__":
