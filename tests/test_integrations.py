@@ -436,6 +436,22 @@ def test_packed_sliding_window_matches_sdpa(transformers):
         assert_same_generation(model, sdpa, cache)
 
 
+@pytest.mark.parametrize(
+    "name, window", [("causal", (-1, 0)), ("sliding_window_causal", (2, 0)), ("bidirectional", (-1, -1))]
+)
+def test_packing_without_position_remapping_is_read(transformers, name, window):
+    """transformers 5.17 packs with and_masks(mask function, packed_sequence_mask_function) alone;
+    newer versions also wrap the mask function to remap positions."""
+    from flashmask3.integrations import hf
+
+    masking_utils = transformers.masking_utils
+    mask_function = getattr(masking_utils, f"{name}_mask_function")
+    if name.startswith("sliding"):
+        mask_function = mask_function(3)
+    packed = masking_utils.packed_sequence_mask_function(torch.zeros(1, 4, dtype=torch.long))
+    assert hf._window_of(masking_utils.and_masks(mask_function, packed)) == window
+
+
 def test_packed_bidirectional_model_matches_sdpa(transformers):
     """A bidirectional model (config is_causal=False): attention within each packed document."""
     from flashmask3.integrations import hf

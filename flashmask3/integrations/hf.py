@@ -154,8 +154,13 @@ def _free_variables(function: Callable, like: Callable) -> dict | None:
 _AND = masking_utils.and_masks()
 _WINDOW = masking_utils.sliding_window_overlay(1)
 _BIDIRECTIONAL_WINDOW = masking_utils.sliding_window_bidirectional_overlay(1)
-_REMAP_PACKED = masking_utils.remap_positions_for_packed_sequence(masking_utils.causal_mask_function, torch.empty(0))
 _PACKED = masking_utils.packed_sequence_mask_function(torch.empty(0))
+# Newer transformers also remap the positions inside each packed document; 5.17 has no such wrapper.
+_REMAP_PACKED = (
+    masking_utils.remap_positions_for_packed_sequence(masking_utils.causal_mask_function, torch.empty(0))
+    if hasattr(masking_utils, "remap_positions_for_packed_sequence")
+    else None
+)
 
 
 def _window_of(mask_function: Callable) -> tuple[int, int] | None:
@@ -182,10 +187,10 @@ def _combined_window(mask_function: Callable) -> tuple[int, int] | None:
     window = _free_variables(first, _BIDIRECTIONAL_WINDOW)
     if window is not None and second is masking_utils.bidirectional_mask_function:
         return window["sliding_window"], window["sliding_window"]  # |i - j| <= window
-    packed = _free_variables(first, _REMAP_PACKED)
-    if packed is not None and _free_variables(second, _PACKED) is not None:
+    if _free_variables(second, _PACKED) is not None:
         # Packed documents: the attention call finds them in its position_ids / cu_seq_lens.
-        return _window_of(packed["mask_function"])
+        remapped = None if _REMAP_PACKED is None else _free_variables(first, _REMAP_PACKED)
+        return _window_of(first if remapped is None else remapped["mask_function"])
     return None
 
 
