@@ -1,12 +1,18 @@
-"""One configured experiment: build the mask and inputs, time a backend, check it, record it."""
+"""One configured experiment: build the mask and inputs, time a backend, check it, record it.
+
+backend=cute calls the kernels (`optimized.interface.forward` / `backward`) in the configurations
+`cfg.kernel` names: the ones chosen for the head dim and mask (`fwd_config` / `bwd_config`) with the
+variant's `changes` (kernel ablations); other backends go through `attention`.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,18 +59,24 @@ def run_experiment(cfg: DictConfig) -> dict:
         print("note: FlexAttention has no CPU backward; timing the forward only")
         backward = False
     q, k, v = (x.requires_grad_(backward) for x in (q, k, v))
+    deterministic = bool(cfg.bench.deterministic)
+    kernel = None
+    if cfg.backend == "cute":
+        fwd, fwd_bwd, kernel = _cute_calls(cfg, q, k, v, dout, mask)
+    else:
 
-    def fwd():
-        with torch.no_grad():
-            return attention(q, k, v, mask, backend=cfg.backend)
+        def fwd():
+            with torch.no_grad():
+                return attention(q, k, v, mask, backend=cfg.backend)
 
-    def fwd_bwd():
-        out = attention(q, k, v, mask, backend=cfg.backend, deterministic=bool(cfg.bench.deterministic))
-        return torch.autograd.grad(out, (q, k, v), dout)
+        def fwd_bwd():
+            out = attention(q, k, v, mask, backend=cfg.backend, deterministic=deterministic)
+            return torch.autograd.grad(out, (q, k, v), dout)
 
     flops = attention_flops(cfg.batch, cfg.heads, cfg.seqlen, cfg.seqlen, cfg.head_dim, density)
-    with _kernel_features(cfg):
-        record = _time_and_check(cfg, fwd, fwd_bwd, flops, backward, device, q, k, v, dout, mask)
+    record = _time_and_check(cfg, fwd, fwd_bwd, flops, backward, device, q, k, v, dout, mask)
+    if kernel is not None:
+        record["kernel"] = kernel
     record["density"] = density
     record["tiles_128"] = {"skip": classes.skip, "partial": classes.partial, "unmasked": classes.unmasked}
     _print_summary(record)
@@ -72,13 +84,28 @@ def run_experiment(cfg: DictConfig) -> dict:
     return record
 
 
-def _kernel_features(cfg: DictConfig):
-    """The cute kernel's feature switches from `cfg.kernel` (ablations); a no-op for other backends."""
-    if cfg.backend != "cute":
-        return contextlib.nullcontext()
-    from .optimized import kernel_options
+def _cute_calls(cfg: DictConfig, q, k, v, dout, mask) -> tuple[Callable, Callable, dict]:
+    """(fwd, fwd_bwd, what they run): the cute kernels in the configurations chosen for the head dim
+    and mask, with `cfg.kernel.changes` applied; fwd returns out, fwd_bwd (dq, dk, dv)."""
+    from .optimized import bwd_config, fwd_config, interface
+    from .optimized.config import apply_overrides
 
-    return kernel_options(**OmegaConf.to_container(cfg.kernel))
+    changes = OmegaConf.to_container(cfg.kernel.changes)
+    variant = interface.mask_variant(mask)
+    fwd_cfg = apply_overrides(fwd_config(cfg.head_dim, *variant), changes)
+    bwd_cfg = apply_overrides(bwd_config(cfg.head_dim, *variant), changes)
+    scale = cfg.head_dim**-0.5
+    deterministic = bool(cfg.bench.deterministic)
+
+    def fwd():
+        return interface.forward(q, k, v, mask, scale, config=fwd_cfg)[0]
+
+    def fwd_bwd():
+        out, lse = interface.forward(q, k, v, mask, scale, config=fwd_cfg)
+        return interface.backward(dout, q, k, v, out, lse, mask, scale, deterministic, config=bwd_cfg)
+
+    kernel = {"name": cfg.kernel.name, "fwd": dataclasses.asdict(fwd_cfg), "bwd": dataclasses.asdict(bwd_cfg)}
+    return fwd, fwd_bwd, kernel
 
 
 def _time_and_check(cfg, fwd, fwd_bwd, flops, backward, device, q, k, v, dout, mask) -> dict:
@@ -95,7 +122,7 @@ def _time_and_check(cfg, fwd, fwd_bwd, flops, backward, device, q, k, v, dout, m
         t_fb = time_fn(fwd_bwd, cfg.bench.warmup, cfg.bench.repeats, device)
         record |= {"fwd_bwd_ms": t_fb * 1e3, "fwd_bwd_tflops": 3.5 * flops / t_fb / 1e12}
     if cfg.batch * cfg.heads * cfg.seqlen**2 <= cfg.check.max_elements:
-        record["max_abs_err_vs_" + cfg.check.against] = _max_error(q, k, v, dout, mask, cfg, backward)
+        record["max_abs_err_vs_" + cfg.check.against] = _max_error(q, k, v, dout, mask, cfg, fwd, fwd_bwd, backward)
     return record
 
 
@@ -126,14 +153,14 @@ def _run_cp_experiment(cfg: DictConfig) -> dict:
     return record
 
 
-def _max_error(q, k, v, dout, mask, cfg, backward: bool) -> dict:
-    """Max abs difference of out (and grads) from the `check.against` backend run in fp64."""
+def _max_error(q, k, v, dout, mask, cfg, fwd, fwd_bwd, backward: bool) -> dict:
+    """Max abs difference of out (`fwd()`) and, with `backward`, the gradients (`fwd_bwd()`) from the
+    `check.against` backend run in fp64."""
     ref_inputs = [x.detach().double().requires_grad_(backward) for x in (q, k, v)]
     ref = attention(*ref_inputs, mask, backend=cfg.check.against)
-    got = attention(q, k, v, mask, backend=cfg.backend)
-    errors = {"out": float((got.double() - ref).abs().max().detach())}
+    errors = {"out": float((fwd().double() - ref).abs().max().detach())}
     if backward:
-        got_g = torch.autograd.grad(got, (q, k, v), dout)
+        got_g = fwd_bwd()
         ref_g = torch.autograd.grad(ref, ref_inputs, dout.double())
         for name, a, b in zip(("dq", "dk", "dv"), got_g, ref_g):
             errors[name] = float((a.double() - b).abs().max())
@@ -146,6 +173,12 @@ def _print_summary(rec: dict) -> None:
         f"mask={c['mask']['name']} seqlen={c['seqlen']} B={c['batch']} H={c['heads']}/{c['kv_heads']} "
         f"D={c['head_dim']} {c['dtype']} backend={c['backend']} device={c['device']}"
     )
+    if "kernel" in rec:
+        kernel = rec["kernel"]
+        print(
+            f"kernel={kernel['name']}: "
+            + "; ".join(f"{d} " + " ".join(f"{k}={v}" for k, v in kernel[d].items()) for d in ("fwd", "bwd"))
+        )
     t = rec["tiles_128"]
     print(
         f"density {rec['density']:.4f}  tiles 128x128: skip {t['skip']} partial {t['partial']} unmasked {t['unmasked']}"

@@ -29,12 +29,12 @@ LOG2_E = math.log2(math.e)
 
 class BackwardPreprocess:
     threads_per_row = 4
+    tile_m = FlashMaskBackwardSm90.tile_m  # the main kernel's query rows per step
+    num_threads = tile_m * threads_per_row
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.tile_m = tile_m  # the main kernel's query rows per step
-        self.num_threads = tile_m * self.threads_per_row
 
     @cute.jit
     def __call__(
@@ -87,11 +87,12 @@ class BackwardPreprocess:
 
 
 class BackwardPostprocess:
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int):
+    main = FlashMaskBackwardSm90  # whose dQ accumulator this reads back
+    num_threads = 128 * main.num_consumer_wgs
+
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.main = FlashMaskBackwardSm90(dtype, head_dim, causal=False, mask_width=2, tile_m=tile_m)
-        self.num_threads = 128 * self.main.num_consumer_wgs
 
     @cute.jit
     def __call__(
@@ -117,8 +118,8 @@ class BackwardPostprocess:
             tma_mdQ,
             tma_dq,
             softmax_scale,
-            self.main.dq_tiled_mma(),
-            self.main.dq_slot_layout(),
+            self.main.dq_tiled_mma(self.dtype, self.head_dim),
+            self.main.dq_slot_layout(self.head_dim),
             s_layout,
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
@@ -165,7 +166,7 @@ class BackwardPostprocess:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
-def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int, stream) -> tuple[list, list]:
+def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, stream) -> tuple[list, list]:
     """Fake arguments (symbolic sizes; `stream`, a fake one) to compile the preprocess and the
     postprocess without a GPU."""
     b, sq, h, tm = (cute.sym_int32() for _ in range(4))
@@ -175,6 +176,6 @@ def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, tile_m: in
         return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=16)
 
     q_like = fake(dtype, (b, sq, h, head_dim))
-    accum = fake(Float32, (b, h, tm, tile_m * head_dim))
+    accum = fake(Float32, (b, h, tm, FlashMaskBackwardSm90.tile_m * head_dim))
     rows = fake(Float32, (b, h, sq))
     return [q_like, q_like, rows, rows, rows, accum, stream], [accum, q_like, Float32(0.1), stream]

@@ -1,9 +1,9 @@
 """Mask-aware attention backward for Hopper (sm_90a) in the CuTe DSL.
 
 Column-parallel, FlashAttention-2/3 style: one CTA per (key tile of 128, KV head, batch) keeps
-K, V and the dK, dV accumulators on chip and walks the query tiles (`tile_m` rows: 64, or 128 at head
-dim 64) that can see it, for every query head of its KV group (so GQA sums dK/dV in registers,
-no extra pass).
+K, V and the dK, dV accumulators on chip and walks the query tiles (`tile_m` = 64 rows) that can see
+it, for every query head of its KV group (so GQA sums dK/dV in registers, no extra pass). The
+tuning choices come as a `BwdConfig` (config.py).
 
 Warpgroup 0, warp 1 is the mask role (mask_role.py): per query head, it classifies the query tiles
 against the key tile from the key block's min/max and publishes the ones not fully masked, flagged
@@ -15,8 +15,7 @@ the mask bounds of only its own two keys:
     P^T = exp2(S^T * scale * log2 e - LSE * log2 e)  (element mask only on PARTIAL tiles)
     dV += P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q   (RS-WGMMA: P^T, dS^T stay in registers)
     dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
-                                                     warpgroups each take half of the head dim, or
-                                                     of the query rows with 128-row steps)
+                                                     warpgroups each take half of the head dim)
 and add dQ_tile into an fp32 dQ accumulator in global memory: each thread writes its fragment to smem
 as is, and one bulk reduce-add per warpgroup moves it (the accumulator keeps the fragment order;
 the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
@@ -27,6 +26,7 @@ kernels (flash_bwd_pre_post.py).
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Type
 
@@ -39,14 +39,20 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
+from .config import BwdConfig
 from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
 from .mask_role import END_OF_LIST, TileList, list_query_tiles
 
 LOG2_E = math.log2(math.e)
-_DS_READY = 1  # named barrier: both consumer warpgroups wrote their half of dS (0 is sync_threads)
-_DQ_FULL = 2  # named barriers 2, 3: a warpgroup's dQ half is in smem, ready for the bulk reduce-add
+
+
+class BwdBarrier(enum.IntEnum):
+    """Named barriers of the backward (0 is sync_threads)."""
+
+    DS_READY = 1  # both consumer warpgroups wrote their half of dS
+    DQ_FULL = 2  # DQ_FULL + warpgroup (2, 3): its dQ half is in smem, ready for the bulk reduce-add
 
 
 def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int) -> None:
@@ -65,7 +71,11 @@ def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int)
 class FlashMaskBackwardSm90:
     """Compile-time configuration and kernel of the backward pass."""
 
+    tile_m = 64  # query rows per step
     tile_n = 128  # keys per CTA, 64 per consumer warpgroup
+    num_consumer_wgs = tile_n // 64
+    num_threads = 128 * (num_consumer_wgs + 1)
+    num_stages = 2  # Q and dO pipeline depth
     producer_regs = 24
     consumer_regs = 240
 
@@ -75,57 +85,39 @@ class FlashMaskBackwardSm90:
         head_dim: int,
         causal: bool,
         mask_width: int,
+        config: BwdConfig,
         deterministic: bool = False,
-        num_stages: int = 2,
-        skip_tiles: bool = True,
-        lse_ahead: bool = True,
-        tile_m: int = 64,
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
-        # Query rows per step. 128 halves the steps (and their barriers, list reads and dQ adds) per
-        # key tile; its S^T and dP^T (64 registers each) fit beside dK, dV only at head dim 64.
-        if tile_m not in (64, 128) or (tile_m == 128 and head_dim != 64):
-            raise ValueError(f"tile_m must be 64, or 128 at head_dim 64; got {tile_m} at head_dim {head_dim}")
-        self.tile_m = tile_m
         self.dtype = dtype
-        # The LSE read before the S GEMM is issued: read after it, the loads queue behind the GEMMs'
-        # operand reads from smem and the exponentials wait on them (ncu: short-scoreboard stalls).
-        # Not with four bounds per key, nor with 128-row steps: the 16 (32) registers it holds make
-        # ptxas spill there (at 128 rows, 128 bytes inside the loop).
-        self.lse_ahead = lse_ahead and mask_width < 4 and tile_m == 64
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width
+        self.lse_ahead = config.lse_ahead
         self.deterministic = deterministic
-        self.num_stages = num_stages
-        self.skip_tiles = skip_tiles
-        self.num_consumer_wgs = self.tile_n // 64
-        self.num_threads = 128 * (self.num_consumer_wgs + 1)
 
-    def dq_tiled_mma(self) -> cute.TiledMma:
-        """dQ = dS K: queries x head dim. The warpgroups split the head dim at 64-row steps, the query
-        rows at 128 (FA4's choice at head dim 64): a 64 x 64 GEMM per warpgroup reads half the smem per
-        FLOP of a 128 x 32 one."""
-        wgs = self.num_consumer_wgs
-        split_rows = self.tile_m == 64 * wgs
+    @classmethod
+    def dq_tiled_mma(cls, dtype: Type[cutlass.Numeric], head_dim: int) -> cute.TiledMma:
+        """dQ = dS K: queries x head dim, the warpgroups each taking half of the head dim."""
         return sm90.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
+            dtype,
+            dtype,
             warpgroup.OperandMajorMode.K,
             warpgroup.OperandMajorMode.MN,
             Float32,
-            atom_layout_mnk=(wgs, 1, 1) if split_rows else (1, wgs, 1),
-            tiler_mn=(64, self.head_dim) if split_rows else (64, self.head_dim // wgs),
+            atom_layout_mnk=(1, cls.num_consumer_wgs, 1),
+            tiler_mn=(64, head_dim // cls.num_consumer_wgs),
         )
 
-    def dq_slot_layout(self) -> cute.Layout:
+    @classmethod
+    def dq_slot_layout(cls, head_dim: int) -> cute.Layout:
         """(4, thread in warpgroup, value / 4, warpgroup) -> slot of a dQ tile kept in register-fragment
         order: 4 consecutive floats per thread (one 16-byte store), threads side by side, so smem
         writes are conflict-free and each warpgroup's half is one contiguous block for a 1-D bulk
         reduce-add. The accumulator in global memory keeps this order; the postprocess undoes it."""
-        values = self.tile_m * self.head_dim // (128 * self.num_consumer_wgs)
-        return cute.make_layout((4, 128, values // 4, self.num_consumer_wgs), stride=(1, 4, 512, 128 * values))
+        values = cls.tile_m * head_dim // (128 * cls.num_consumer_wgs)
+        return cute.make_layout((4, 128, values // 4, cls.num_consumer_wgs), stride=(1, 4, 512, 128 * values))
 
     @cute.jit
     def __call__(
@@ -155,7 +147,7 @@ class FlashMaskBackwardSm90:
         sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages)
         sKV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim)
         sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
-        sdQ_layout = self.dq_slot_layout()
+        sdQ_layout = self.dq_slot_layout(self.head_dim)
         q_tile = cute.select(sQ_layout, mode=[0, 1])
         wgs = self.num_consumer_wgs
         # S^T, dP^T: keys x queries, the warpgroups split the keys.
@@ -179,7 +171,7 @@ class FlashMaskBackwardSm90:
             tiler_mn=(64, self.head_dim),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        tiled_mma_dq = self.dq_tiled_mma()
+        tiled_mma_dq = self.dq_tiled_mma(self.dtype, self.head_dim)
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, self.head_dim), 1)
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load_op, mdO, q_tile, (self.tile_m, self.head_dim), 1)
@@ -372,7 +364,6 @@ class FlashMaskBackwardSm90:
                         self.tile_n,
                         self.causal,
                         self.mask_width,
-                        self.skip_tiles,
                     )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -618,7 +609,7 @@ class FlashMaskBackwardSm90:
                 cute.arch.fence_view_async_shared()
                 if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
+                cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
                 warpgroup.wait_group(0)
@@ -663,7 +654,7 @@ class FlashMaskBackwardSm90:
         """
         cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_DQ_FULL + wg, number_of_threads=128)
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL) + wg, number_of_threads=128)
         if lane_in_wg == 0:
             chunk = cute.cosize(sdQ.layout) // self.num_consumer_wgs
             if const_expr(self.deterministic):
@@ -699,7 +690,7 @@ class FlashMaskBackwardSm90:
         """Epilogue: dK (times the softmax scale) and dV in the output dtype, through the K and V smem
         buffers (stmatrix) and TMA stores, which leave out rows past seqlen_k."""
         # Every warpgroup's last MMAs (dQ reads all of sK) are done before sK, sV are overwritten.
-        cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
         st_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_dkv
         )
@@ -709,7 +700,7 @@ class FlashMaskBackwardSm90:
             r_out.store((acc.load() * scale).to(self.dtype))
             cute.copy(st_copy, thr_copy.retile(r_out), thr_copy.partition_D(smem))
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_DS_READY, number_of_threads=128 * self.num_consumer_wgs)
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
         if tidx == 0:
             for atom, out, smem in ((tma_dk, mdK, sK), (tma_dv, mdV, sV)):
                 g = cute.local_tile(out[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))

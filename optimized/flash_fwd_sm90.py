@@ -1,7 +1,8 @@
 """Mask-aware attention forward for Hopper (sm_90a) in the CuTe DSL.
 
 A persistent kernel: at most one CTA per SM, each working through (query tile, query head, batch)
-work tiles that its mask role draws (tile_scheduler.py). 3 warpgroups (4 with `q_tile_192`):
+work tiles that its mask role draws (tile_scheduler.py). 3 warpgroups (4 with 192-row query tiles;
+the tuning choices come as a `FwdConfig`, config.py):
   - warpgroup 0, warp 1: the mask role (mask_role.py). Draws the CTA's next work tile, classifies
     its key tiles from the per-key-block min/max of the mask and publishes a header with the work
     tile, then the key tiles not fully masked, each flagged PARTIAL or not, into a smem ring the
@@ -32,6 +33,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
+from .config import FwdConfig
 from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
@@ -50,32 +52,20 @@ _MMA_TURN = 1
 class FlashMaskForwardSm90:
     """Compile-time configuration and kernel of the forward pass."""
 
-    tile_m = 128  # query rows per work tile (192 with `q_tile_192`)
-    tile_n = 128
+    tile_n = 128  # keys per key tile (the host's key-block min/max are per 128 keys)
 
-    def __init__(
-        self,
-        dtype: Type[cutlass.Numeric],
-        head_dim: int,
-        causal: bool,
-        mask_width: int,
-        num_stages: int = 2,
-        skip_tiles: bool = True,
-        bounds_prefetch: bool = True,
-        q_tile_192: bool = True,
-    ):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, mask_width: int, config: FwdConfig):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
+        if config.tile_m == 192 and head_dim != 64:
+            raise ValueError(f"192-row query tiles need head_dim 64, got {head_dim}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width
-        self.num_stages = num_stages
-        self.skip_tiles = skip_tiles
-        self.bounds_prefetch = bounds_prefetch
-        if q_tile_192 and head_dim == 64:  # FA3/FA4's SM90 shape at head dim 64: 1.5x the rows per K/V load
-            self.tile_m = 192
-        self.num_consumer_wgs = self.tile_m // 64
+        self.tile_m = config.tile_m
+        self.num_stages = config.num_stages
+        self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all)
         self.producer_regs, self.consumer_regs = (24, 240) if self.num_consumer_wgs == 2 else (32, 160)
@@ -151,8 +141,7 @@ class FlashMaskForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            if const_expr(self.bounds_prefetch):  # per warpgroup, two tiles' column bounds
-                sBounds: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(bounds_layout)], 16]
+            sBounds: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(bounds_layout)], 16]
 
         num_ctas = cutlass.min(self.work_tiles(mQ).total, max_ctas)
         self.kernel(
@@ -237,7 +226,7 @@ class FlashMaskForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sBounds = storage.sBounds.get_tensor(bounds_layout) if const_expr(self.bounds_prefetch) else None
+        sBounds = storage.sBounds.get_tensor(bounds_layout)
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         heads = (qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride)
 
@@ -277,7 +266,6 @@ class FlashMaskForwardSm90:
                     self.tile_n,
                     self.causal,
                     self.mask_width,
-                    self.skip_tiles,
                     timeline,
                 )
         else:
@@ -410,7 +398,7 @@ class FlashMaskForwardSm90:
         timeline,
     ):
         """Consumer warpgroups: per work tile, the masked online-softmax main loop and the epilogue.
-        `sBounds` is the smem for `bounds_prefetch` (or None)."""
+        `sBounds`: the warpgroups' smem buffers of prefetched column bounds (`prefetch_bounds`)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
@@ -427,9 +415,7 @@ class FlashMaskForwardSm90:
         row_sum = cute.make_rmem_tensor_like(row_max, Float32)
         qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride = heads
         causal_offset = seqlen_k - seqlen_q
-        bounds = None
-        if const_expr(self.bounds_prefetch):
-            bounds = (sBounds[None, None, None, wg], tidx % 128, wg)
+        bounds = (sBounds[None, None, None, wg], tidx % 128, wg)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -547,7 +533,7 @@ class FlashMaskForwardSm90:
         GEMMs. Entered inside the warpgroup's first turn; once its first S GEMM is in flight, frees the
         previous work tile's Q buffer (`free_previous_q`: the pipeline, that buffer's state, and whether
         this thread does it). Returns the K and V pipeline states and the position after END_OF_LIST.
-        `bounds`: (smem buffers, lane, warpgroup) with `bounds_prefetch`, else None."""
+        `bounds`: the warpgroup's (smem buffers, lane, warpgroup) for `prefetch_bounds`."""
         entry = tile_list.read(position)
         if entry != END_OF_LIST:
             self.prefetch_bounds(bounds, entry, position, mask_args)
@@ -616,24 +602,24 @@ class FlashMaskForwardSm90:
 
     @cute.jit
     def prefetch_bounds(self, bounds, entry, position, mask_args):
-        """`bounds_prefetch`: for a PARTIAL tile, each thread of the warpgroup starts a cp.async of one
-        key column's boundaries into the warpgroup's smem buffer of `position` (two alternate), so
-        `mask_scores` reads smem, not global memory, right after the QK GEMM. The turn barrier between
-        refills of a buffer proves the whole warpgroup is done reading it. One cp.async group per
-        entry, empty unless PARTIAL: `mask_scores` waits by count."""
-        if const_expr(bounds is not None):
-            sBounds, lane, _ = bounds
-            _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
-            if entry != END_OF_LIST and (entry & 1) != 0:
-                key = cutlass.min((entry >> 1) * self.tile_n + lane, seqlen_k - 1)
-                atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
-                one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
-                cute.copy(
-                    atom,
-                    cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
-                    cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy),
-                )
-            cute.arch.cp_async_commit_group()
+        """For a PARTIAL tile, each thread of the warpgroup starts a cp.async of one key column's
+        boundaries into the warpgroup's smem buffer of `position` (two alternate), so `mask_scores`
+        reads smem, not global memory, right after the QK GEMM (read from global memory there, the
+        loads sat on the softmax's critical path: 4-25% slower on the partial-heavy masks). The turn
+        barrier between refills of a buffer proves the whole warpgroup is done reading it. One
+        cp.async group per entry, empty unless PARTIAL: `mask_scores` waits by count."""
+        sBounds, lane, _ = bounds
+        _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
+        if entry != END_OF_LIST and (entry & 1) != 0:
+            key = cutlass.min((entry >> 1) * self.tile_n + lane, seqlen_k - 1)
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
+            one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
+            cute.copy(
+                atom,
+                cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
+                cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy),
+            )
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def mask_scores(
@@ -651,16 +637,14 @@ class FlashMaskForwardSm90:
         causal_offset,
         newer_groups: cutlass.Constexpr[int] = 0,
     ):
-        """The element mask, on tiles the mask role listed PARTIAL only; with `bounds` (see
-        `prefetch_bounds`) the column boundaries come from smem, once all but the `newer_groups`
-        latest cp.async groups (the next entry's) have landed."""
+        """The element mask, on tiles the mask role listed PARTIAL only; the column boundaries come
+        from smem (`bounds`, see `prefetch_bounds`) once all but the `newer_groups` latest cp.async
+        groups (the next entry's) have landed."""
         if (entry & 1) != 0:
-            tile_bounds = None
-            if const_expr(bounds is not None):
-                sBounds, _, wg = bounds
-                cute.arch.cp_async_wait_group(newer_groups)
-                cute.arch.barrier(barrier_id=self.bounds_barrier + wg, number_of_threads=128)
-                tile_bounds = sBounds[None, None, position % 2]
+            sBounds, _, wg = bounds
+            cute.arch.cp_async_wait_group(newer_groups)
+            cute.arch.barrier(barrier_id=self.bounds_barrier + wg, number_of_threads=128)
+            tile_bounds = sBounds[None, None, position % 2]
             apply_column_mask(
                 acc_S,
                 s_coords,

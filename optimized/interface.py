@@ -4,74 +4,32 @@
 forward kernel and, under autograd, the Hopper backward (`backward`) through the custom ops (ops.py):
 a preprocess kernel (Delta = rowsum(dO * O), the base-2 LSE, the zeroed dQ accumulator), the main
 kernel, and a postprocess kernel (dQ in place and in the input dtype), all counted in the timings.
+Each kernel runs the configuration `fwd_config` / `bwd_config` (config.py) choose for its head dim
+and mask variant, or the one passed to `forward` / `backward` (ablations).
+
+Launches go through TVM-FFI, as FA4's do: the compiled function takes the torch tensors and Python
+scalars as they are and finds torch's current stream itself (a Python DLPack wrapper per tensor
+cost 2.3-2.6x the host time per call).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import importlib.util
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ..reference import ColumnMask
+from .config import BwdConfig, FwdConfig, bwd_config, fwd_config
 from .tile_plan import block_minmax, dq_ranks, full_mask
-
-
-@dataclass(frozen=True)
-class KernelOptions:
-    """Kernel features (`kernel_options` changes them): the ones measured on the H200 are on by
-    default and switched off only for ablations; prepared ones stay off until measured there."""
-
-    num_stages: int = 2  # K/V pipeline depth
-    skip_tiles: bool = True  # leave fully masked tiles out of the tile lists
-    # forward: a PARTIAL tile's column bounds cp.async'd to smem a tile ahead (off: read from global
-    # memory after the QK GEMM)
-    bounds_prefetch: bool = True
-    # forward, head dim 64: 192-row query tiles on three consumer warpgroups in round-robin turns
-    # (FA3/FA4's SM90 choice; off = 128 rows on two, as at head dim 128)
-    q_tile_192: bool = True
-    # forward: one CTA per SM working through the work tiles it draws (off: one CTA per work tile)
-    persistent: bool = True
-    lse_ahead: bool = True  # backward: the LSE into registers before the S GEMM, not after it
-    # backward, head dim 64: 128-row query steps (FA3/FA4's SM90 choice there; off = 64 rows, as at
-    # head dim 128). Correct, but ptxas serializes its WGMMAs (C7512: the exponentials' 32 live LSE
-    # values exceed the registers): +2-3% on the dense masks, -2% on partial-heavy ones as built
-    bwd_q_tile_128: bool = False
-    # host: launch through TVM-FFI, torch tensors passed as they are, instead of a Python DLPack
-    # wrapper per tensor (~23 us each; FA4's launch path): 2.3-2.6x less host time per call
-    tvm_ffi: bool = True
-
-    def __post_init__(self) -> None:
-        if self.num_stages not in (2, 3):
-            raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
-
-
-options = KernelOptions()
-"""The options `forward` uses; change them with `kernel_options(...)`."""
-
-
-@contextlib.contextmanager
-def kernel_options(**changes):
-    """Run the block with some kernel features changed, e.g. `kernel_options(persistent=False)`."""
-    global options
-    saved = options
-    options = dataclasses.replace(options, **changes)
-    try:
-        yield options
-    finally:
-        options = saved
-
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128)
 _compiled: dict[tuple, object] = {}
 compile_seconds: dict[tuple, float] = {}
-"""Wall time of each compilation, keyed like the cache:
-(direction, dtype, head_dim, causal, mask width, options, deterministic)."""
+"""Wall time of each compilation, keyed like the cache: (direction, dtype, head_dim, causal,
+mask width, config, deterministic, which tensors are None)."""
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -88,20 +46,20 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
         import cutlass  # noqa: F401
     except ImportError:
         return "backend='cute' needs nvidia-cutlass-dsl (pip install 'flashmask3[gpu]')"
-    if options.tvm_ffi and importlib.util.find_spec("tvm_ffi") is None:
-        return (
-            "backend='cute' launches through apache-tvm-ffi (pip install 'flashmask3[gpu]'), "
-            "or set kernel_options(tvm_ffi=False)"
-        )
+    if importlib.util.find_spec("tvm_ffi") is None:
+        return "backend='cute' launches through apache-tvm-ffi (pip install 'flashmask3[gpu]')"
     return None
+
+
+def mask_variant(mask: ColumnMask | None) -> tuple[bool, int]:
+    """(causal, width) of `mask`, as `fwd_config` / `bwd_config` take it (no mask: non-causal, 2)."""
+    return (False, 2) if mask is None else (mask.causal, mask.startend_row_indices.shape[-1])
 
 
 def _to_cute(t: torch.Tensor):
     from cutlass.cute.runtime import from_dlpack
 
-    return from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=options.tvm_ffi).mark_layout_dynamic(
-        leading_dim=t.dim() - 1
-    )
+    return from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=True).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
 def _make_kernel(
@@ -109,54 +67,30 @@ def _make_kernel(
     head_dim: int,
     causal: bool,
     width: int,
-    opts: KernelOptions,
+    config: FwdConfig | BwdConfig | None,
     direction: str = "fwd",
     deterministic: bool = False,
 ):
+    """The kernel object of `direction` ("fwd", "bwd", or the backward's "bwd_pre" / "bwd_post",
+    which take no configuration)."""
     import cutlass
 
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
-    if direction == "bwd":
-        from .flash_bwd_sm90 import FlashMaskBackwardSm90
-
-        return FlashMaskBackwardSm90(
-            cute_dtype,
-            head_dim,
-            causal,
-            width,
-            deterministic,
-            skip_tiles=opts.skip_tiles,
-            lse_ahead=opts.lse_ahead,
-            tile_m=backward_tile_rows(head_dim, opts),
-        )
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
-        return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(
-            cute_dtype, head_dim, backward_tile_rows(head_dim, opts)
-        )
+        return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(cute_dtype, head_dim)
+    if direction == "bwd":
+        from .flash_bwd_sm90 import FlashMaskBackwardSm90
+
+        if not isinstance(config, BwdConfig):
+            raise TypeError(f"the backward takes a BwdConfig, got {config!r}")
+        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, config, deterministic)
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
-    return FlashMaskForwardSm90(
-        cute_dtype,
-        head_dim,
-        causal,
-        width,
-        num_stages=opts.num_stages,
-        skip_tiles=opts.skip_tiles,
-        bounds_prefetch=opts.bounds_prefetch,
-        q_tile_192=opts.q_tile_192,
-    )
-
-
-def forward_tile_rows(head_dim: int) -> int:
-    """Query rows per forward CTA at this head dim under the current kernel options (needs the DSL)."""
-    return _make_kernel("bf16", head_dim, False, 2, options).tile_m
-
-
-def backward_tile_rows(head_dim: int, opts: KernelOptions | None = None) -> int:
-    """Query rows per backward step at this head dim under `opts` (default: the current options)."""
-    return 128 if head_dim == 64 and (opts or options).bwd_q_tile_128 else 64
+    if not isinstance(config, FwdConfig):
+        raise TypeError(f"the forward takes a FwdConfig, got {config!r}")
+    return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, config)
 
 
 def _launch(
@@ -165,42 +99,30 @@ def _launch(
     head_dim: int,
     causal: bool,
     width: int,
-    tensors: list[torch.Tensor],
+    config: FwdConfig | BwdConfig | None,
+    tensors: list[torch.Tensor | None],
     scalars: list[float | int],
     deterministic: bool = False,
 ) -> None:
     """Run one kernel on the current stream, compiling it on first use per configuration (the
-    scalars: floats are Float32, ints Int32). With `tvm_ffi` the compiled function takes the torch
-    tensors and Python scalars as they are; else each call wraps them for the DSL first."""
+    scalars: floats are Float32, ints Int32). The compiled function takes the torch tensors and
+    Python scalars as they are (TVM-FFI)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    key = (direction, dtype, head_dim, causal, width, options, deterministic, tuple(t is None for t in tensors))
-    if key not in _compiled or not options.tvm_ffi:
+    key = (direction, dtype, head_dim, causal, width, config, deterministic, tuple(t is None for t in tensors))
+    if key not in _compiled:
         cute_args = [
             *(None if t is None else _to_cute(t) for t in tensors),
             *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars),
         ]
-    if key not in _compiled:
         name = "bf16" if dtype == torch.bfloat16 else "fp16"
-        kernel = _make_kernel(name, head_dim, causal, width, options, direction, deterministic)
+        kernel = _make_kernel(name, head_dim, causal, width, config, direction, deterministic)
         start = time.perf_counter()
-        if options.tvm_ffi:  # the stream: torch's current one, found by TVM-FFI at each call
-            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-            _compiled[key] = cute.compile(kernel, *cute_args, stream, options="--enable-tvm-ffi")
-        else:
-            _compiled[key] = cute.compile(kernel, *cute_args, _torch_stream(tensors[0].device))
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's current one, at each call
+        _compiled[key] = cute.compile(kernel, *cute_args, stream, options="--enable-tvm-ffi")
         compile_seconds[key] = time.perf_counter() - start
-    if options.tvm_ffi:
-        _compiled[key](*(None if t is None else t.detach() for t in tensors), *scalars)
-    else:
-        _compiled[key](*cute_args, _torch_stream(tensors[0].device))
-
-
-def _torch_stream(device: torch.device):
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    _compiled[key](*(None if t is None else t.detach() for t in tensors), *scalars)
 
 
 def forward(
@@ -212,12 +134,14 @@ def forward(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     timeline: torch.Tensor | None = None,
+    config: FwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
 
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
     `timeline`: an int64 [CTAs, work tiles, len(timeline.Event)] buffer runs a build of the kernel
     that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`.
+    `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask).
     """
     from .flash_fwd_sm90 import FlashMaskForwardSm90 as Kernel
 
@@ -225,31 +149,34 @@ def forward(
     sk, hkv = k.shape[1], k.shape[2]
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
+    row_indices = mask.startend_row_indices.contiguous()
+    width = row_indices.shape[-1]
+    config = config or fwd_config(d, mask.causal, width)
     bounds = block_minmax(mask, Kernel.tile_n)
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
-    row_indices = mask.startend_row_indices.contiguous()
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    max_ctas = _sm_count(q.device) if options.persistent else 2**31 - 1
+    max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
     _launch(
         "fwd",
         q.dtype,
         d,
         mask.causal,
-        row_indices.shape[-1],
+        width,
+        config,
         [q, k, v, out, lse, row_indices, bounds, tile_counter, timeline],
         scalars,
     )
     return out, lse
 
 
-def forward_ctas(q: torch.Tensor) -> int:
-    """The forward's grid size for q [B, Sq, Hq, D] under the current options."""
-    b, sq, hq, d = q.shape
-    work_tiles = b * hq * -(-sq // forward_tile_rows(d))
-    return min(work_tiles, _sm_count(q.device)) if options.persistent else work_tiles
+def forward_ctas(q: torch.Tensor, config: FwdConfig) -> int:
+    """The forward's grid size for q [B, Sq, Hq, D] under `config`."""
+    b, sq, hq, _ = q.shape
+    work_tiles = b * hq * -(-sq // config.tile_m)
+    return min(work_tiles, _sm_count(q.device)) if config.persistent else work_tiles
 
 
 @functools.cache
@@ -269,11 +196,14 @@ def backward(
     deterministic: bool = False,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    config: BwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the Hopper backward kernel, in q's dtype; dk, dv summed over each GQA group.
 
     `deterministic=True` makes the key tiles add into dQ in a fixed order: bitwise identical
     gradients run to run. `dk` / `dv` may be given (contiguous, k's shape) to write into.
+    `config`: the main kernel's configuration (default: `bwd_config`'s choice for the head dim and
+    mask).
     """
     from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
 
@@ -281,25 +211,28 @@ def backward(
     sk, hkv = k.shape[1], k.shape[2]
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
-    tile_m = backward_tile_rows(d)
+    row_indices = mask.startend_row_indices.contiguous()
+    width = row_indices.shape[-1]
+    config = config or bwd_config(d, mask.causal, width)
+    tile_m = Kernel.tile_m
     tiles_m = -(-sq // tile_m)
     bounds = block_minmax(mask, Kernel.tile_n)
     # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
-    ranks = dq_ranks(mask, tile_m, Kernel.tile_n, options.skip_tiles) if deterministic else bounds[:1, :1, :1]
+    ranks = dq_ranks(mask, tile_m, Kernel.tile_n) if deterministic else bounds[:1, :1, :1]
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
     lse2 = torch.empty(b, hq, tiles_m * tile_m, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
     dq_accum = torch.empty(b, hq, tiles_m, tile_m * d, dtype=torch.float32, device=q.device)
-    _launch("bwd_pre", q.dtype, d, False, 2, [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum], [])
+    prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum]
+    _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [])
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
-    row_indices = mask.startend_row_indices.contiguous()
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore]
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
-    _launch("bwd", q.dtype, d, mask.causal, row_indices.shape[-1], tensors, scalars, deterministic)
+    _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic)
     dq = torch.empty_like(q)
-    _launch("bwd_post", q.dtype, d, False, 2, [dq_accum, dq], [float(softmax_scale)])
+    _launch("bwd_post", q.dtype, d, False, 2, None, [dq_accum, dq], [float(softmax_scale)])
     return dq, dk, dv
 
 
@@ -331,14 +264,15 @@ def compile_check(
     head_dim: int = 128,
     causal: bool = True,
     width: int = 1,
-    opts: KernelOptions = KernelOptions(),
+    config: FwdConfig | BwdConfig | None = None,
     direction: str = "fwd",
     deterministic: bool = False,
     timeline: bool = False,
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
-    without a GPU (fake tensors); return the seconds taken. Set CUTE_DSL_ARCH=sm_90a first when no
-    GPU is present. `timeline`: the forward's timeline build."""
+    without a GPU (fake tensors), launched as `_launch` does (TVM-FFI); return the seconds taken.
+    Set CUTE_DSL_ARCH=sm_90a first when no GPU is present. `config`: the forward's (backward's)
+    configuration, by default the chosen one; `timeline`: the forward's timeline build."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -355,8 +289,11 @@ def compile_check(
 
     q_like, kv_like = fake(cute_dtype, (b, sq, hq, head_dim)), fake(cute_dtype, (b, sk, hkv, head_dim))
     row_indices = fake(cutlass.Int32, (bm, hm, sk, width))
-    bwd_tile_m = backward_tile_rows(head_dim, opts)
     if direction == "bwd":
+        from .flash_bwd_pre_post import prepost_compile_args
+        from .flash_bwd_sm90 import FlashMaskBackwardSm90
+
+        config = config or bwd_config(head_dim, causal, width)
         tensors = [
             q_like,
             kv_like,
@@ -364,7 +301,7 @@ def compile_check(
             q_like,
             fake(cutlass.Float32, (b, hq, sq)),
             fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, hq, tm, bwd_tile_m * head_dim)),
+            fake(cutlass.Float32, (b, hq, tm, FlashMaskBackwardSm90.tile_m * head_dim)),
             kv_like,
             kv_like,
             row_indices,
@@ -373,6 +310,7 @@ def compile_check(
             fake(cutlass.Int32, (b, hq, tm)),
         ]
     else:
+        config = config or fwd_config(head_dim, causal, width)
         tensors = [
             q_like,
             kv_like,
@@ -384,16 +322,14 @@ def compile_check(
             fake(cutlass.Int32, (1,)),
             fake(cutlass.Int64, (cute.sym_int32(), cute.sym_int32(), len(Event))) if timeline else None,
         ]
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=opts.tvm_ffi)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = [Float32(0.1), Int32(1), Int32(1), Int32(1)] + ([] if direction == "bwd" else [Int32(132)])
     args = [*tensors, *scalars, stream]
-    flags = {"options": "--enable-tvm-ffi"} if opts.tvm_ffi else {}
+    flags = {"options": "--enable-tvm-ffi"}
     start = time.perf_counter()
-    cute.compile(_make_kernel(dtype, head_dim, causal, width, opts, direction, deterministic), *args, **flags)
+    cute.compile(_make_kernel(dtype, head_dim, causal, width, config, direction, deterministic), *args, **flags)
     if direction == "bwd":
-        from .flash_bwd_pre_post import prepost_compile_args
-
-        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, bwd_tile_m, stream)
-        cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_pre"), *pre_args, **flags)
-        cute.compile(_make_kernel(dtype, head_dim, False, 2, opts, "bwd_post"), *post_args, **flags)
+        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream)
+        cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_pre"), *pre_args, **flags)
+        cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_post"), *post_args, **flags)
     return time.perf_counter() - start

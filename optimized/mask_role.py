@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Int32, const_expr
+from cutlass import Int32, const_expr
 
 from .tile_scheduler import NO_MORE_WORK, WorkTiles, draw_work_tile
 from .timeline import Event, Timeline
@@ -91,7 +91,6 @@ def tile_flags(
     causal_offset: Int32,
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
-    skip_tiles: cutlass.Constexpr[bool],
 ):
     """(listed, partial) of the tile rows [row_start, row_end) x keys [key_start, key_start + tile_n).
 
@@ -122,9 +121,7 @@ def tile_flags(
     if const_expr(causal):
         covered = covered or key_start > row_end - 1 + causal_offset
         touched = touched or key_end - 1 > row_start + causal_offset
-    if const_expr(skip_tiles):
-        return not covered, touched
-    return Boolean(True), touched or covered  # the ablation lists every tile
+    return not covered, touched
 
 
 @cute.jit
@@ -164,13 +161,12 @@ def list_key_tiles(
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
-    skip_tiles: cutlass.Constexpr[bool],
 ) -> Int32:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
     published from entry `position` on; returns the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
-    if const_expr(causal and skip_tiles):
+    if const_expr(causal):
         # Key tiles past the last row's diagonal are SKIP: do not even load their bounds.
         last_key = row_end - 1 + causal_offset
         num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
@@ -180,7 +176,7 @@ def list_key_tiles(
         for w in cutlass.range_constexpr(2 * width):
             bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
         listed, partial = tile_flags(
-            bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset, causal, width, skip_tiles
+            bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset, causal, width
         )
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
     _put_single(tile_list, position, END_OF_LIST)
@@ -202,7 +198,6 @@ def list_work_tiles(
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
-    skip_tiles: cutlass.Constexpr[bool],
     timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
@@ -229,7 +224,6 @@ def list_work_tiles(
             tile_n,
             causal,
             width,
-            skip_tiles,
         )
         if cute.arch.lane_idx() == 0:
             timeline.record(tiles_done, Event.LIST_END)
@@ -253,7 +247,6 @@ def list_query_tiles(
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
-    skip_tiles: cutlass.Constexpr[bool],
 ) -> Int32:
     """Backward mask warp: the query tiles that see the keys [key_start, key_start + tile_n), in
     query order, published from entry `position` on; returns the position after END_OF_LIST."""
@@ -263,7 +256,7 @@ def list_query_tiles(
         bounds[w] = mBounds[w]
     num_tiles = (seqlen_q + tile_m - 1) // tile_m
     first = Int32(0)
-    if const_expr(causal and skip_tiles):
+    if const_expr(causal):
         # Query tiles that end before the key tile's diagonal are SKIP.
         first = cutlass.max(key_start - causal_offset, 0) // tile_m
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
@@ -279,7 +272,6 @@ def list_query_tiles(
             causal_offset,
             causal,
             width,
-            skip_tiles,
         )
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
     _put_single(tile_list, position, END_OF_LIST)

@@ -41,23 +41,20 @@ def compact(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return selected.sum(-1, dtype=torch.int32).contiguous(), order.contiguous()
 
 
-def tile_classes(mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool = True) -> torch.Tensor:
+def tile_classes(mask: ColumnMask, tile_m: int, tile_n: int) -> torch.Tensor:
     """int8 [Bm, Hm, Tm, Tn]: SKIP, PARTIAL or UNMASKED, as the kernels' mask role classifies.
 
-    The ragged last key tile is PARTIAL unless SKIP (it needs the bounds check); `skip_tiles=False`
-    (an ablation) turns SKIP into PARTIAL.
+    The ragged last key tile is PARTIAL unless SKIP (it needs the bounds check).
     """
     classes = mask.block_classes(tile_m, tile_n).classes
     if mask.seqlen_k % tile_n:
         last = classes[..., -1]
         classes[..., -1] = torch.where(last == SKIP, last, torch.full_like(last, PARTIAL))
-    if not skip_tiles:
-        classes = torch.where(classes == SKIP, torch.full_like(classes, PARTIAL), classes)
     return classes
 
 
-def dq_ranks(mask: ColumnMask, tile_m: int, tile_n: int, skip_tiles: bool = True) -> torch.Tensor:
+def dq_ranks(mask: ColumnMask, tile_m: int, tile_n: int) -> torch.Tensor:
     """int32 [Bm, Hm, Tn, Tm]: at [n, m], how many key tiles before n query tile m sees (its place
     in the deterministic, key-ordered dQ sum of query tile m)."""
-    seen = tile_classes(mask, tile_m, tile_n, skip_tiles) != SKIP
+    seen = tile_classes(mask, tile_m, tile_n) != SKIP
     return (torch.cumsum(seen, dim=-1, dtype=torch.int32) - seen.int()).transpose(-1, -2).contiguous()

@@ -1,8 +1,9 @@
 """Per-CTA event timestamps of the persistent forward, to see where a work tile's time goes.
 
-Compiled in only with `KernelOptions(timeline=True)` (a debugging build: the default kernel has none
-of it). One thread per role writes `%globaltimer` (ns) at its events into an int64 buffer
-[CTAs, work tiles per CTA, len(Event)]; work tiles past the buffer's second dim are not recorded.
+Compiled in only when `interface.forward` is given a `timeline` buffer (a debugging build, off by
+default: the default kernel has none of it). One thread per role writes `%globaltimer` (ns) at its
+events into an int64 buffer [CTAs, work tiles per CTA, len(Event)]; work tiles past the buffer's
+second dim are not recorded.
 `scripts/timeline.py` runs it and draws the picture.
 """
 

@@ -4,7 +4,7 @@
     python scripts/bench_bwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_bwd.py bench --seqlens 8192 --peers fa4,fa4_sparse   # only these peers
     python scripts/bench_bwd.py profile --masks causal,sliding_window   # GPU time per kernel
-    python scripts/bench_bwd.py ablate --masks causal --variants skip_tiles=false   # variants vs the default
+    python scripts/bench_bwd.py ablate --masks causal --variants lse_ahead=false   # configs vs the chosen ones
 
 Correctness: out, LSE, dQ, dK, dV through `attention(..., backend="cute")` and autograd vs the fp64
 reference within the verify/ tolerance (2x the error of the same computation in the input
@@ -35,9 +35,10 @@ from bench_fwd import (
     record_times,
     run_ablation,
     run_check,
+    variant_configs,
     variant_overrides,
 )
-from flashmask3.optimized import compile_seconds, kernel_options
+from flashmask3.optimized import compile_seconds
 from flashmask3.optimized.interface import backward as cute_backward
 from flashmask3.optimized.interface import forward as cute_forward
 from flashmask3.reference import ColumnMask, masks
@@ -169,13 +170,15 @@ def run_bench(
     return rows
 
 
-def backward_step(mask: ColumnMask, head_dim: int):
-    """The timed call of the backward ablation: the cute forward, then its backward -> (dq, dk, dv)."""
+def backward_step(mask: ColumnMask, head_dim: int, overrides: dict):
+    """The timed call of the backward ablation under a variant's changes: the cute forward, then its
+    backward -> (dq, dk, dv)."""
     scale = head_dim**-0.5
+    fwd, bwd = variant_configs(mask, head_dim, overrides)
 
     def run(q, k, v, dout):
-        out, lse = cute_forward(q, k, v, mask, scale)
-        return cute_backward(dout, q, k, v, out, lse, mask, scale)
+        out, lse = cute_forward(q, k, v, mask, scale, config=fwd)
+        return cute_backward(dout, q, k, v, out, lse, mask, scale, config=bwd)
 
     return run
 
@@ -214,62 +217,60 @@ def main() -> None:
         "--variants",
         nargs="*",
         default=[],
-        metavar="OPTION=VALUE[+OPTION=VALUE]",
-        help="ablate: kernel variants to time (fwd+bwd) against the default",
+        metavar="FIELD=VALUE[+FIELD=VALUE]",
+        help="ablate: changes of the chosen kernel configurations to time (fwd+bwd) against them",
     )
     args = parser.parse_args()
     result, save = new_record(args, "bwd")
-    with kernel_options(**result["kernel_options"]):
-        if args.what in ("check", "all"):
-            result["check"] = run_check(check_case, first_seed=100)
-            result["determinism"] = run_determinism()
-            result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
+    if args.what in ("check", "all"):
+        result["check"] = run_check(check_case, first_seed=100)
+        result["determinism"] = run_determinism()
+        result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
+        print(
+            f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} "
+            f"{'tol':>8s} "
+            f"{'err_dv':>8s} {'tol':>8s} ok"
+        )
+        for r in result["check"]:
             print(
-                f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} "
-                f"{'tol':>8s} "
-                f"{'err_dv':>8s} {'tol':>8s} ok"
-            )
-            for r in result["check"]:
-                print(
-                    f"{r['mask']:22s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} "
-                    + " ".join(f"{r['err_' + t]:8.1e} {r['tol_' + t]:8.1e}" for t in ("dq", "dk", "dv"))
-                    + (
-                        " ok"
-                        if r["passed"]
-                        else f" FAIL {r['notes']} unwritten={r['unwritten']} "
-                        f"out={r['err_out']:.1e} lse={r['err_lse']:.1e}"
-                    )
+                f"{r['mask']:22s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} "
+                + " ".join(f"{r['err_' + t]:8.1e} {r['tol_' + t]:8.1e}" for t in ("dq", "dk", "dv"))
+                + (
+                    " ok"
+                    if r["passed"]
+                    else f" FAIL {r['notes']} unwritten={r['unwritten']} out={r['err_out']:.1e} lse={r['err_lse']:.1e}"
                 )
-            print(
-                f"check: {sum(r['passed'] for r in result['check'])} passed, "
-                f"{sum(not r['passed'] for r in result['check'])} failed; determinism {result['determinism']}"
             )
-        if args.what in ("bench", "all"):
-            result["peers"], result["peer_versions"] = list(args.peers), bench_peers.versions()
-            result["bench"] = run_bench(
-                [int(s) for s in args.seqlens.split(",")],
-                args.head_dim,
-                args.masks.split(","),
-                args.deterministic,
-                save=lambda rows: save({**result, "bench": rows}),
-                peer_names=args.peers,
-            )
-            print(bench_table(result["bench"], args.peers))
-        if args.what == "profile":
-            result["profile"] = run_profile(int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","))
-        if args.what == "ablate":
-            for variant in args.variants:
-                variant_overrides(variant)  # a typo fails before any GPU time is spent
-            result["ablate"] = run_ablation(
-                [int(s) for s in args.seqlens.split(",")],
-                args.head_dim,
-                args.masks.split(","),
-                args.variants,
-                backward_step,
-                3.5,
-                save=lambda rows: save({**result, "ablate": rows}),
-            )
-            print(ablation_table(result["ablate"], args.variants))
+        print(
+            f"check: {sum(r['passed'] for r in result['check'])} passed, "
+            f"{sum(not r['passed'] for r in result['check'])} failed; determinism {result['determinism']}"
+        )
+    if args.what in ("bench", "all"):
+        result["peers"], result["peer_versions"] = list(args.peers), bench_peers.versions()
+        result["bench"] = run_bench(
+            [int(s) for s in args.seqlens.split(",")],
+            args.head_dim,
+            args.masks.split(","),
+            args.deterministic,
+            save=lambda rows: save({**result, "bench": rows}),
+            peer_names=args.peers,
+        )
+        print(bench_table(result["bench"], args.peers))
+    if args.what == "profile":
+        result["profile"] = run_profile(int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","))
+    if args.what == "ablate":
+        for variant in args.variants:
+            variant_overrides(variant)  # a typo fails before any GPU time is spent
+        result["ablate"] = run_ablation(
+            [int(s) for s in args.seqlens.split(",")],
+            args.head_dim,
+            args.masks.split(","),
+            args.variants,
+            backward_step,
+            3.5,
+            save=lambda rows: save({**result, "ablate": rows}),
+        )
+        print(ablation_table(result["ablate"], args.variants))
     save(result)
 
 

@@ -3,7 +3,7 @@
     python scripts/bench_fwd.py check                 # every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
     python scripts/bench_fwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_fwd.py bench --seqlens 32768 --peers fa4,flex_flash   # only these peers
-    python scripts/bench_fwd.py ablate --masks full,causal --variants k_ahead=true k_ahead=true+num_stages=3
+    python scripts/bench_fwd.py ablate --masks full,causal --variants persistent=false num_stages=3+tile_m=128
 
 Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x the error of the
 same computation in the input precision), on poisoned output buffers. Speed: CUDA events around each
@@ -11,8 +11,9 @@ call, no sync between calls (launch work overlaps the previous call, as in train
 median over several input sets, the contenders (cute and each peer, or the ablation's variants)
 taking turns round by round (`flashmask3.bench.interleaved_ms`); TFLOP/s counts only unmasked work
 (4 B H Sq Sk D density) and the cute time includes the mask preprocessing. `ablate` times kernel
-variants (KernelOptions changes joined by '+') against the default on the same inputs, with each
-one's largest difference from the default's output. Peers in the same run (`--peers`, default all;
+configurations against the chosen ones (`fwd_config` / `bwd_config`) on the same inputs, each variant
+a set of `field=value` changes of them joined by '+', with each one's largest difference from the
+chosen configuration's output. Peers in the same run (`--peers`, default all;
 `flashmask3.bench_peers` says which masks each takes): Flex with BACKEND TRITON and FLASH, FA4's own
 API (causal, window, varlen documents), FA4 with mask_mod + block sparsity, cuDNN SDPA. Each row
 holds per peer its time, TFLOP/s and largest absolute difference from our output, or the error
@@ -22,7 +23,6 @@ that stopped it (the run goes on). Writes JSON to $OUT (or bench/results/) and p
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -31,8 +31,10 @@ import time
 from pathlib import Path
 
 import torch
-from flashmask3.optimized import KernelOptions, compile_seconds, kernel_options
+from flashmask3.optimized import BwdConfig, FwdConfig, bwd_config, compile_seconds, fwd_config
+from flashmask3.optimized.config import apply_overrides, config_fields
 from flashmask3.optimized.interface import forward as cute_forward
+from flashmask3.optimized.interface import mask_variant
 from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import compare, random_inputs
 
@@ -97,15 +99,16 @@ def fa4_fn(causal: bool):
 
 
 def kernel_overrides(pairs: list[str]) -> dict:
-    """["intra_wg_overlap=true", "num_stages=3"] -> KernelOptions changes, values typed like the fields."""
-    fields = {f.name: f.type for f in dataclasses.fields(KernelOptions)}
-    options = {}
+    """["persistent=false", "num_stages=3"] -> changes of the kernel configurations (FwdConfig,
+    BwdConfig), values typed like the fields."""
+    fields = config_fields()
+    changes: dict[str, bool | int] = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in fields:
-            raise SystemExit(f"--kernel {pair}: unknown option {key!r}; options: {', '.join(fields)}")
-        options[key] = value.lower() in ("1", "true", "yes") if fields[key] in (bool, "bool") else int(value)
-    return options
+            raise SystemExit(f"{pair}: unknown config field {key!r}; fields: {', '.join(fields)}")
+        changes[key] = value.lower() in ("1", "true", "yes") if fields[key] is bool else int(value)
+    return changes
 
 
 def record_times(row: dict, contenders: dict, **timing) -> None:
@@ -195,23 +198,23 @@ def bench_table(rows: list[dict], peer_names: tuple[str, ...]) -> str:
 
 
 def variant_overrides(variant: str) -> dict:
-    """ "k_ahead=true+num_stages=3" -> {"k_ahead": True, "num_stages": 3}."""
+    """ "persistent=false+num_stages=3" -> {"persistent": False, "num_stages": 3}."""
     return kernel_overrides(variant.split("+"))
 
 
-def with_options(fn, overrides: dict):
-    """`fn` run under the KernelOptions changes `overrides`."""
+def variant_configs(mask: ColumnMask, head_dim: int, overrides: dict) -> tuple[FwdConfig, BwdConfig]:
+    """The configurations chosen for this head dim and mask, with a variant's changes applied."""
+    variant = mask_variant(mask)
+    return (
+        apply_overrides(fwd_config(head_dim, *variant), overrides),
+        apply_overrides(bwd_config(head_dim, *variant), overrides),
+    )
 
-    def run(*args):
-        with kernel_options(**overrides):
-            return fn(*args)
 
-    return run
-
-
-def forward_step(mask: ColumnMask, head_dim: int):
-    """The timed call of the forward ablation: q, k, v, dout -> (out,)."""
-    return lambda q, k, v, dout: cute_forward(q, k, v, mask, head_dim**-0.5)[:1]
+def forward_step(mask: ColumnMask, head_dim: int, overrides: dict):
+    """The timed call of the forward ablation under a variant's changes: q, k, v, dout -> (out,)."""
+    config, _ = variant_configs(mask, head_dim, overrides)
+    return lambda q, k, v, dout: cute_forward(q, k, v, mask, head_dim**-0.5, config=config)[:1]
 
 
 def run_ablation(
@@ -224,9 +227,10 @@ def run_ablation(
     save=lambda rows: None,
     rounds: int = 5,
 ) -> list[dict]:
-    """Per mask: the default kernel's time, then each variant's time and largest output difference,
-    and each one's host time per call (launch work).
-    `step(mask, head_dim)` gives the timed call (q, k, v, dout -> a tuple of output tensors);
+    """Per mask: the chosen configurations' time ("default"), then each variant's time and largest
+    output difference, and each one's host time per call (launch work).
+    `step(mask, head_dim, overrides)` gives the timed call under a variant's changes (q, k, v, dout ->
+    a tuple of output tensors);
     `flops_per_fwd` its FLOPs in forwards (3.5 for fwd+bwd). The configurations take turns in
     `rounds` rounds (median over all), so a drift of the GPU's clock over the run hits them alike."""
     rows = []
@@ -240,12 +244,12 @@ def run_ablation(
         for name in progress(mask_names, f"ablate {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
             flops = flops_per_fwd * attention_flops(batch, heads, seqlen, seqlen, head_dim, mask.density())
-            run = step(mask, head_dim)
+            run = step(mask, head_dim, {})
             reference = run(*inputs[0])
             row = {"mask": name, "seqlen": seqlen}
             contenders = {"default": (run, inputs)}
             for variant in variants:
-                timed = with_options(run, variant_overrides(variant))
+                timed = step(mask, head_dim, variant_overrides(variant))
                 row[f"{variant}_max_diff"] = max(
                     float((a.float() - b.float()).abs().max()) for a, b in zip(timed(*inputs[0]), reference)
                 )
@@ -270,22 +274,15 @@ def ablation_table(rows: list[dict], variants: list[str]) -> str:
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """--seqlens, --head-dim, --masks and --kernel, shared with bench_bwd.py."""
+    """--seqlens, --head-dim and --masks, shared with bench_bwd.py and overheads.py."""
     parser.add_argument("--seqlens", default="8192")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
-    parser.add_argument(
-        "--kernel",
-        action="append",
-        default=[],
-        metavar="OPTION=VALUE",
-        help="a KernelOptions field for the cute kernels, e.g. intra_wg_overlap=true (repeatable)",
-    )
 
 
 def new_record(args: argparse.Namespace, prefix: str):
-    """(the result record: commit, command, GPU, kernel options; a function writing a record to
-    $OUT or bench/results/ under one timestamped name)."""
+    """(the result record: commit, command, GPU; a function writing a record to $OUT or
+    bench/results/ under one timestamped name)."""
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{prefix}_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -294,7 +291,6 @@ def new_record(args: argparse.Namespace, prefix: str):
         "command": " ".join(sys.argv),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "kernel_options": kernel_overrides(args.kernel),
     }
     return result, lambda data: path.write_text(result_json(data))
 
@@ -325,47 +321,46 @@ def main() -> None:
         "--variants",
         nargs="*",
         default=[],
-        metavar="OPTION=VALUE[+OPTION=VALUE]",
-        help="ablate: kernel variants to time against the default",
+        metavar="FIELD=VALUE[+FIELD=VALUE]",
+        help="ablate: changes of the chosen kernel configurations to time against them",
     )
     args = parser.parse_args()
     result, save = new_record(args, "fwd")
-    with kernel_options(**result["kernel_options"]):
-        if args.what in ("check", "all"):
-            result["check"] = run_check()
-            result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
-            print(f"{'case':24s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_out':>9s} {'tol':>9s} {'err_lse':>9s} ok")
-            for r in result["check"]:
-                print(
-                    f"{r['mask']:24s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} {r['err_out']:9.2e} "
-                    f"{r['tol_out']:9.2e} {r['err_lse']:9.2e} "
-                    f"{'ok' if r['passed'] else 'FAIL ' + str(r['notes']) + ' unwritten=' + str(r['unwritten'])}"
-                )
+    if args.what in ("check", "all"):
+        result["check"] = run_check()
+        result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
+        print(f"{'case':24s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_out':>9s} {'tol':>9s} {'err_lse':>9s} ok")
+        for r in result["check"]:
             print(
-                f"check: {sum(r['passed'] for r in result['check'])} passed, "
-                f"{sum(not r['passed'] for r in result['check'])} failed; compile s: {result['compile_s']}"
+                f"{r['mask']:24s} {r['sq']:5d}x{r['sk']:<5d} {r['d']:4d} {r['dtype']:>9s} {r['err_out']:9.2e} "
+                f"{r['tol_out']:9.2e} {r['err_lse']:9.2e} "
+                f"{'ok' if r['passed'] else 'FAIL ' + str(r['notes']) + ' unwritten=' + str(r['unwritten'])}"
             )
-        if args.what in ("bench", "all"):
-            result["peers"], result["peer_versions"] = list(args.peers), bench_peers.versions()
-            result["bench"] = run_bench(
-                [int(s) for s in args.seqlens.split(",")],
-                args.head_dim,
-                args.masks.split(","),
-                save=lambda rows: save({**result, "bench": rows}),
-                peer_names=args.peers,
-            )
-            print(bench_table(result["bench"], args.peers))
-        if args.what == "ablate":
-            for variant in args.variants:
-                variant_overrides(variant)  # a typo fails before any GPU time is spent
-            result["ablate"] = run_ablation(
-                [int(s) for s in args.seqlens.split(",")],
-                args.head_dim,
-                args.masks.split(","),
-                args.variants,
-                save=lambda rows: save({**result, "ablate": rows}),
-            )
-            print(ablation_table(result["ablate"], args.variants))
+        print(
+            f"check: {sum(r['passed'] for r in result['check'])} passed, "
+            f"{sum(not r['passed'] for r in result['check'])} failed; compile s: {result['compile_s']}"
+        )
+    if args.what in ("bench", "all"):
+        result["peers"], result["peer_versions"] = list(args.peers), bench_peers.versions()
+        result["bench"] = run_bench(
+            [int(s) for s in args.seqlens.split(",")],
+            args.head_dim,
+            args.masks.split(","),
+            save=lambda rows: save({**result, "bench": rows}),
+            peer_names=args.peers,
+        )
+        print(bench_table(result["bench"], args.peers))
+    if args.what == "ablate":
+        for variant in args.variants:
+            variant_overrides(variant)  # a typo fails before any GPU time is spent
+        result["ablate"] = run_ablation(
+            [int(s) for s in args.seqlens.split(",")],
+            args.head_dim,
+            args.masks.split(","),
+            args.variants,
+            save=lambda rows: save({**result, "ablate": rows}),
+        )
+        print(ablation_table(result["ablate"], args.variants))
     save(result)
 
 

@@ -1,6 +1,6 @@
 """Where a kernel's time goes on the full mask: a fixed cost per CTA vs a cost per key tile.
 
-    python scripts/overheads.py --seqlens 1024,4096,16384 [--backward] [--kernel OPTION=VALUE]
+    python scripts/overheads.py --seqlens 1024,4096,16384 [--backward] [--kernel FIELD=VALUE]
 
 At 128K tokens (B = 128K/S, H = 4096/D, bf16) the number of CTAs is fixed (B * H * S/tile: the
 forward's query tiles of 128 rows, 192 at head dim 64; the backward's 128-key tiles) while the
@@ -8,20 +8,22 @@ tiles each CTA walks grow with S, so the time per CTA-wave, t(S) = fixed + per_t
 separates the prologue/epilogue from the main loop. The same fit for FA4 (no mask) says which part
 of our gap to it is which (--masks is not used: no mask). `--backward` times the backward alone
 (autograd on a kept forward graph; the pre/post passes, constant at fixed tokens, land in the fixed
-term), a tile being 128 query rows. `--profile` instead runs each forward once at the first length,
-for `ncu -k regex:Forward`. Writes JSON to $OUT (or bench/results/) and prints the fit last.
+term), a tile being 128 query rows. `--kernel` changes a field of the forward's chosen configuration
+(`FwdConfig`, e.g. persistent=false; the backward runs through autograd, with the chosen ones).
+`--profile` instead runs each forward once at the first length, for `ncu -k regex:Forward`. Writes
+JSON to $OUT (or bench/results/) and prints the fit last.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import torch
-from bench_fwd import add_common_arguments, fa4_fn, new_record
-from flashmask3.optimized import kernel_options
+from bench_fwd import add_common_arguments, fa4_fn, kernel_overrides, new_record
+from flashmask3.optimized import fwd_config
 from flashmask3.optimized.interface import forward as cute_forward
-from flashmask3.optimized.interface import forward_tile_rows
 from flashmask3.verify import random_inputs
 
 from flashmask3 import attention
@@ -57,45 +59,49 @@ def main() -> None:
     add_common_arguments(parser)
     parser.add_argument("--profile", action="store_true", help="one call of each kernel at the first length, for ncu")
     parser.add_argument("--backward", action="store_true", help="time the backward alone instead of the forward")
+    parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE", help="forward config change")
     args = parser.parse_args()
+    if args.backward and args.kernel:
+        parser.error("--kernel changes the forward's configuration; --backward runs the chosen ones")
     args.what = "overheads"
     heads, scale = 4096 // args.head_dim, args.head_dim**-0.5
     result, save = new_record(args, "bwd" if args.backward else "fwd")
+    # The full mask's configuration (non-causal, width 2), with --kernel's changes.
+    config = dataclasses.replace(fwd_config(args.head_dim, False, 2), **kernel_overrides(args.kernel))
+    result["fwd_config"] = dataclasses.asdict(config)
     fa4 = fa4_fn(causal=False)
     if args.backward:  # through autograd, so the pre/post passes count as they do in training
         forwards = {"cute": lambda q, k, v: attention(q, k, v, backend="cute")}
     else:
-        forwards = {"cute": lambda q, k, v: cute_forward(q, k, v, None, scale)}
+        forwards = {"cute": lambda q, k, v: cute_forward(q, k, v, None, scale, config=config)}
     if fa4 is not None:
         forwards["fa4"] = fa4
     rows = []
-    with kernel_options(**result["kernel_options"]):
-        # Forward: 192-row query tiles at head dim 64 (q_tile_192), else 128; backward: 128-key tiles.
-        tile_m = TILE_N if args.backward else forward_tile_rows(args.head_dim)
-        for seqlen in [int(s) for s in args.seqlens.split(",")]:
-            batch = TOKENS // seqlen
-            inputs = [
-                random_inputs(batch, seqlen, seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda", seed=s)[:3]
-                for s in range(2)
-            ]
-            if args.profile:
-                cute_forward(*inputs[0], None, scale)
-                if fa4 is not None:
-                    fa4(*inputs[0])
-                torch.cuda.synchronize()
-                return
-            row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / tile_m)}
-            if args.backward:
-                contenders = {
-                    name: (backward_of_kept_graph, [kept_graph(fn, *x) for x in inputs])
-                    for name, fn in forwards.items()
-                }
-            else:
-                contenders = {name: (fn, inputs) for name, fn in forwards.items()}
-            for kernel, ms in interleaved_ms(contenders).items():
-                row[f"{kernel}_ms"] = ms
-            rows.append(row)
-            print(row, flush=True)
+    # Forward: its query tiles (192 rows at head dim 64, else 128); backward: 128-key tiles.
+    tile_m = TILE_N if args.backward else config.tile_m
+    for seqlen in [int(s) for s in args.seqlens.split(",")]:
+        batch = TOKENS // seqlen
+        inputs = [
+            random_inputs(batch, seqlen, seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda", seed=s)[:3]
+            for s in range(2)
+        ]
+        if args.profile:
+            cute_forward(*inputs[0], None, scale, config=config)
+            if fa4 is not None:
+                fa4(*inputs[0])
+            torch.cuda.synchronize()
+            return
+        row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / tile_m)}
+        if args.backward:
+            contenders = {
+                name: (backward_of_kept_graph, [kept_graph(fn, *x) for x in inputs]) for name, fn in forwards.items()
+            }
+        else:
+            contenders = {name: (fn, inputs) for name, fn in forwards.items()}
+        for kernel, ms in interleaved_ms(contenders).items():
+            row[f"{kernel}_ms"] = ms
+        rows.append(row)
+        print(row, flush=True)
     result["rows"] = rows
     result["fit"] = {key: per_wave_fit(rows, key) for key in ("cute_ms", "fa4_ms") if key in rows[0]}
     save(result)

@@ -13,6 +13,7 @@ tiles over time to $OUT (or runs/); prints the summary last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -103,8 +104,8 @@ def draw(per_cta: list[list[dict]], path: Path, ctas: int, until_us: float, titl
 
 def main() -> None:
     from bench_fwd import kernel_overrides
-    from flashmask3.optimized import kernel_options
-    from flashmask3.optimized.interface import forward, forward_ctas
+    from flashmask3.optimized import fwd_config
+    from flashmask3.optimized.interface import forward, forward_ctas, mask_variant
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mask", default="sliding_window", choices=masks.MASK_NAMES)
@@ -112,26 +113,26 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ctas-shown", type=int, default=12)
     parser.add_argument("--until-us", type=float, default=200.0)
-    parser.add_argument("--kernel", action="append", default=[], metavar="OPTION=VALUE")
+    parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE", help="forward config change")
     args = parser.parse_args()
     heads, batch = 4096 // args.head_dim, max(1, 131072 // args.seqlen)
     mask = masks.build(args.mask, args.seqlen, batch=batch, heads=heads, seed=0, device="cuda")
     q, k, v, _ = random_inputs(batch, args.seqlen, args.seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda")
     scale = 1 / math.sqrt(args.head_dim)
-    with kernel_options(**kernel_overrides(args.kernel)):
-        ctas = forward_ctas(q)
-        per_cta_tiles = 4 * -(-batch * heads * args.seqlen // (128 * ctas)) + 16
-        stamps = torch.full((ctas, per_cta_tiles, len(EVENTS)), -1, dtype=torch.int64, device="cuda")
-        for _ in range(3):  # compile, warm up, then the recorded run
-            stamps.fill_(-1)
-            forward(q, k, v, mask, scale, timeline=stamps)
-        torch.cuda.synchronize()
+    config = dataclasses.replace(fwd_config(args.head_dim, *mask_variant(mask)), **kernel_overrides(args.kernel))
+    ctas = forward_ctas(q, config)
+    per_cta_tiles = 4 * -(-batch * heads * args.seqlen // (128 * ctas)) + 16
+    stamps = torch.full((ctas, per_cta_tiles, len(EVENTS)), -1, dtype=torch.int64, device="cuda")
+    for _ in range(3):  # compile, warm up, then the recorded run
+        stamps.fill_(-1)
+        forward(q, k, v, mask, scale, timeline=stamps, config=config)
+    torch.cuda.synchronize()
     per_cta = work_tiles_of(stamps.cpu())
     summary = {
         "mask": args.mask,
         "seqlen": args.seqlen,
         "head_dim": args.head_dim,
-        "kernel_options": kernel_overrides(args.kernel),
+        "fwd_config": dataclasses.asdict(config),
         **summarize(per_cta),
     }
     out_dir = Path(os.environ.get("OUT", "runs"))

@@ -179,12 +179,12 @@ def test_cute_backend_refuses_unsupported_inputs_by_name():
 
 
 def test_cute_backend_names_a_missing_launch_package(monkeypatch):
-    """A Hopper machine without apache-tvm-ffi: the reason names the package and the switch that
-    does without it, so "auto" falls back and backend="cute" says what to install."""
+    """A Hopper machine without apache-tvm-ffi (the kernels' launch path): the reason names the
+    package, so "auto" falls back and backend="cute" says what to install."""
     import importlib.util
     from types import SimpleNamespace
 
-    from flashmask3.optimized import interface, kernel_options
+    from flashmask3.optimized import interface
 
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
@@ -192,9 +192,6 @@ def test_cute_backend_names_a_missing_launch_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "tvm_ffi" else real_find_spec(name))
     q = SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.bfloat16, shape=(1, 128, 2, 128))
     assert "apache-tvm-ffi" in interface.unsupported_reason(q, q)
-    assert "kernel_options(tvm_ffi=False)" in interface.unsupported_reason(q, q)
-    with kernel_options(tvm_ffi=False):
-        assert interface.unsupported_reason(q, q) is None
 
 
 def window_dense(sq, sk, causal, left, right):

@@ -1,5 +1,6 @@
 """The H200 bench scripts' option parsing and plumbing (CPU)."""
 
+import dataclasses
 from pathlib import Path
 
 import bench_fwd  # scripts/, on pytest's pythonpath
@@ -8,45 +9,53 @@ import pytest
 from flashmask3 import bench, bench_peers
 
 
-def test_kernel_overrides_are_typed_like_the_kernel_options():
-    assert bench_fwd.kernel_overrides(["lse_ahead=true", "num_stages=3", "skip_tiles=0"]) == {
+def test_kernel_overrides_are_typed_like_the_config_fields():
+    assert bench_fwd.kernel_overrides(["lse_ahead=true", "num_stages=3", "persistent=0"]) == {
         "lse_ahead": True,
         "num_stages": 3,
-        "skip_tiles": False,
+        "persistent": False,
     }
     assert bench_fwd.kernel_overrides([]) == {}
 
 
-def test_ablation_variants_join_kernel_options_with_plus():
-    assert bench_fwd.variant_overrides("bounds_prefetch=true+num_stages=3+tvm_ffi=1") == {
-        "bounds_prefetch": True,
+def test_ablation_variants_join_config_changes_with_plus():
+    assert bench_fwd.variant_overrides("tile_m=128+num_stages=3+lse_ahead=1") == {
+        "tile_m": 128,
         "num_stages": 3,
-        "tvm_ffi": True,
+        "lse_ahead": True,
     }
-    with pytest.raises(SystemExit, match="unknown option 'stages'"):
-        bench_fwd.variant_overrides("bounds_prefetch=true+stages=3")
+    with pytest.raises(SystemExit, match="unknown config field 'stages'"):
+        bench_fwd.variant_overrides("persistent=true+stages=3")
 
 
-def test_ablation_times_each_variant_under_its_options(monkeypatch):
-    """The plumbing of `ablate` (the kernel itself needs the H200): each variant runs under its own
-    KernelOptions, the configurations take turns round by round, and a row holds each one's median
-    time, TFLOP/s and largest difference from the default."""
+class FakeMask:
+    """What the ablation loop reads of a mask: its density and its variant (causal, width 1)."""
+
+    causal = True
+
+    def __init__(self, density: float):
+        import torch
+
+        self.startend_row_indices = torch.zeros(1, 1, 8, 1, dtype=torch.int32)
+        self.density = lambda: density
+
+
+def test_ablation_times_each_variant_in_its_configuration(monkeypatch):
+    """The plumbing of `ablate` (the kernel itself needs the H200): each variant runs the chosen
+    configuration with its changes, the configurations take turns round by round, and a row holds
+    each one's median time, TFLOP/s and largest difference from the chosen configuration's."""
     import torch
-    from flashmask3.optimized import interface
+    from flashmask3.optimized import fwd_config
 
     seen = []
 
-    def fake_forward(q, k, v, mask, softmax_scale):
-        seen.append(interface.options)
-        return torch.full((2,), float(interface.options.num_stages)), None
-
-    class FakeMask:
-        def density(self):
-            return 0.5
+    def fake_forward(q, k, v, mask, softmax_scale, config):
+        seen.append(config)
+        return torch.full((2,), float(config.num_stages)), None
 
     monkeypatch.setattr(bench_fwd, "cute_forward", fake_forward)
     monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
-    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask(0.5))
     timed = []
 
     def fake_times(fn, inputs, warmup, repeats):  # 3 stages take 3 ms, the rest 2
@@ -56,32 +65,31 @@ def test_ablation_times_each_variant_under_its_options(monkeypatch):
 
     monkeypatch.setattr(bench, "gpu_times_ms", fake_times)
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
-    rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "skip_tiles=false"])
+    rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "persistent=false"])
     (row,) = rows
-    assert all(row[f"{c}_host_us"] > 0 for c in ("default", "num_stages=3", "skip_tiles=false"))
-    assert row["num_stages=3_max_diff"] == 1.0 and row["skip_tiles=false_max_diff"] == 0.0
-    assert row["default_ms"] == row["skip_tiles=false_ms"] == 2.0 and row["num_stages=3_ms"] == 3.0
+    assert all(row[f"{c}_host_us"] > 0 for c in ("default", "num_stages=3", "persistent=false"))
+    assert row["num_stages=3_max_diff"] == 1.0 and row["persistent=false_max_diff"] == 0.0
+    assert row["default_ms"] == row["persistent=false_ms"] == 2.0 and row["num_stages=3_ms"] == 3.0
     assert timed == [2, 3, 2] * 6  # a warm-up, then 5 rounds in which the three take turns (odd ones reversed)
     assert row["default_tflops"] == pytest.approx(4 * 16 * 32 * 8192**2 * 128 * 0.5 / 2e-3 / 1e12)
-    assert {o.num_stages for o in seen} == {2, 3} and not all(o.skip_tiles for o in seen)
-    assert interface.options == interface.KernelOptions()
-    assert "skip_tiles=false" in bench_fwd.ablation_table(rows, ["num_stages=3", "skip_tiles=false"])
+    chosen = fwd_config(128, True, 1)
+    assert set(seen) == {
+        chosen,
+        dataclasses.replace(chosen, num_stages=3),
+        dataclasses.replace(chosen, persistent=False),
+    }
+    assert "persistent=false" in bench_fwd.ablation_table(rows, ["num_stages=3", "persistent=false"])
 
 
 def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monkeypatch):
     """`bench_bwd.py ablate` passes its fwd+bwd step (3.5 forwards of FLOPs) to the same loop."""
     import torch
-    from flashmask3.optimized import interface
 
-    class FakeMask:
-        def density(self):
-            return 1.0
-
-    def step(mask, head_dim):  # dK differs by num_stages - 2 (1 with 3 stages), dQ never
-        return lambda q, k, v, dout: (torch.zeros(2), torch.full((2,), interface.options.num_stages - 2.0))
+    def step(mask, head_dim, overrides):  # dK differs by num_stages - 2 (1 with 3 stages), dQ never
+        return lambda q, k, v, dout: (torch.zeros(2), torch.full((2,), overrides.get("num_stages", 2) - 2.0))
 
     monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
-    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask())
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask(1.0))
     monkeypatch.setattr(bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: [fn(*x) for x in inputs] and [4.0])
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     (row,) = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3"], step, 3.5)
@@ -248,12 +256,26 @@ def test_fwd_bwd_returns_the_gradients():
     assert q.grad is None
 
 
-def test_unknown_kernel_option_names_the_accepted_ones():
-    with pytest.raises(SystemExit, match="unknown option 'tile_m'.*skip_tiles"):
-        bench_fwd.kernel_overrides(["tile_m=64"])
+def test_unknown_config_field_names_the_accepted_ones():
+    with pytest.raises(SystemExit, match="unknown config field 'skip_tiles'; fields: tile_m, num_stages, persistent"):
+        bench_fwd.kernel_overrides(["skip_tiles=0"])
 
 
-def test_record_names_the_kernel_options_and_is_saved_under_out(tmp_path, monkeypatch):
+def test_backward_ablation_step_runs_both_configurations_with_the_changes(monkeypatch):
+    """`bench_bwd.backward_step`: the forward and the backward each in the chosen configuration with
+    the variant's changes that are its fields."""
+    import bench_bwd
+    from flashmask3.optimized import BwdConfig, fwd_config
+
+    seen = []
+    monkeypatch.setattr(bench_bwd, "cute_forward", lambda *args, config: seen.append(config) or ("out", "lse"))
+    monkeypatch.setattr(bench_bwd, "cute_backward", lambda *args, config: seen.append(config) or ("dq", "dk", "dv"))
+    step = bench_bwd.backward_step(FakeMask(1.0), 64, {"persistent": False, "lse_ahead": False})
+    assert step(1, 2, 3, 4) == ("dq", "dk", "dv")
+    assert seen == [dataclasses.replace(fwd_config(64, True, 1), persistent=False), BwdConfig(lse_ahead=False)]
+
+
+def test_record_is_saved_under_out(tmp_path, monkeypatch):
     import argparse
     import json
 
@@ -262,8 +284,8 @@ def test_record_names_the_kernel_options_and_is_saved_under_out(tmp_path, monkey
     parser = argparse.ArgumentParser()
     parser.add_argument("what")
     bench_fwd.add_common_arguments(parser)
-    result, save = bench_fwd.new_record(parser.parse_args(["bench", "--kernel", "skip_tiles=1"]), "fwd")
-    assert result["kernel_options"] == {"skip_tiles": True} and result["gpu"] == "test GPU"
+    result, save = bench_fwd.new_record(parser.parse_args(["bench"]), "fwd")
+    assert result["gpu"] == "test GPU" and result["command"]
     save({**result, "bench": [{"mask": "full"}]})
     (path,) = tmp_path.glob("fwd_bench_*.json")
     assert json.loads(path.read_text())["bench"] == [{"mask": "full"}]
@@ -274,13 +296,13 @@ def test_result_json_rounds_floats_and_puts_each_row_on_one_line():
 
     record = {
         "commit": "abc",
-        "kernel_options": {},
+        "gpu": "H200",
         "bench": [{"mask": "full", "ms": 39.284849, "n": 3}, {"mask": "causal", "ms": 0.000123456}],
     }
     text = bench.result_json(record)
     assert json.loads(text) == {
         "commit": "abc",
-        "kernel_options": {},
+        "gpu": "H200",
         "bench": [{"mask": "full", "ms": 39.28, "n": 3}, {"mask": "causal", "ms": 0.0001235}],
     }
     assert '  {"mask": "full", "ms": 39.28, "n": 3},' in text.splitlines()

@@ -1,6 +1,7 @@
 """The CuTe kernels against the reference on a Hopper GPU (skipped elsewhere): forward and the
 gradients for a spread of masks and shapes, and bitwise-deterministic gradients on request."""
 
+import dataclasses
 import math
 
 import pytest
@@ -70,7 +71,7 @@ def test_persistent_forward_is_bitwise_the_one_cta_per_tile_forward(monkeypatch,
     """The persistent grid with a handful of CTAs (each drawing dozens of work tiles, short lists and
     empty ones among them) writes every output and gives bitwise the result of one CTA per work
     tile, which matches the reference; every mask, GQA, and Sq > Sk (query tiles that see no key)."""
-    from flashmask3.optimized import interface, kernel_options
+    from flashmask3.optimized import fwd_config, interface
     from flashmask3.optimized.interface import forward
     from flashmask3.reference import ColumnMask
 
@@ -90,9 +91,11 @@ def test_persistent_forward_is_bitwise_the_one_cta_per_tile_forward(monkeypatch,
     for name, mask, batch, sq, sk in cases:
         q, k, v, _ = random_inputs(batch, sq, sk, 8, 2, head_dim, dtype, "cuda", seed=sq + len(name))
         scale = 1 / math.sqrt(head_dim)
-        with kernel_options(persistent=False):
-            expected_out, expected_lse = forward(q, k, v, mask, scale)
-            report = compare("cute", q, k, v, mask)
+        one_cta_per_tile = dataclasses.replace(
+            fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]), persistent=False
+        )
+        expected_out, expected_lse = forward(q, k, v, mask, scale, config=one_cta_per_tile)
+        report = compare("cute", q, k, v, mask)  # the chosen, persistent configuration
         assert report.passed, (name, report.failures())
         for ctas in (1, 5):
             monkeypatch.setattr(interface, "_sm_count", lambda device, ctas=ctas: ctas)

@@ -121,13 +121,43 @@ def test_ablation_experiments_compose(experiment):
     if experiment == "kernel_ablation":
         assert cfg.backend == "cute" and cfg.device == "cuda" and cfg.seqlen == 8192 and cfg.dtype == "bf16"
         assert set(params) == {"mask", "kernel"}
-        # A handful of named variants, each the default with one feature switched, not a product.
-        default = config([]).kernel
+        # A handful of named configurations, each the chosen ones with one field changed, not a product.
+        assert config([]).kernel == {"name": "default", "changes": {}}
         for variant in params["kernel"].split(","):
-            changed = {k for k, v in config([f"kernel={variant}"]).kernel.items() if v != default[k]}
-            assert len(changed) == (variant != "default"), (variant, changed)
+            kernel = config([f"kernel={variant}"]).kernel
+            assert kernel.name == variant and len(kernel.changes) == (variant != "default"), kernel
+        assert config(["+kernel.changes.num_stages=3"]).kernel.changes == {"num_stages": 3}
     if experiment == "cp_ablation":
         assert cfg.cp.scheme == "mask_aware" and set(params) >= {"cp.assignment", "cp.prune", "cp.overlap"}
+
+
+def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkeypatch, capsys):
+    """backend=cute calls the kernels in the variant's configurations (here the reference stands in
+    for them on the CPU), records them and prints them."""
+    from flashmask3.optimized import interface
+    from flashmask3.reference import attention as reference
+
+    seen = []
+
+    def fake_forward(q, k, v, mask, scale, config):
+        seen.append(config)
+        return reference.forward(q.detach(), k.detach(), v.detach(), mask, scale, q.dtype)
+
+    def fake_backward(dout, q, k, v, out, lse, mask, scale, deterministic, config):
+        seen.append(config)
+        return reference.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, mask, scale, q.dtype)
+
+    monkeypatch.setattr(interface, "forward", fake_forward)
+    monkeypatch.setattr(interface, "backward", fake_backward)
+    overrides = ["backend=cute", "device=cpu", "kernel=no_persistent", "seqlen=256", "bench.repeats=1"]
+    record = run_experiment(config([f"logging.out_dir={tmp_path}", "bench.warmup=0", *overrides]))
+    fwd = {"tile_m": 192, "num_stages": 2, "persistent": False}  # head dim 64
+    assert record["kernel"] == {"name": "no_persistent", "fwd": fwd, "bwd": {"lse_ahead": True}}
+    assert {type(c).__name__ for c in seen} == {"FwdConfig", "BwdConfig"}
+    assert all(c.persistent is False for c in seen if type(c).__name__ == "FwdConfig")
+    assert max(record["max_abs_err_vs_sdpa"].values()) < 1e-4
+    printed = capsys.readouterr().out
+    assert "kernel=no_persistent: fwd tile_m=192 num_stages=2 persistent=False; bwd lse_ahead=True" in printed
 
 
 def test_groups_select_shapes_and_backends():

@@ -39,14 +39,6 @@ def test_full_mask_has_no_partial_tile_but_the_ragged_one():
     assert classes[0, 0].tolist() == [[UNMASKED, UNMASKED, PARTIAL]] * 3
 
 
-def test_ablation_without_skipping_masks_instead_of_skipping():
-    mask = masks.build("causal_document", 1024)
-    skipped = tile_classes(mask, 128, 128) == SKIP
-    ablation = tile_classes(mask, 128, 128, skip_tiles=False)
-    assert bool(skipped.any()) and not bool((ablation == SKIP).any())
-    assert bool((ablation[skipped] == PARTIAL).all())
-
-
 @pytest.mark.parametrize("name", ["causal", "share_question", "random_eviction"])
 @pytest.mark.parametrize("seqlen", [1024, 1000])
 def test_dq_rank_counts_the_earlier_key_tiles_a_query_tile_sees(name, seqlen):

@@ -1,0 +1,89 @@
+"""The cute kernels' tuning choices as frozen configurations, and the host functions that pick them.
+
+`fwd_config` / `bwd_config` choose, per head dim and mask variant (causal, width), the configuration
+measured best on the H200 (as FA4's `FwdConfig` and `_tile_size_fwd_sm90` do); bf16 and fp16 share
+every choice. A kernel is compiled per configuration (the compile cache keys on it), so an ablation
+runs another one next to the chosen one:
+
+    config = dataclasses.replace(fwd_config(128, True, 1), persistent=False)
+    interface.forward(q, k, v, mask, scale, config=config)
+
+The two classes share no field name, so `apply_overrides` can route one set of `field=value`
+changes (an ablation variant) to both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """The forward's choices (flash_fwd_sm90.py)."""
+
+    # Query rows per work tile, 64 per consumer warpgroup: 128 (two warpgroups in ping-pong) or, at
+    # head dim 64 only, 192 (three in round-robin turns; at 128 their registers would not fit).
+    tile_m: int
+    num_stages: int  # K/V pipeline depth: 2 or 3 (each stage is a K and a V buffer in smem)
+    # One CTA per SM, each drawing work tiles until none are left (off: one CTA per work tile; the
+    # same kernel, only the grid differs).
+    persistent: bool
+
+    def __post_init__(self) -> None:
+        if self.tile_m not in (128, 192):
+            raise ValueError(f"tile_m must be 128 or 192, got {self.tile_m}")
+        if self.num_stages not in (2, 3):
+            raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
+
+    @property
+    def num_consumer_wgs(self) -> int:
+        """Consumer warpgroups, 64 query rows each."""
+        return self.tile_m // 64
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """The backward's choices (flash_bwd_sm90.py)."""
+
+    # The thread's LSE values into registers before the S GEMM is issued, not read from smem after
+    # it (the loads then queue behind the GEMMs' operand reads); 16 more live registers.
+    lse_ahead: bool
+
+
+def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
+    """The forward's configuration for this head dim and mask variant. 192-row query tiles at head
+    dim 64 (FA3/FA4's SM90 shape: 1.5x the rows per K/V load; +8-12% on four of five masks at 8K,
+    -7.5% on the sliding window), 128 at 128; two K/V stages (a third measured no faster); the
+    persistent grid (up to +21% over one CTA per work tile on the short-list masks, even on the
+    dense ones). The mask variant changes none of these today."""
+    return FwdConfig(tile_m=192 if head_dim == 64 else 128, num_stages=2, persistent=True)
+
+
+def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
+    """The backward's configuration for this head dim and mask variant: the LSE ahead of the S GEMM
+    (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
+    spill."""
+    return BwdConfig(lse_ahead=mask_width < 4)
+
+
+Config = TypeVar("Config", FwdConfig, BwdConfig)
+
+
+def config_fields() -> dict[str, type]:
+    """Every field of both configurations and its type (`bool` or `int`)."""
+    types = {"bool": bool, "int": int}
+    return {f.name: types[str(f.type)] for cls in (FwdConfig, BwdConfig) for f in dataclasses.fields(cls)}
+
+
+def apply_overrides(config: Config, overrides: Mapping[str, bool | int]) -> Config:
+    """`config` with the entries of `overrides` that name its fields replaced (the others belong to
+    the other direction's configuration); a name of neither is an error."""
+    unknown = sorted(set(overrides) - set(config_fields()))
+    if unknown:
+        raise ValueError(f"no kernel config field {', '.join(unknown)}; the fields: {', '.join(config_fields())}")
+    own = {f.name for f in dataclasses.fields(config)}
+    changes: dict[str, Any] = {name: value for name, value in overrides.items() if name in own}
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,42 @@
+"""The kernels' configurations and their choosers (no DSL needed)."""
+
+import dataclasses
+
+import pytest
+from flashmask3.optimized import BwdConfig, FwdConfig, bwd_config, fwd_config
+from flashmask3.optimized.config import apply_overrides, config_fields
+
+
+def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
+    for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
+        assert fwd_config(64, causal, width) == FwdConfig(tile_m=192, num_stages=2, persistent=True)
+        assert fwd_config(128, causal, width) == FwdConfig(tile_m=128, num_stages=2, persistent=True)
+    assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
+
+
+def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
+    for head_dim in (64, 128):
+        assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
+        assert bwd_config(head_dim, False, 4) == BwdConfig(lse_ahead=False)
+
+
+def test_configs_are_frozen_validated_and_hashable():
+    config = fwd_config(128, True, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_stages = 3  # type: ignore[misc]
+    with pytest.raises(ValueError, match="num_stages must be 2 or 3"):
+        dataclasses.replace(config, num_stages=5)
+    with pytest.raises(ValueError, match="tile_m must be 128 or 192"):
+        dataclasses.replace(config, tile_m=64)
+    assert len({config, dataclasses.replace(config, persistent=False), fwd_config(128, False, 2)}) == 2
+
+
+def test_overrides_go_to_the_configuration_that_has_the_field():
+    """An ablation variant's changes, one set for both directions (the field names are disjoint)."""
+    assert config_fields() == {"tile_m": int, "num_stages": int, "persistent": bool, "lse_ahead": bool}
+    changes = {"persistent": False, "lse_ahead": False}
+    assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(192, 2, persistent=False)
+    assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(lse_ahead=False)
+    assert apply_overrides(fwd_config(64, True, 1), {}) == fwd_config(64, True, 1)
+    with pytest.raises(ValueError, match="no kernel config field skip_tiles; the fields: tile_m, num_stages"):
+        apply_overrides(bwd_config(64, True, 1), {"skip_tiles": False})
