@@ -1,0 +1,122 @@
+"""The end-to-end training benchmark (`scripts/train_e2e.py`) on its tiny CPU config: the HF
+integration and the mask constructors against HF's sdpa with the same mask, the packed batches,
+the records."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+pytest.importorskip("transformers")
+import train_e2e  # noqa: E402  (scripts/, on pytest's pythonpath)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config(overrides: list[str]):
+    with initialize_config_module(version_base="1.3", config_module="flashmask3.conf"):
+        return compose(config_name="train_e2e", overrides=overrides)
+
+
+def test_default_run_is_the_tiny_cpu_config_on_the_reference_backend(tmp_path):
+    cfg = config([f"logging.out_dir={tmp_path}", "logging.wandb.enabled=true"])
+    assert cfg.device == "cpu" and list(cfg.backends) == ["fm3"] and cfg.fm3_backend == "reference"
+    (record,) = train_e2e.run(cfg)
+    saved = json.loads(Path(record["path"]).read_text())
+    assert "error" not in saved
+    assert len(saved["losses"]) == cfg.train.steps and saved["timed_steps"] == cfg.train.steps - cfg.train.warmup_steps
+    assert saved["losses"][-1] < saved["losses"][0]  # it learns
+    assert saved["tokens_per_s"] > 0 and saved["step_ms_median"] > saved["attention_ms_median"] > 0
+    assert 0 < saved["attention_share"] < 1 and 0 < saved["mask_density_mean"] < 0.5
+    assert saved["model_tflops_per_s"] > 0 and saved["parameters"] > 0
+    assert saved["peak_memory_gib"] is None and saved["mfu"] is None  # measured on a GPU only
+    assert saved["environment"]["transformers"] and saved["commit"] and saved["config"]["data"]["mask"]
+    (summary_path,) = tmp_path.glob("train_e2e_causal_document_256_summary_*.json")
+    summary = json.loads(summary_path.read_text())
+    assert Path(summary["plot"]).is_file() and summary["runs"][0]["backend"] == "fm3"
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.parametrize("mask", train_e2e.MASKS)
+def test_reference_loss_equals_sdpa_with_the_same_dense_mask(tmp_path, mask):
+    """fm3 (the HF integration, reference backend, the constructors' ColumnMask) and HF's sdpa (the
+    mask's dense form) train the same curve in fp64."""
+    cfg = config(
+        [f"logging.out_dir={tmp_path}", f"data.mask={mask}", "dtype=fp64", "backends=[fm3,sdpa]", "train.steps=3"]
+    )
+    ours, sdpa = train_e2e.run(cfg)
+    assert "error" not in ours and "error" not in sdpa
+    assert max(abs(a - b) for a, b in zip(ours["losses"], sdpa["losses"])) < 1e-6
+
+
+def dense_mask(mask: str, batch: train_e2e.PackedBatch) -> torch.Tensor:
+    """The mask [B, 1, S, S] (True = attend) by its definition, from the packing metadata."""
+    seqlen = batch.input_ids.shape[1]
+    token = torch.arange(seqlen)
+    rows = []
+    for b in range(batch.input_ids.shape[0]):
+        document = torch.searchsorted(batch.cu_seqlens[b], token, right=True) - 1
+        attend = (document[:, None] == document[None]) & (token[None] <= token[:, None])
+        if mask == "prefix_lm_document":
+            prefix_end = batch.cu_seqlens[b][document] + batch.prefix_lens[b][document]
+            attend |= (document[:, None] == document[None]) & (token < prefix_end)[None]
+        elif mask == "share_question":
+            segment = torch.searchsorted(batch.segments_cu[b], token, right=True) - 1
+            attend &= (segment[:, None] == segment[None]) | batch.is_question[b][segment][None]
+        rows.append(attend)
+    return torch.stack(rows)[:, None]
+
+
+@pytest.mark.parametrize("mask", train_e2e.MASKS)
+def test_batches_masks_and_targets(mask):
+    """The constructors' mask is the definition's; each target is seen by the row that predicts it
+    only through what precedes it, right after it in position; the batch depends on seed and step."""
+    data = config([f"data.mask={mask}"]).data
+    batch = train_e2e.make_batch(data, 128, seed=0, step=1)
+    assert batch.input_ids.shape == (2, 256) and batch.cu_seqlens.shape[0] == 2
+    attend = dense_mask(mask, batch)
+    assert torch.equal(train_e2e.column_mask(mask, batch).to_dense(), attend)
+    rows, targets = (batch.labels[:, 1:] != train_e2e.IGNORE_INDEX).nonzero(as_tuple=True)
+    targets = targets + 1
+    assert len(targets) > 100
+    assert not attend[rows, 0, targets - 1, targets].any()  # the predicting row does not see its target
+    assert attend[rows, 0, targets, targets - 1].all()  # and the target's context holds the predicting token
+    positions = batch.position_ids
+    assert torch.equal(positions[rows, targets], positions[rows, targets - 1] + 1)
+    assert torch.equal(batch.varlen_cu_seqlens[-1], torch.tensor(2 * 256, dtype=torch.int32))
+    again = train_e2e.make_batch(data, 128, seed=0, step=1)
+    assert torch.equal(again.input_ids, batch.input_ids) and torch.equal(again.labels, batch.labels)
+    assert not torch.equal(train_e2e.make_batch(data, 128, seed=0, step=2).input_ids, batch.input_ids)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["data.mask=share_question", "backends=[fm3,fa4_varlen]"], "fa4_varlen cannot express"),
+        (["backends=[fm3,flash]"], "backends must be a list of"),
+        (["data.mask=causal"], "data.mask must be one of"),
+        (["train.warmup_steps=20"], "train.warmup_steps must be in"),
+    ],
+)
+def test_settings_it_cannot_take_are_refused_before_training(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        train_e2e.run(config(overrides))
+
+
+def test_command_line_run(tmp_path):
+    """`python scripts/train_e2e.py`, the README's example (here 2 steps)."""
+    command = ["scripts/train_e2e.py", f"logging.out_dir={tmp_path}", "train.steps=2", "train.warmup_steps=0"]
+    result = subprocess.run(
+        [sys.executable, *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "fm3 causal_document S=256:" in result.stdout and "tokens/s" in result.stdout
+    assert len(list(tmp_path.glob("train_e2e_causal_document_fm3_256_*.json"))) == 1
