@@ -16,7 +16,7 @@ TFLOP/s on unmasked work, 3.5x the forward FLOPs. Peers in the same run, fwd+bwd
 TRITON and FLASH, FA4's own API (causal, window, varlen documents), FA4 with mask_mod + block
 sparsity in both directions, cuDNN SDPA. Each row holds per peer its time, TFLOP/s and largest
 absolute differences from our output and gradients, or the error that stopped it (the run goes on).
-Writes JSON to $OUT (or bench/results/) and prints a table last.
+Writes JSON to $OUT (or runs/) and prints a table last.
 """
 
 from __future__ import annotations

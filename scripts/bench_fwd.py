@@ -17,7 +17,7 @@ chosen configuration's output. Peers in the same run (`--peers`, default all;
 `flashmask3.bench_peers` says which masks each takes): Flex with BACKEND TRITON and FLASH, FA4's own
 API (causal, window, varlen documents), FA4 with mask_mod + block sparsity, cuDNN SDPA. Each row
 holds per peer its time, TFLOP/s and largest absolute difference from our output, or the error
-that stopped it (the run goes on). Writes JSON to $OUT (or bench/results/) and prints a table last.
+that stopped it (the run goes on). Writes JSON to $OUT (or runs/) and prints a table last.
 """
 
 from __future__ import annotations
@@ -281,9 +281,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def new_record(args: argparse.Namespace, prefix: str):
-    """(the result record: commit, command, GPU; a function writing a record to $OUT or
-    bench/results/ under one timestamped name)."""
-    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    """(the result record: commit, command, GPU; a function writing a record to $OUT or runs/
+    under one timestamped name)."""
+    # runs/ by default: a run never lands in the committed bench/results/ unless copied there.
+    out_dir = Path(os.environ.get("OUT", "runs"))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{prefix}_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     result = {

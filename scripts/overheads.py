@@ -11,7 +11,7 @@ of our gap to it is which (--masks is not used: no mask). `--backward` times the
 term), a tile being 128 query rows. `--kernel` changes a field of the forward's chosen configuration
 (`FwdConfig`, e.g. persistent=false; the backward runs through autograd, with the chosen ones).
 `--profile` instead runs each forward once at the first length, for `ncu -k regex:Forward`. Writes
-JSON to $OUT (or bench/results/) and prints the fit last.
+JSON to $OUT (or runs/) and prints the fit last.
 """
 
 from __future__ import annotations

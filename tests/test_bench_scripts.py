@@ -291,6 +291,21 @@ def test_record_is_saved_under_out(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["bench"] == [{"mask": "full"}]
 
 
+def test_record_defaults_to_runs_never_the_committed_results(tmp_path, monkeypatch):
+    """Without $OUT a record lands under runs/: bench/results/ changes only by a deliberate copy."""
+    import argparse
+
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench_fwd.torch.cuda, "get_device_name", lambda: "test GPU")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what")
+    bench_fwd.add_common_arguments(parser)
+    result, save = bench_fwd.new_record(parser.parse_args(["check"]), "bwd")
+    save(result)
+    assert [p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.json")] == ["runs"]
+
+
 def test_result_json_rounds_floats_and_puts_each_row_on_one_line():
     import json
 

@@ -1,7 +1,8 @@
 #!/bin/bash
 # One call on the H200 (the device tool): the CuTe DSL environment, then each line of a steps file
-# as `step SECONDS NAME COMMAND...`, each under its own time limit with its log under $OUT, the
-# logs' tails and a line per step last. The device copy has no .git: pass the commit.
+# as `step SECONDS NAME COMMAND...`, each under its own time limit with its log under $OUT (runs/
+# unless set; the bench scripts write their JSON there too), the logs' tails and a line per step
+# last. The device copy has no .git: pass the commit.
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash tools/device_steps.sh steps.txt
 #
@@ -16,7 +17,8 @@ bash .dsl/dsl-env.sh >/dev/null
 python3 "$(dirname "$0")/package_tree.py" build/package >/dev/null
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/build/package PYTHONUNBUFFERED=1
 export FLASHMASK3_COMMIT=${COMMIT:?set COMMIT to the commit being run}
-OUT=${OUT:-bench/results}
+export OUT=${OUT:-runs}
+mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 export NCU
 step() {
