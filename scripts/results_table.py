@@ -23,17 +23,23 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 BEGIN, END = "<!-- results_table.py --readme: begin -->", "<!-- results_table.py --readme: end -->"
 
-PEERS = ("fa4", "fa4_sparse", "flex_flash", "flex", "cudnn")
+PEERS = ("fa4", "fa4_sparse", "flex_flash", "flex", "cudnn", "flashmask_v3", "cudnn_flex")
 PEER_NAMES = {
     "fa4": "FA4 native",
     "fa4_sparse": "FA4 block-sparse",
     "flex_flash": "Flex FLASH",
     "flex": "Flex Triton",
     "cudnn": "cuDNN",
+    "flashmask_v3": "FlashMask V3",
+    "cudnn_flex": "cuDNN flex_attention",
 }
 
 # The README's result tables: title, then the files (oldest first) in bench/results/.
 README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Forward, S = 8K, the column-mask kernels", ("fwd_bench_v13_8k_fmv3_cudnn.json",)),
+    ("Forward + backward, S = 8K, the column-mask kernels", ("bwd_bench_v13_8k_fmv3_cudnn.json",)),
+    ("Forward, S = 32K, the column-mask kernels", ("fwd_bench_v13_32k_fmv3_cudnn.json",)),
+    ("Forward + backward, S = 32K, the column-mask kernels", ("bwd_bench_v13_32k_fmv3_cudnn.json",)),
     ("Forward, S = 8K", ("fwd_bench_v12_8k_peers.json", "fwd_bench_v13_8k_fa4.json")),
     ("Forward, S = 32K and 128K", ("fwd_bench_v12_32k_peers.json", "fwd_bench_v13_128k_partial.json")),
     ("Forward + backward, S = 8K", ("bwd_bench_v12_8k_peers.json",)),
