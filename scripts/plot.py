@@ -21,7 +21,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-BACKENDS = ("cute", "fa4", "fa4_sparse", "flex_flash", "flex", "cudnn")  # fa4_sparse: FA4 with our block lists
+# fa4_sparse: FA4 with our block lists; flashmask_v3, cudnn_flex: the other column/interval-mask kernels
+BACKENDS = ("cute", "fa4", "fa4_sparse", "flex_flash", "flex", "cudnn", "flashmask_v3", "cudnn_flex")
 
 
 def load_rows(paths: list[str]) -> tuple[list[dict], list[dict]]:
@@ -40,15 +41,16 @@ def plot_bench(rows: list[dict], out: str) -> None:
     seqlens = sorted({r["seqlen"] for r in rows})
     masks = list(dict.fromkeys(r["mask"] for r in rows))
     fig, axes = plt.subplots(len(seqlens) + 1, 1, figsize=(13, 3.6 * (len(seqlens) + 1)))
-    width = 0.8 / len(BACKENDS)
+    backends = [b for b in BACKENDS if any(f"{b}_tflops" in r for r in rows)]
+    width = 0.8 / len(backends)
     direction = "forward + backward" if any("deterministic" in r for r in rows) else "forward"  # bench_bwd rows
     for ax, seqlen in zip(axes, seqlens):
         by_mask = {r["mask"]: r for r in rows if r["seqlen"] == seqlen}
-        for i, backend in enumerate(BACKENDS):
+        for i, backend in enumerate(backends):
             xs = [m for m, name in enumerate(masks) if f"{backend}_tflops" in by_mask.get(name, {})]
             ys = [by_mask[masks[m]][f"{backend}_tflops"] for m in xs]
             if xs:
-                ax.bar([x + (i - (len(BACKENDS) - 1) / 2) * width for x in xs], ys, width, label=backend, color=f"C{i}")
+                ax.bar([x + (i - (len(backends) - 1) / 2) * width for x in xs], ys, width, label=backend, color=f"C{i}")
         ax.set_xticks(range(len(masks)), masks, rotation=25, ha="right", fontsize=8)
         ax.set_ylabel("TFLOP/s (unmasked work)")
         ax.set_title(f"{direction}, S = {seqlen // 1024}K, hidden 4096, 128K tokens per run")
