@@ -9,8 +9,9 @@ seqlen=2048,4096`; ablations (sweeps: `-m` required): `-m +experiment=kernel_abl
 
 A bad setting prints one `error: ...` line and the exit code is 2: a ValueError or RuntimeError
 from the job (in a sweep the other jobs still run), or Hydra's own errors (an unknown option of a
-config group, a key that is not in the config, an override it cannot parse). HYDRA_FULL_ERROR=1
-raises them with their tracebacks.
+config group, a key that is not in the config, an override it cannot parse). A sweep whose every
+job needs a GPU the machine lacks (`-m +experiment=kernel_ablation` without one) stops before its
+first job, with one such line. HYDRA_FULL_ERROR=1 raises the others with their tracebacks.
 """
 
 from __future__ import annotations

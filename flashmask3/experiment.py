@@ -3,6 +3,8 @@
 backend=cute calls the kernels (`optimized.interface.forward` / `backward`) in the configurations
 `cfg.kernel` names: the ones chosen for the head dim and mask (`fwd_config` / `bwd_config`) with the
 variant's `changes` (kernel ablations); other backends go through `attention`.
+`RefuseSweepWithoutItsGpu` (a Hydra callback, conf/config.yaml) stops a sweep whose every job needs
+the GPU the machine lacks before any job starts.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ import dataclasses
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from .api import attention
@@ -32,15 +38,52 @@ def environment(device: str) -> dict:
     return env
 
 
+class NoGpuError(RuntimeError):
+    """The configuration runs on CUDA, and torch sees no CUDA GPU."""
+
+
+def check_device(cfg: DictConfig, *, whole_sweep: bool = False) -> None:
+    """Raise NoGpuError when `cfg` runs on CUDA and torch sees no GPU; `whole_sweep`: the message
+    speaks for every job of a sweep, none of them launched."""
+    if torch.device(cfg.device).type != "cuda" or torch.cuda.is_available():
+        return
+    no_gpu = f"torch {torch.__version__} sees no CUDA GPU"
+    if not whole_sweep:
+        raise NoGpuError(
+            f"device={cfg.device}, but {no_gpu}: on the CPU use backend=reference, sdpa or flex with device=cpu "
+            "(backend=cute and backend=flex_cuda set device=cuda)"
+        )
+    needs = 'a Hopper GPU (sm_90) and the gpu extra (pip install -e ".[experiments,gpu]")'
+    raise NoGpuError(
+        f"every job of this sweep runs with backend={cfg.backend} device={cfg.device}, but {no_gpu}, so none was "
+        f"launched: run it on a machine with {needs if cfg.backend == 'cute' else 'a CUDA GPU'}"
+    )
+
+
+class RefuseSweepWithoutItsGpu(Callback):
+    """Hydra callback: a sweep that runs every job on CUDA stops before its first job on a machine
+    without a GPU, with one `error:` line and exit code 2 (Hydra's launcher would run every job, each
+    failing alike). A sweep over backend or device is left to its jobs: some may run on the CPU."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+        swept = {o.key_or_group for o in overrides if o.is_sweep_override()}
+        swept |= set(config.hydra.sweeper.get("params") or {})  # an experiment's own sweep
+        if swept & {"backend", "device"}:
+            return
+        try:
+            check_device(config, whole_sweep=True)
+        except NoGpuError as error:
+            # Hydra turns a callback's exception into a warning and launches the sweep anyway: exit.
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from error
+
+
 def run_experiment(cfg: DictConfig) -> dict:
     """Run the experiment `cfg` describes, print a summary and return (and write) its record."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
-    if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"device={cfg.device}, but torch {torch.__version__} sees no CUDA GPU: on the CPU use backend=reference, "
-            "sdpa or flex with device=cpu (backend=cute and backend=flex_cuda set device=cuda)"
-        )
+    check_device(cfg)
     if cfg.cp.scheme != "none":
         return _run_cp_experiment(cfg)
     dtype, device = DTYPES[cfg.dtype], cfg.device

@@ -158,6 +158,49 @@ def test_main_job_without_a_gpu_says_so_in_one_line(tmp_path):
     ]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
+def test_gpu_sweep_without_a_gpu_stops_before_its_first_job(tmp_path):
+    """One line for the whole kernel ablation (20 jobs), none launched, not one line per job."""
+    result = run_main(tmp_path, "+experiment=kernel_ablation", multirun=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: every job of this sweep runs with backend=cute device=cuda, but torch {torch.__version__} sees no "
+        "CUDA GPU, so none was launched: run it on a machine with a Hopper GPU (sm_90) and the gpu extra "
+        '(pip install -e ".[experiments,gpu]")'
+    ]
+    assert "Launching" not in result.stdout and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize(
+    "sweep, refused",
+    [
+        ([], True),
+        (["mask=causal,full"], True),
+        (["backend=reference,cute"], False),  # the reference jobs run on the CPU
+        (["device=cpu,cuda"], False),
+    ],
+)
+def test_gpu_sweep_check_leaves_a_sweep_over_backend_or_device_to_its_jobs(sweep, refused, monkeypatch, capsys):
+    from hydra import compose, initialize_config_module
+    from omegaconf import open_dict
+
+    from flashmask3.experiment import RefuseSweepWithoutItsGpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with initialize_config_module(version_base="1.3", config_module="flashmask3.conf"):
+        cfg = compose(config_name="config", overrides=["+experiment=kernel_ablation"], return_hydra_config=True)
+    with open_dict(cfg):  # what Hydra's multirun holds: the command line's overrides, sweeps included
+        cfg.hydra.overrides.task = ["+experiment=kernel_ablation", *sweep]
+    if refused:
+        with pytest.raises(SystemExit) as stop:
+            RefuseSweepWithoutItsGpu().on_multirun_start(config=cfg)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.startswith("error: every job of this sweep runs with backend=cute")
+    else:
+        RefuseSweepWithoutItsGpu().on_multirun_start(config=cfg)
+        assert capsys.readouterr().err == ""
+
+
 def test_named_ablations_ask_for_multirun(tmp_path):
     result = run_main(tmp_path, "+experiment=cp_ablation")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
@@ -279,6 +322,11 @@ def test_mask_params_must_be_given_by_name(tmp_path):
         (["seqlens=1000,"], "error: each of seqlens must be an int >= 2, got ''"),
         (["kv_heads=3"], "error: heads must be a multiple of kv_heads (GQA), got heads=4 kv_heads=3"),
         (["backward=maybe"], "error: backward must be true or false, got 'maybe'"),
+        (["sinks=maybe"], "error: sinks must be true or false, got 'maybe'"),
+        (
+            ["backend=cute", "sinks=true"],
+            "error: sinks=true: backend=cute takes no attention sinks yet; backends that do: auto, reference, sdpa",
+        ),
         (["device=mps"], "error: device must be cpu or cuda (or cuda:N), got 'mps'"),
         (["masks=x"], "error: unknown mask 'x'; accepted: full, causal, sliding_window, "),
         (["color=red"], "error: unknown option 'color'; usage: python -m flashmask3.verify "),
