@@ -6,6 +6,10 @@ any batch or mask head) are gathered, and the element mask is applied only when 
 partial. Cost follows the mask density and memory stays O(chunk * Sk), never Sq x Sk.
 
 Rows that see no key give output 0 and LSE -inf; their gradients are 0.
+
+Attention sinks (gpt-oss): a learnable logit per query head that joins every row's softmax
+denominator as one more key with value 0. The LSE includes it, so a row that sees no key gives
+output 0 and LSE = the sink.
 """
 
 from __future__ import annotations
@@ -103,11 +107,13 @@ def forward(
     mask: ColumnMask | None,
     softmax_scale: float,
     compute_dtype: torch.dtype,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (out [B, Sq, Hq, D], lse [B, Hq, Sq]), both in the accumulator dtype.
 
     Matmul operands and results are in `compute_dtype`; softmax statistics in fp32 (fp64 when
-    computing in fp64), as the kernels keep them.
+    computing in fp64), as the kernels keep them. `sinks` [Hq]: each query head's sink logit, in
+    every row's denominator and in its LSE.
     """
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -118,14 +124,21 @@ def forward(
     acc = _accumulator(compute_dtype)
     out = torch.zeros(qh.shape, dtype=acc, device=q.device)
     lse = torch.full(qh.shape[:-1], -math.inf, dtype=acc, device=q.device)
+    if sinks is not None:
+        sink = sinks.to(acc).view(1, hkv, hq // hkv, 1, 1)  # broadcasts over [B, Hkv, G, rows, 1]
+        lse.copy_(sink.squeeze(-1).expand_as(lse))  # rows left out of the plan see only the sink
     for rows, keys, needs_mask in plan.chunks:
         s = (qh[..., rows, :] @ _take(kh, keys, 3).transpose(-1, -2)).to(acc) * softmax_scale
         if needs_mask and mask is not None:
             s = s.masked_fill(_hidden(mask, rows, keys, hkv, hq // hkv, q.device), -math.inf)
         m = s.amax(-1, keepdim=True)
+        if sinks is not None:
+            m = torch.maximum(m, sink)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows
         p = torch.exp(s - m)
         row_sum = p.sum(-1, keepdim=True)
+        if sinks is not None:
+            row_sum = row_sum + torch.exp(sink - m)
         o = (p.to(compute_dtype) @ _take(vh, keys, 3)).to(acc)
         out[..., rows, :] = o / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
         lse[..., rows] = (m + torch.log(row_sum)).squeeze(-1)
@@ -180,23 +193,42 @@ def backward(
     return _merge_heads(dq), dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
 
 
+def sinks_backward(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, compute_dtype: torch.dtype
+) -> torch.Tensor:
+    """d(sinks) [Hq] in the accumulator dtype, from dO, O and the LSE that includes the sinks.
+
+    With L the row's LSE, out = sum_j exp(s_j - L) v_j and dL/d(sink) = exp(sink - L), the sink's
+    probability, so d(out)/d(sink) = -exp(sink - L) * out and d(sink) = -sum over the batch and
+    rows of exp(sink - L) * rowsum(dO * O). dQ, dK and dV need nothing more than `backward` with
+    this L: the sink is a key of value 0.
+    """
+    acc = _accumulator(compute_dtype)
+    delta = (dout.to(compute_dtype).to(acc) * out.to(compute_dtype).to(acc)).sum(-1)  # [B, Sq, Hq]
+    sink_probability = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))  # [B, Hq, Sq]
+    return -(sink_probability * delta.transpose(1, 2)).sum((0, 2))
+
+
 class ReferenceAttention(torch.autograd.Function):
     """Differentiable reference attention; the backward is the explicit one above."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, softmax_scale, compute_dtype):
-        out, lse = forward(q, k, v, mask, softmax_scale, compute_dtype)
+    def forward(ctx, q, k, v, mask, softmax_scale, compute_dtype, sinks):
+        out, lse = forward(q, k, v, mask, softmax_scale, compute_dtype, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.mask, ctx.softmax_scale, ctx.compute_dtype = mask, softmax_scale, compute_dtype
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.mask, ctx.softmax_scale, ctx.compute_dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[6]:
+            dsinks = sinks_backward(dout, out, lse, sinks, ctx.compute_dtype).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
 
 
 def reference_attention(
@@ -206,9 +238,11 @@ def reference_attention(
     mask: ColumnMask | None,
     softmax_scale: float,
     compute_dtype: torch.dtype | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable (out, lse). `compute_dtype` defaults to fp32 (fp64 for fp64 inputs); pass the
-    input dtype to emulate a low-precision computation (the verify baseline)."""
+    """Differentiable (out, lse), lse not differentiated. `compute_dtype` defaults to fp32 (fp64
+    for fp64 inputs); pass the input dtype to emulate a low-precision computation (the verify
+    baseline). `sinks`: float [Hq], each query head's sink logit (differentiable), or None."""
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return ReferenceAttention.apply(q, k, v, mask, softmax_scale, compute_dtype)
+    return ReferenceAttention.apply(q, k, v, mask, softmax_scale, compute_dtype, sinks)
