@@ -16,6 +16,8 @@ from .reference.attention import reference_attention
 
 Backend = Literal["auto", "reference", "cute", "sdpa", "flex"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cute", "sdpa", "flex")
+SINK_BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "flex")
+"""The backends that take attention sinks ("auto" never picks cute for them)."""
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -31,6 +33,7 @@ def attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mask-aware scaled dot-product attention.
 
@@ -54,14 +57,25 @@ def attention(
         return_lse: also return the log-sum-exp of the scaled scores, fp32 [B, Hq, Sq].
         deterministic: the cute backward adds dQ in a fixed order, so gradients are bitwise
             identical run to run (slightly slower); the reference is deterministic anyway.
+        sinks: learnable attention sinks (gpt-oss): a floating-point tensor [Hq] on q's device,
+            one logit per query head (GQA: per query head, not per kv head), any float dtype; it
+            may require grad. Each query row's softmax gets one more term in its denominator:
+            p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sinks[h])), out_i = sum_j p_ij v_j, and the
+            returned lse includes it: logaddexp(lse, sinks[h]). The reference computes it
+            directly; sdpa and flex apply it to their (out, lse) after the fact, exactly:
+            out * sigmoid(lse - sink), gradients (sinks' too) through their differentiable lse.
+            "auto" picks one of those; "cute" raises NotImplementedError (the kernels take no
+            sinks yet). Backends that take sinks: `SINK_BACKENDS`.
 
     Returns:
         out [B, Sq, Hq, D] in q's dtype (and lse if asked). Softmax runs in fp32. A query row that
         sees no key gives out = 0 and lse = -inf (never NaN), and zero gradients; so does every
-        row when Sk = 0, on any backend. B = 0 or Sq = 0 gives empty results; 0 heads or head dim
-        0 is a ValueError.
+        row when Sk = 0, on any backend. With sinks such a row gives out = 0 and lse = its sink.
+        B = 0 or Sq = 0 gives empty results; 0 heads or head dim 0 is a ValueError.
     """
     _check_inputs(q, k, v)
+    if sinks is not None:
+        _check_sinks(sinks, q, backend)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     window = _check_flash_arguments(causal, window_size)
@@ -90,12 +104,13 @@ def attention(
         # answers it without reducing over an empty key axis, as the others would.
         backend = "reference"
     if backend == "auto":
-        backend = _auto_backend(q, k)
+        backend = _auto_backend(q, k, sinks)
     if backend == "reference":
-        out, lse = reference_attention(q, k, v, mask, softmax_scale)
-        lse = lse.float()
-    elif backend == "sdpa":  # its lse is None only where not asked for
-        out, lse = peers.sdpa_attention(q, k, v, mask, softmax_scale, return_lse)  # type: ignore[assignment]
+        out, lse = reference_attention(q, k, v, mask, softmax_scale, sinks=sinks)
+    elif backend == "sdpa":  # its lse is None only where not asked for (no lse and no sinks)
+        out, lse = peers.sdpa_attention(  # type: ignore[assignment]
+            q, k, v, mask, softmax_scale, return_lse or sinks is not None
+        )
     elif backend == "cute":
         if _cute_unsupported(q, k):
             cute_attention(q, k, v, mask, softmax_scale, deterministic)  # raises, with its error for the reason
@@ -104,7 +119,23 @@ def attention(
         out, lse = peers.flex_attention(q, k, v, mask, softmax_scale)
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: {', '.join(BACKENDS)}")
-    return (out, lse) if return_lse else out
+    if sinks is not None and backend != "reference":  # the reference has them in its softmax already
+        out, lse = join_sinks(out, lse, sinks)
+    return (out, lse.float()) if return_lse else out
+
+
+def join_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention sinks applied to a backend's (out [B, Sq, Hq, D], lse [B, Hq, Sq]) after the fact.
+
+    With L = lse and s the head's sink, the sink's term in the denominator scales every key's
+    probability by exp(L) / (exp(L) + exp(s)) = sigmoid(L - s): out * sigmoid(L - s), and the
+    LSE becomes logaddexp(L, s). Exact; autograd brings dsinks, and the backend's gradients through
+    its lse, provided that lse is differentiable. A row that sees no key (L = -inf) gives 0 and s.
+    Computed in lse's dtype; out keeps its own.
+    """
+    sink = sinks.to(lse.dtype).view(1, -1, 1)  # [1, Hq, 1] against lse [B, Hq, Sq]
+    keys_share = torch.sigmoid(lse - sink).transpose(1, 2).unsqueeze(-1)  # [B, Sq, Hq, 1]
+    return (out.to(lse.dtype) * keys_share).to(out.dtype), torch.logaddexp(lse, sink)
 
 
 def varlen_attention(
@@ -213,10 +244,10 @@ def _flash_attention_mask(
     return ColumnMask._band(seqlen_q, seqlen_k, *window, causal, cu_seqlens=cu_seqlens, device=device)
 
 
-def _auto_backend(q: torch.Tensor, k: torch.Tensor) -> Backend:
+def _auto_backend(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor | None) -> Backend:
     if not q.is_cuda:
         return "reference"
-    return "flex" if _cute_unsupported(q, k) else "cute"
+    return "flex" if sinks is not None or _cute_unsupported(q, k) else "cute"
 
 
 def _cute_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -231,6 +262,26 @@ def _cute_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
 def _cute_unsupported_at_trace(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     probe = torch.empty(0, head_dim, dtype=dtype, device=device)
     return unsupported_reason(probe, probe)
+
+
+def _check_sinks(sinks: torch.Tensor, q: torch.Tensor, backend: str) -> None:
+    """Shape, dtype and device of `sinks` (never its values: no host sync), and a backend that takes them."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor [Hq] or None, got {type(sinks).__name__}")
+    heads_q = q.shape[2]
+    if sinks.shape != (heads_q,):
+        raise ValueError(
+            f"sinks must be a 1-D tensor [Hq] = [{heads_q}], one logit per query head, got shape {tuple(sinks.shape)}"
+        )
+    if sinks.dtype not in _DTYPES:
+        raise TypeError(f"sinks dtype must be one of bf16, fp16, fp32, fp64, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+    if backend == "cute":
+        raise NotImplementedError(
+            "sinks: backend='cute' does not take attention sinks yet (its backward has no LSE gradient "
+            f"input); backends that do: {', '.join(SINK_BACKENDS)}"
+        )
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -32,7 +32,8 @@ def sdpa_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """torch SDPA with a dense bool mask (O(Sq*Sk) memory); rows that see no key give 0.
 
-    SDPA has no LSE output: with `return_lse` it is computed densely from the scores in fp32.
+    SDPA has no LSE output: with `return_lse` it is computed densely from the scores, in fp32 (fp64
+    for fp64 inputs) and differentiable.
     """
     attn_mask = None if mask is None else _dense_heads(mask, q.shape[2])
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -42,8 +43,9 @@ def sdpa_attention(
         out = out.masked_fill(~attn_mask.any(-1, keepdim=True), 0)
     lse = None
     if return_lse:
-        kf = kt.float().repeat_interleave(q.shape[2] // k.shape[2], dim=1)
-        scores = (qt.float() @ kf.transpose(-1, -2)) * softmax_scale
+        accumulator = torch.promote_types(q.dtype, torch.float32)
+        kf = kt.to(accumulator).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
+        scores = (qt.to(accumulator) @ kf.transpose(-1, -2)) * softmax_scale
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, -math.inf)
         lse = torch.logsumexp(scores, dim=-1)
@@ -168,7 +170,9 @@ def flex_attention(
     softmax_scale: float,
     block_mask=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention (compiled on CUDA, eager on CPU). Pass `block_mask` to reuse one."""
+    """FlexAttention (compiled on CUDA, eager on CPU). Pass `block_mask` to reuse one.
+
+    lse is FlexAttention's, differentiable: fp32, fp64 for fp64 inputs."""
     from torch.nn.attention.flex_attention import AuxRequest
     from torch.nn.attention.flex_attention import flex_attention as flex_eager
 
@@ -188,6 +192,6 @@ def flex_attention(
             enable_gqa=k.shape[2] != hq,
             return_aux=AuxRequest(lse=True),
         )
-    lse = aux.lse.float()
+    lse = aux.lse.to(torch.promote_types(q.dtype, torch.float32))
     out = out.masked_fill((lse == -math.inf).unsqueeze(-1), 0)  # rows that see no key
     return out.transpose(1, 2), lse
