@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ..api import BACKENDS
+from ..api import BACKENDS, SINK_BACKENDS
 from ..reference import masks
 from .suite import DTYPES, format_table, run_suite
 
@@ -19,7 +19,7 @@ _BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no"
 _USAGE = (
     "usage: python -m flashmask3.verify [backend=NAME] [dtype=bf16|fp16|fp32|fp64] "
     "[masks=a,b] [seqlens=257,1000] [batch=N] [heads=N] [kv_heads=N] [head_dim=N] "
-    "[backward=true|false] [device=cpu|cuda] [seed=N]"
+    "[backward=true|false] [sinks=true|false] [device=cpu|cuda] [seed=N]"
 )
 
 
@@ -46,10 +46,10 @@ def parse(argv: list[str]) -> dict:
             opts["seqlens"] = [_int("each of seqlens", x, 2) for x in value.split(",")]
         elif key == "masks":
             opts["mask_names"] = value.split(",")
-        elif key == "backward":
+        elif key in ("backward", "sinks"):
             if value.lower() not in _BOOLS:
-                raise ValueError(f"backward must be true or false, got {value!r}")
-            opts["backward"] = _BOOLS[value.lower()]
+                raise ValueError(f"{key} must be true or false, got {value!r}")
+            opts[key] = _BOOLS[value.lower()]
         elif key in ("backend", "dtype", "device"):
             opts[key] = value
         else:
@@ -59,6 +59,11 @@ def parse(argv: list[str]) -> dict:
             raise ValueError(f"unknown mask {name!r}; accepted: {', '.join(masks.MASK_NAMES)}")
     if opts["backend"] not in BACKENDS:
         raise ValueError(f"unknown backend {opts['backend']!r}; accepted: {', '.join(BACKENDS)}")
+    if opts.get("sinks") and opts["backend"] not in SINK_BACKENDS:
+        raise ValueError(
+            f"sinks=true: backend={opts['backend']} takes no attention sinks yet; backends that do: "
+            f"{', '.join(SINK_BACKENDS)}"
+        )
     heads, kv_heads = opts.get("heads", 4), opts.get("kv_heads", 2)  # run_suite's defaults
     if heads % kv_heads:
         raise ValueError(f"heads must be a multiple of kv_heads (GQA), got heads={heads} kv_heads={kv_heads}")

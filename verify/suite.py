@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..reference import masks
-from .compare import TENSORS, Report, compare, random_inputs
+from .compare import TENSORS, Report, compare, random_inputs, random_sinks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -31,8 +31,10 @@ def run_suite(
     backward: bool = True,
     device: str = "cpu",
     seed: int = 0,
+    sinks: bool = False,
 ) -> list[Case]:
-    """Compare `backend` with the reference on every mask and length (fresh inputs per case)."""
+    """Compare `backend` with the reference on every mask and length (fresh inputs per case); with
+    `sinks`, attention sinks too (`random_sinks`, one per query head)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     cases = []
@@ -42,7 +44,8 @@ def run_suite(
             q, k, v, dout = random_inputs(
                 batch, seqlen, seqlen, heads, kv_heads, head_dim, DTYPES[dtype], device, seed=seed + 100 * i + j
             )
-            report = compare(backend, q, k, v, mask, dout if backward else None)
+            head_sinks = random_sinks(heads, seqlen, device, seed=seed + 100 * i + j) if sinks else None
+            report = compare(backend, q, k, v, mask, dout if backward else None, sinks=head_sinks)
             cases.append(Case(name, seqlen, report))
     return cases
 
