@@ -489,7 +489,7 @@ def test_what_flashmask3_cannot_honour_raises_naming_it(llama, packed, transform
     k = torch.randn(1, 2, 21, 8, dtype=torch.float64)
     forward = transformers.AttentionInterface()[hf.NAME]
     layer = model.model.layers[0].self_attn
-    for name, value in (("softcap", 30.0), ("s_aux", torch.zeros(4)), ("position_bias", torch.zeros(1, 4, 21, 21))):
+    for name, value in (("softcap", 30.0), ("position_bias", torch.zeros(1, 4, 21, 21))):
         with pytest.raises(ValueError, match=f"^{name}: flashmask3 does not support it"):
             forward(layer, q, k, k, None, **{name: value})
     with pytest.raises(ValueError, match="^sliding_window=4, but the model's mask function has no window"):

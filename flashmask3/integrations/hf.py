@@ -26,8 +26,13 @@ model call as a `ColumnMask`, the way FlexAttention's integration takes a `Block
     model(input_ids, attention_mask=hf.as_attention_mask(mask), labels=labels)
 
 A dense 4-D `attention_mask` (bool, or additive 0 / -inf) is converted exactly with
-`ColumnMask.from_dense` (O(Sq * Sk) and a host read, once per forward). What flashmask3 cannot
-honour raises a ValueError naming the argument: dropout > 0, `softcap`, attention sinks (`s_aux`),
+`ColumnMask.from_dense` (O(Sq * Sk) and a host read, once per forward).
+
+Attention sinks (gpt-oss passes its `sinks` parameter as `s_aux`, one logit per query head) go to
+`flashmask3.attention(..., sinks=...)` on the backends that take them (`SINK_BACKENDS`; "auto"
+picks one); with backend="cute" they are a ValueError naming `s_aux`.
+
+What flashmask3 cannot honour raises a ValueError naming the argument: dropout > 0, `softcap`,
 `position_bias`, `output_attentions`, a dense mask with other values or shapes, and mask functions
 other than causal / bidirectional, with or without a sliding window (chunked attention, or- and
 and-overlays: pass those as a ColumnMask).
@@ -45,7 +50,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..api import BACKENDS, Backend, attention
+from ..api import BACKENDS, SINK_BACKENDS, Backend, attention
 from ..reference import ColumnMask
 
 NAME = "fm3"
@@ -208,17 +213,24 @@ def _attention_forward(
     position_ids: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """HF's attention interface: q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> ([B, Sq, Hq, D], None)."""
+    """HF's attention interface: q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> ([B, Sq, Hq, D], None).
+    `s_aux`: the module's attention sinks [Hq] (gpt-oss), passed on as `sinks`."""
     if dropout:
         raise ValueError(
             f"dropout={dropout}: flashmask3 has no attention dropout; set the config's attention_dropout "
             "to 0 (or call model.eval())"
         )
-    for name in ("softcap", "s_aux", "position_bias"):
+    for name in ("softcap", "position_bias"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: flashmask3 does not support it; use attn_implementation='eager' or 'sdpa'")
+    if s_aux is not None and backend not in SINK_BACKENDS:
+        raise ValueError(
+            f"s_aux: attention sinks are not supported by backend={backend!r} yet; "
+            f"register(backend=...) one of {', '.join(SINK_BACKENDS)}"
+        )
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True: flashmask3 never forms the attention weights")
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
@@ -251,7 +263,7 @@ def _attention_forward(
             else type(attention_mask).__name__
         )
         raise TypeError(f"attention_mask must be a 4-D tensor, a ColumnMask (hf.as_attention_mask) or None, got {got}")
-    return cast(torch.Tensor, attention(q, k, v, mask, softmax_scale=scaling, backend=backend)), None
+    return cast(torch.Tensor, attention(q, k, v, mask, softmax_scale=scaling, backend=backend, sinks=s_aux)), None
 
 
 def _is_zero(offset: int | torch.Tensor) -> bool:
