@@ -1,0 +1,355 @@
+"""Attention sinks (gpt-oss): the reference against a dense softmax with a sink column and under
+gradcheck, the after-the-fact form of sdpa and flex, GQA, rows that see no key, bad sinks, verify
+and the Hugging Face integration."""
+
+import importlib
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import random_column_mask
+from flashmask3.reference import ColumnMask, masks, reference_attention
+from flashmask3.verify import compare, random_inputs, random_sinks, run_suite
+from flashmask3.verify.__main__ import main as verify_main
+
+import flashmask3 as fm
+import flashmask3.api as api
+
+compare_mod = importlib.import_module("flashmask3.verify.compare")
+
+
+def dense_with_sink_column(q, k, v, attend, scale, sinks):
+    """Textbook attention whose softmax has one more column per row, its head's sink logit (a key of
+    value 0): (out, lse). attend: bool [B or 1, 1 or Hkv or Hq, Sq, Sk] (True = attend) or None."""
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh, vh = (x.transpose(1, 2).repeat_interleave(group, 1) for x in (k, v))
+    scores = qh @ kh.transpose(-1, -2) * scale
+    if attend is not None:
+        if attend.shape[1] not in (1, q.shape[2]):
+            attend = attend.repeat_interleave(q.shape[2] // attend.shape[1], 1)
+        scores = scores.masked_fill(~attend, -math.inf)
+    sink_column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sink_column], -1)
+    probabilities = torch.softmax(logits, -1)[..., :-1]  # the sink's column has value 0
+    return (probabilities @ vh).transpose(1, 2), torch.logsumexp(logits, -1)
+
+
+def first_rows_see_nothing(seqlen, dead_rows):
+    """A causal mask under which rows [0, dead_rows) see no key."""
+    attend = torch.ones(seqlen, seqlen, dtype=torch.bool).tril()
+    attend[:dead_rows] = False
+    return ColumnMask.from_dense(attend[None, None])
+
+
+def random_mask(causal, width):
+    """A random mask of the variant for batch 2 and the given mask heads (some rows may see nothing)."""
+    return lambda sq, sk, heads: random_column_mask(
+        torch.Generator().manual_seed(sq + width), 2, heads, sq, sk, causal, width
+    )
+
+
+MASKS = {  # (Sq, Sk, mask heads) -> mask
+    "none": lambda sq, sk, heads: None,
+    "causal, 1": random_mask(True, 1),
+    "causal, 2": random_mask(True, 2),
+    "bidirectional, 2": random_mask(False, 2),
+    "bidirectional, 4": random_mask(False, 4),
+    "rows that see nothing": lambda sq, sk, heads: first_rows_see_nothing(sq, sq // 3),
+}
+
+
+def inputs_with_sinks(batch, sq, sk, hq, hkv, d, seed=0, dtype=torch.float64):
+    """q, k, v, sinks [hq] and dout; sinks in q's dtype."""
+    q, k, v, dout = random_inputs(batch, sq, sk, hq, hkv, d, dtype, seed=seed)
+    return q, k, v, random_sinks(hq, max(sk, 1), seed=seed).to(dtype), dout
+
+
+def values_and_grads(fn, q, k, v, sinks, dout):
+    """fn's (out, lse) and the gradients of out for dout: [out, lse, dq, dk, dv, dsinks]."""
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = fn(*leaves)
+    return [out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+
+def assert_all_close(got, expected, tol):
+    """[out, lse, dq, dk, dv, dsinks] within tol; lse within 1e-6 at least (the API's is fp32)."""
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, expected):
+        close = max(tol, 1e-6) if name == "lse" else tol
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=close, atol=close, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize(  # masks per kv head, per query head, broadcast
+    "sq, sk, hq, hkv, mask_heads", [(70, 70, 4, 2, 2), (45, 90, 6, 2, 6), (300, 300, 4, 1, 1)]
+)
+def test_reference_matches_a_dense_softmax_with_a_sink_column(mask_name, sq, sk, hq, hkv, mask_heads):
+    if mask_name == "rows that see nothing" and sq != sk:
+        pytest.skip("the mask is square")
+    mask = MASKS[mask_name](sq, sk, mask_heads)
+    q, k, v, sinks, dout = inputs_with_sinks(2, sq, sk, hq, hkv, 16, seed=sq + hq)
+    attend = None if mask is None else mask.to_dense()
+
+    def ours(*x):
+        return fm.attention(*x[:3], mask, backend="reference", softmax_scale=0.3, return_lse=True, sinks=x[3])
+
+    expected = values_and_grads(lambda *x: dense_with_sink_column(*x[:3], attend, 0.3, x[3]), q, k, v, sinks, dout)
+    assert_all_close(values_and_grads(ours, q, k, v, sinks, dout), expected, 1e-10)
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_reference_gradcheck_with_sinks(mask_name):
+    sq, sk = (9, 9) if mask_name == "rows that see nothing" else (7, 10)
+    mask = MASKS[mask_name](sq, sk, 2)
+    q, k, v, sinks, _ = inputs_with_sinks(2, sq, sk, 4, 2, 3, seed=5)
+    leaves = [x.requires_grad_() for x in (q, k, v, sinks)]
+    assert torch.autograd.gradcheck(lambda *x: reference_attention(*x[:3], mask, 0.5, sinks=x[3])[0], leaves)
+
+
+def test_the_chunked_path_with_a_query_chunk_that_sees_nothing():
+    """1300 rows: several query chunks, the first left out of the plan (rows [0, 300) see no key),
+    keys 256-511 seen by no row (the other key blocks gathered). The rows that see nothing give
+    out = 0 and lse = their sink, whether their chunk is computed or not."""
+    hidden_from = torch.randint(300, 1301, (1300,), generator=torch.Generator().manual_seed(2))
+    hidden_from[256:512] = 300
+    # Non-causal [LTS, UTE]: key j is hidden from rows [LTS_j, Sq) and [0, UTE_j).
+    rows = torch.stack([hidden_from, torch.full_like(hidden_from, 300)], -1)
+    mask = ColumnMask(rows.view(1, 1, 1300, 2).to(torch.int32), False, 1300)
+    attend = mask.to_dense()
+    q, k, v, sinks, dout = inputs_with_sinks(1, 1300, 1300, 2, 1, 16, seed=2)
+    got = values_and_grads(lambda *x: reference_attention(*x[:3], mask, 0.25, sinks=x[3]), q, k, v, sinks, dout)
+    expected = values_and_grads(lambda *x: dense_with_sink_column(*x[:3], attend, 0.25, x[3]), q, k, v, sinks, dout)
+    assert_all_close(got, expected, 1e-10)
+    assert not got[0][:, :300].any() and torch.equal(got[1][..., :300], sinks.view(1, -1, 1).expand(1, 2, 300))
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal, 2", "bidirectional, 4", "rows that see nothing"])
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (3, 1)])
+def test_sdpa_with_sinks_after_the_fact_matches_the_reference(mask_name, hq, hkv):
+    """out * sigmoid(lse - sink) and logaddexp(lse, sink), differentiated through SDPA's lse:
+    out, lse, dq, dk, dv and dsinks as the reference computes them directly, in fp64."""
+    mask = MASKS[mask_name](60, 60, hkv)
+    q, k, v, sinks, dout = inputs_with_sinks(2, 60, 60, hq, hkv, 16, seed=hq)
+
+    def run(backend):
+        return lambda *x: fm.attention(*x[:3], mask, backend=backend, return_lse=True, sinks=x[3])
+
+    expected = values_and_grads(run("reference"), q, k, v, sinks, dout)
+    assert_all_close(values_and_grads(run("sdpa"), q, k, v, sinks, dout), expected, 1e-10)
+
+
+def test_flex_with_sinks_forward_on_cpu():
+    """FlexAttention has no CPU backward: the forward here, the backward on a GPU (below)."""
+    mask = masks.build("prefix_lm_document", 384, batch=1)
+    q, k, v, sinks, _ = inputs_with_sinks(1, 384, 384, 4, 2, 32, seed=3, dtype=torch.float32)
+    out, lse = fm.attention(q, k, v, mask, backend="flex", return_lse=True, sinks=sinks)
+    ref, ref_lse = fm.attention(q, k, v, mask, backend="reference", return_lse=True, sinks=sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flex", "sdpa", "auto"])
+@pytest.mark.parametrize("mask_name", ["causal_document", "qk_sparse", "random_eviction"])
+def test_sinks_on_a_gpu_pass_verify_against_the_fp64_reference(backend, mask_name):
+    mask = masks.build(mask_name, 1000, heads=4, seed=1, device="cuda")
+    q, k, v, dout = random_inputs(1, 1000, 1000, 4, 2, 64, torch.bfloat16, "cuda", seed=1)
+    report = compare(backend, q, k, v, mask, dout, sinks=random_sinks(4, 1000, "cuda", seed=1))
+    assert report.passed and "dsinks" in report.errors, report.failures()
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_each_query_heads_sink_moves_only_that_head(backend):
+    q, k, v, sinks, _ = inputs_with_sinks(1, 40, 40, 6, 2, 8, seed=6)
+    out = fm.attention(q, k, v, causal=True, backend=backend, sinks=sinks)
+    moved = sinks.clone()
+    moved[4] += 1.0  # query head 4: the second of kv head 1's three
+    changed = (fm.attention(q, k, v, causal=True, backend=backend, sinks=moved) != out).any(-1).any(1)
+    assert changed.tolist() == [[False, False, False, False, True, False]]
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "flex"])
+def test_rows_that_see_no_key_give_zero_and_their_sink(backend):
+    mask = first_rows_see_nothing(64, 20)
+    q, k, v, sinks, dout = inputs_with_sinks(1, 64, 64, 2, 2, 8, seed=7)
+    leaves = [x.requires_grad_(backend != "flex") for x in (q, k, v, sinks)]  # flex: no CPU backward
+    out, lse = fm.attention(*leaves[:3], mask, backend=backend, return_lse=True, sinks=leaves[3])
+    assert not out[:, :20].any() and bool(out[:, 20:].any(-1).all())
+    assert torch.equal(lse[..., :20], sinks.float().view(1, 2, 1).expand(1, 2, 20))
+    if backend != "flex":
+        grads = torch.autograd.grad(out, leaves, dout)
+        assert all(bool(torch.isfinite(g).all()) for g in grads) and not grads[0][:, :20].any()
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "flex"])
+def test_no_keys_at_all_give_zero_and_the_sinks(backend):
+    q, k, v, sinks, dout = inputs_with_sinks(1, 8, 0, 2, 2, 16)
+    leaves = [x.requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = fm.attention(*leaves[:3], causal=True, backend=backend, return_lse=True, sinks=leaves[3])
+    assert not out.any() and torch.equal(lse, sinks.float().view(1, 2, 1).expand(1, 2, 8))
+    dq, _, _, dsinks = torch.autograd.grad(out, leaves, dout)
+    assert not dq.any() and not dsinks.any()  # out is 0 whatever the sink
+
+
+def test_sinks_in_low_precision_keep_their_dtype():
+    q, k, v, dout = random_inputs(1, 128, 128, 4, 2, 32, torch.bfloat16, seed=8)
+    sinks = random_sinks(4, 128, seed=8).requires_grad_()  # an fp32 parameter beside bf16 activations
+    ins = [x.requires_grad_() for x in (q, k, v)]
+    for backend in ("reference", "sdpa"):
+        out, lse = fm.attention(*ins, causal=True, backend=backend, return_lse=True, sinks=sinks)
+        dsinks = torch.autograd.grad(out, sinks, dout)[0]
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and dsinks.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "sinks, error, match",
+    [
+        (
+            torch.zeros(2),
+            ValueError,
+            r"sinks must be a 1-D tensor \[Hq\] = \[4\], one logit per query head, got shape \(2,\)",
+        ),
+        (torch.zeros(1, 4), ValueError, r"sinks must be a 1-D tensor \[Hq\] = \[4\].* got shape \(1, 4\)"),
+        (
+            torch.zeros(4, dtype=torch.int64),
+            TypeError,
+            "sinks dtype must be one of bf16, fp16, fp32, fp64, got torch.int64",
+        ),
+        ([0.0] * 4, TypeError, r"sinks must be a torch.Tensor \[Hq\] or None, got list"),
+        (torch.zeros(4, device="meta"), ValueError, r"sinks must be on q's device \(cpu\), got meta"),
+    ],
+)
+def test_bad_sinks_are_refused_by_name(sinks, error, match):
+    q, k, v, _ = random_inputs(1, 16, 16, 4, 2, 8, torch.float64)
+    with pytest.raises(error, match=match):
+        fm.attention(q, k, v, sinks=sinks)
+
+
+@pytest.mark.parametrize("seqlen_k", [16, 0])
+def test_cute_refuses_sinks_naming_the_backends_that_take_them(seqlen_k):
+    q, k, v, sinks, _ = inputs_with_sinks(1, 16, seqlen_k, 2, 2, 64, dtype=torch.bfloat16)
+    match = (
+        r"^sinks: backend='cute' does not take attention sinks yet .*; backends that do: auto, reference, sdpa, flex$"
+    )
+    with pytest.raises(NotImplementedError, match=match):
+        fm.attention(q, k, v, backend="cute", sinks=sinks)
+
+
+def test_auto_never_picks_cute_for_sinks():
+    assert api._auto_backend(SimpleNamespace(is_cuda=True), None, torch.zeros(2)) == "flex"
+    q, k, v, sinks, _ = inputs_with_sinks(1, 32, 32, 2, 2, 16)
+    assert torch.equal(fm.attention(q, k, v, sinks=sinks), fm.attention(q, k, v, backend="reference", sinks=sinks))
+
+
+# -- verify --------------------------------------------------------------------------------------
+
+
+def test_verify_suite_and_cli_with_sinks(capsys):
+    cases = run_suite("sdpa", ["causal", "qk_sparse"], seqlens=[130], dtype="bf16", heads=2, kv_heads=1, sinks=True)
+    assert all(c.report.passed and "dsinks" in c.report.errors for c in cases), [c.report.failures() for c in cases]
+    assert verify_main(["sinks=true", "dtype=fp64", "masks=qk_sparse", "seqlens=97", "head_dim=16"]) == 0
+    assert "dsinks" in capsys.readouterr().out
+    assert verify_main(["backend=sdpa", "sinks=true", "dtype=fp64", "masks=causal", "seqlens=97", "head_dim=16"]) == 0
+
+
+def test_verify_catches_a_wrong_sink_and_a_wrong_lse_for_rows_that_see_nothing(monkeypatch):
+    real = compare_mod.attention
+    q, k, v, sinks, dout = inputs_with_sinks(1, 64, 64, 2, 2, 8, seed=9, dtype=torch.float32)
+    mask = first_rows_see_nothing(64, 10)
+
+    monkeypatch.setattr(compare_mod, "attention", lambda *a, sinks, **kw: real(*a, sinks=sinks * 1.01, **kw))
+    failed = {failure.split(":")[0] for failure in compare("reference", q, k, v, mask, dout, sinks=sinks).failures()}
+    assert {"out", "dsinks"} <= failed
+
+    def dead_rows_at_minus_inf(*a, **kw):
+        out, lse = real(*a, **kw)
+        return out, lse.index_fill(-1, torch.arange(10), -math.inf)
+
+    monkeypatch.setattr(compare_mod, "attention", dead_rows_at_minus_inf)
+    assert compare("reference", q, k, v, mask, sinks=sinks).notes == [
+        "lse: rows that see no key do not give their sink"
+    ]
+
+
+# -- Hugging Face --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hf_reference():
+    pytest.importorskip("transformers")
+    from flashmask3.integrations import hf
+
+    hf.register(backend="reference")
+    return hf
+
+
+def test_hf_attention_passes_s_aux_on_as_sinks(hf_reference):
+    """HF's attention call (q [B, H, S, D]) with gpt-oss's s_aux: a dense causal softmax with a sink
+    column, gradients too."""
+    from transformers import AttentionInterface
+
+    forward = AttentionInterface()[hf_reference.NAME]
+    q, k, v, sinks, dout = inputs_with_sinks(2, 21, 21, 4, 2, 8, seed=10)
+    causal = torch.ones(21, 21, dtype=torch.bool).tril()[None, None]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    heads_first = (x.transpose(1, 2) for x in leaves[:3])
+    out, _ = forward(SimpleNamespace(is_causal=True), *heads_first, None, scaling=0.4, s_aux=leaves[3])
+    expected = values_and_grads(lambda *x: dense_with_sink_column(*x[:3], causal, 0.4, x[3]), q, k, v, sinks, dout)
+    grads = torch.autograd.grad(out, leaves, dout)
+    torch.testing.assert_close([out, *grads], expected[:1] + expected[2:], rtol=1e-10, atol=1e-10)
+
+
+def test_hf_with_cute_refuses_s_aux_by_name(hf_reference):
+    from transformers import AttentionInterface
+
+    hf_reference.register(backend="cute")
+    try:
+        q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"^s_aux: attention sinks are not supported by backend='cute'"):
+            AttentionInterface()[hf_reference.NAME](
+                SimpleNamespace(is_causal=True), q, q, q, None, s_aux=torch.zeros(4)
+            )
+    finally:
+        hf_reference.register(backend="reference")
+
+
+def test_hf_gpt_oss_matches_eager(hf_reference):
+    """A tiny gpt-oss (sinks in every layer, a sliding-window layer and a full one, GQA) in fp64:
+    logits, loss, the sinks' gradients and greedy generation as its eager attention gives them."""
+    import transformers
+
+    config = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        experts_implementation="eager",  # the grouped matmul takes no fp64
+    )
+    torch.manual_seed(11)
+    ours, eager = (
+        transformers.GptOssForCausalLM(transformers.GptOssConfig(**config, attn_implementation=name)).double()
+        for name in (hf_reference.NAME, "eager")
+    )
+    for layer in ours.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks)
+    eager.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(11))
+    got, expected = (model(input_ids=ids, labels=ids) for model in (ours, eager))
+    assert (got.logits - expected.logits).abs().max() < 1e-10
+    sink_grads = [
+        torch.autograd.grad(result.loss, [layer.self_attn.sinks for layer in model.model.layers])
+        for result, model in ((got, ours), (expected, eager))
+    ]
+    for a, b in zip(*sink_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    ours.eval(), eager.eval()
+    generated = [model.generate(ids, max_new_tokens=5, do_sample=False) for model in (ours, eager)]
+    assert torch.equal(*generated)
