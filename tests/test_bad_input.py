@@ -383,3 +383,13 @@ def test_plot_masks_writes_under_runs_by_default(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["plot_masks.py", "--seqlen", "256"])
     plot_masks.main()
     assert (tmp_path / "runs" / "masks.png").stat().st_size > 5000
+
+
+def test_plot_masks_draws_the_column_format_under_runs_by_default(tmp_path, monkeypatch):
+    import plot_masks
+
+    monkeypatch.chdir(tmp_path)
+    plot_masks.main(["--column-format"])
+    assert 5000 < (tmp_path / "runs" / "column_format.png").stat().st_size < 100_000
+    plot_masks.main(["--column-format", "--out", "figure.png"])
+    assert (tmp_path / "figure.png").exists() and [p.name for p in tmp_path.glob("*/*.png")] == ["column_format.png"]
