@@ -3,7 +3,7 @@ balancer and mask-aware all-gather / ring / all-gather CP attention on torch.dis
 
 from .balance import balance, chunk_loads, imbalance, lower_bound
 from .context_parallel import SCHEMES, ContextParallelAttention, CPConfig, CPStats, cp_attention
-from .localize import local_rows_below, localize
+from .localize import chunk_visibility, local_rows_below, localize
 from .plan import CPPlan, contiguous_assignment, make_plan, zigzag_assignment
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "contiguous_assignment",
     "zigzag_assignment",
     "localize",
+    "chunk_visibility",
     "local_rows_below",
     "balance",
     "chunk_loads",

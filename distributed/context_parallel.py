@@ -38,13 +38,14 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..optimized import interface as cute_kernels
 from ..reference import ColumnMask
 from ..reference import attention as reference
-from .localize import localize
+from .localize import chunk_visibility, localize
 from .plan import CPPlan
 
 SCHEMES = ("mask_aware", "ring", "allgather")
@@ -173,26 +174,24 @@ last_backward_stats = CPStats()
 
 # -- plan: who needs which chunk, and how chunks travel --------------------------------------------
 class _Layout:
-    """Every rank's view of who needs which chunk and how chunks travel (same on all ranks)."""
+    """Every rank's view of who needs which chunk and how chunks travel (same on all ranks).
+
+    `needs` is bool [ranks, chunks]: whether a rank's queries see any key of a chunk. `phases` are
+    the routing phases, each (src, dst) -> chunk ids in increasing order, the messages in the order
+    they are posted (by receiver, then chunk; hierarchical: by chunk, then receiver)."""
 
     def __init__(self, mask: ColumnMask, plan: CPPlan, config: CPConfig):
         self.mask, self.plan, self.config = mask, plan, config
         self._union_masks: dict[tuple, ColumnMask] = {}
-        chunks = range(plan.num_chunks)
-        self.needs = []
-        for r in range(plan.world_size):
-            if not config.prune:
-                self.needs.append([True] * plan.num_chunks)
-                continue
-            # One localization against every key: visible rows per key column, summed per chunk.
-            visible = localize(mask, plan.assignment[r], chunks, plan.chunk_size).visible_counts()
-            per_chunk = visible.view(*visible.shape[:-1], plan.num_chunks, plan.chunk_size).sum(dim=(0, 1, 3))
-            self.needs.append((per_chunk > 0).tolist())
+        if config.prune:  # a rank needs a key chunk when any of its query chunks sees it
+            self.needs = chunk_visibility(mask, plan.chunk_size)[np.asarray(plan.assignment)].any(axis=1)
+        else:
+            self.needs = np.ones((plan.world_size, plan.num_chunks), dtype=bool)
         self.phases = self._routes()
 
     def needed(self, rank: int, chunks) -> list[int]:
         """The chunks among `chunks` that rank's queries need, sorted."""
-        return [c for c in sorted(chunks) if self.needs[rank][c]]
+        return [c for c in sorted(chunks) if self.needs[rank, c]]
 
     def union_mask(self, rank: int, chunks: list[int]) -> ColumnMask:
         """Localized mask of rank's queries against the sorted `chunks` concatenated."""
@@ -204,35 +203,44 @@ class _Layout:
     def _routes(self) -> list[dict[tuple[int, int], list[int]]]:
         """Messages per phase: (src, dst) -> chunk ids, in order."""
         plan, rpn = self.plan, self.config.ranks_per_node
-        world = plan.world_size
+        world, owner = plan.world_size, plan.chunk_owners
+        ranks = np.arange(world)
+        wanted = self.needs & (owner != ranks[:, None])  # [rank, chunk]: a remote chunk its queries see
         if rpn is None or rpn >= world:
-            direct: dict[tuple[int, int], list[int]] = {}
-            for dst in range(world):
-                for c in range(plan.num_chunks):
-                    src = plan.owner(c)
-                    if src != dst and self.needs[dst][c]:
-                        direct.setdefault((src, dst), []).append(c)
-            return [direct]
+            dst, chunk = np.nonzero(wanted)  # by receiver, then chunk
+            return [_messages(owner[chunk], dst, chunk, world)]
         if world % rpn:
             raise ValueError(f"ranks_per_node={rpn} must divide the world size {world}")
-        inter: dict[tuple[int, int], list[int]] = {}
-        intra: dict[tuple[int, int], list[int]] = {}
-        for c in range(plan.num_chunks):
-            src = plan.owner(c)
-            for node in range(world // rpn):
-                members = range(node * rpn, (node + 1) * rpn)
-                wanting = [r for r in members if self.needs[r][c] and r != src]
-                if not wanting:
-                    continue
-                if src in members:
-                    holder = src
-                else:  # one crossing per node: to the rank in the owner's slot there
-                    holder = node * rpn + src % rpn
-                    inter.setdefault((src, holder), []).append(c)
-                for r in wanting:
-                    if r != holder:
-                        intra.setdefault((holder, r), []).append(c)
+        nodes = np.arange(world // rpn)[:, None]
+        # One crossing per (chunk, node) that wants it, to the rank in the owner's slot there, which
+        # relays it inside its node; the owner's own node gets it from the owner.
+        at_home = nodes == owner // rpn  # [node, chunk]
+        holder = np.where(at_home, owner, nodes * rpn + owner % rpn)
+        crossing = wanted.reshape(len(nodes), rpn, -1).any(axis=1) & ~at_home
+        chunk, node = np.nonzero(crossing.T)  # by chunk, then node
+        inter = _messages(owner[chunk], holder[node, chunk], chunk, world)
+        relayed = wanted & (ranks[:, None] != holder[ranks // rpn])
+        chunk, dst = np.nonzero(relayed.T)  # by chunk, then receiver
+        intra = _messages(holder[dst // rpn, chunk], dst, chunk, world)
         return [inter, intra]
+
+
+def _messages(src: np.ndarray, dst: np.ndarray, chunks: np.ndarray, world: int) -> dict[tuple[int, int], list[int]]:
+    """Chunk sends (parallel arrays, in posting order) grouped into messages: (src, dst) -> chunk ids,
+    the pairs in the order of their first send."""
+    if not len(chunks):
+        return {}
+    pair = src * world + dst
+    order = np.argsort(pair, kind="stable")  # grouped by pair, each group in posting order
+    grouped = pair[order]
+    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+    ends = np.r_[starts[1:], len(pair)]
+    sent = chunks[order].tolist()
+    messages = {}
+    for g in np.argsort(order[starts], kind="stable"):
+        p = int(grouped[starts[g]])
+        messages[divmod(p, world)] = sent[starts[g] : ends[g]]
+    return messages
 
 
 _last_layout: tuple | None = None

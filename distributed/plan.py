@@ -8,7 +8,9 @@ tokens being those chunks concatenated in increasing order. Assignments: contigu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 
@@ -49,8 +51,15 @@ class CPPlan:
     def local_len(self) -> int:
         return len(self.assignment[0]) * self.chunk_size
 
+    @cached_property
+    def chunk_owners(self) -> np.ndarray:
+        """The rank holding each chunk, int64 [num_chunks]."""
+        owners = np.empty(self.num_chunks, dtype=np.int64)
+        owners[np.asarray(self.assignment)] = np.arange(self.world_size)[:, None]
+        return owners
+
     def owner(self, chunk: int) -> int:
-        return next(r for r, chunks in enumerate(self.assignment) if chunk in chunks)
+        return int(self.chunk_owners[chunk])
 
     def token_index(self, rank: int) -> torch.Tensor:
         """Global positions of rank's local tokens, in local order."""

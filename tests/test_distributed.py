@@ -17,6 +17,7 @@ from flashmask3.distributed import (
     CPPlan,
     balance,
     chunk_loads,
+    chunk_visibility,
     context_parallel,
     contiguous_assignment,
     cp_attention,
@@ -99,6 +100,95 @@ def test_localization_is_exact_for_every_variant(causal, width):
     mask = random_column_mask(gen, 1, 3, 96, 96, causal, width)
     for q_chunks, k_chunks in [([0, 5], [1, 2, 5]), ([2, 3], [0]), ([1, 4], [4, 5]), ([5], [0, 1, 2, 3, 4, 5])]:
         assert_localized(mask, q_chunks, k_chunks, 16)
+
+
+def clip_shift_max(values, chunk_starts, chunk_size):
+    """localize.py's rule as written: the max over the local chunks."""
+    out = torch.zeros_like(values)
+    for b, start in enumerate(chunk_starts):
+        local = (values - start).clamp(0, chunk_size)
+        out = torch.maximum(out, torch.where(local > 0, local + b * chunk_size, torch.zeros_like(local)))
+    return out
+
+
+def test_local_rows_below_is_the_clip_shift_max_rule():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        size, chunks = int(rng.integers(1, 9)), int(rng.integers(1, 12))
+        starts = [c * size for c in sorted(rng.choice(chunks, int(rng.integers(0, chunks + 1)), replace=False))]
+        values = torch.tensor(rng.integers(0, chunks * size + 1, 64), dtype=(torch.int32, torch.int64)[trial % 2])
+        got = local_rows_below(values, starts, size)
+        assert got.dtype == values.dtype and torch.equal(got, clip_shift_max(values, starts, size))
+
+
+def random_masks(count, seed=0, chunk_sizes=(1, 2, 4, 8)):
+    """(mask, chunk size) of every variant, random boundaries, 1-2 batches and heads, 1-11 chunks."""
+    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    for causal, width in VARIANTS:
+        for _ in range(count):
+            chunk = int(rng.choice(chunk_sizes))
+            seqlen = chunk * int(rng.integers(1, 12))
+            batch, heads = (int(x) for x in rng.integers(1, 3, 2))
+            yield random_column_mask(gen, batch, heads, seqlen, seqlen, causal, width), chunk
+
+
+def blockwise_visible(mask, chunk):
+    """[query chunk, key chunk]: any attended pair in the block, from the dense mask."""
+    n = mask.seqlen_q // chunk
+    return mask.to_dense().any(0).any(0).view(n, chunk, n, chunk).any(3).any(1).numpy()
+
+
+def test_chunk_visibility_is_the_dense_masks_blockwise_any():
+    for mask, chunk in random_masks(40):
+        assert np.array_equal(chunk_visibility(mask, chunk), blockwise_visible(mask, chunk))
+    for name in masks.MASK_NAMES:
+        mask = masks.build(name, 256, batch=2, heads=2, seed=3)
+        assert np.array_equal(chunk_visibility(mask, 32), blockwise_visible(mask, 32)), name
+
+
+def plain_routes(needs, plan, ranks_per_node):
+    """The routes written plainly, message by message (the order they are posted in)."""
+    world = plan.world_size
+    if ranks_per_node is None or ranks_per_node >= world:
+        direct = {}
+        for dst in range(world):
+            for c in range(plan.num_chunks):
+                if plan.owner(c) != dst and needs[dst][c]:
+                    direct.setdefault((plan.owner(c), dst), []).append(c)
+        return [direct]
+    inter, intra = {}, {}
+    for c in range(plan.num_chunks):
+        src = plan.owner(c)
+        for node in range(world // ranks_per_node):
+            members = range(node * ranks_per_node, (node + 1) * ranks_per_node)
+            wanting = [r for r in members if needs[r][c] and r != src]
+            if not wanting:
+                continue
+            holder = src if src in members else node * ranks_per_node + src % ranks_per_node
+            if holder != src:
+                inter.setdefault((src, holder), []).append(c)
+            for r in wanting:
+                if r != holder:
+                    intra.setdefault((holder, r), []).append(c)
+    return [inter, intra]
+
+
+def test_layouts_are_their_definition_on_random_masks_and_plans():
+    """Which chunks a rank needs (from the dense mask) and the routes, message by message."""
+    rng = np.random.default_rng(1)
+    for mask, chunk in random_masks(30, seed=1, chunk_sizes=(2, 4)):
+        chunks = mask.seqlen_q // chunk
+        world = int(rng.choice([w for w in (1, 2, 3, 4, 6, 8) if chunks % w == 0]))
+        plan = CPPlan(mask.seqlen_q, chunk, tuple(map(tuple, np.sort(rng.permutation(chunks).reshape(world, -1)))))
+        seen = blockwise_visible(mask, chunk)
+        needs = [seen[list(plan.assignment[r])].any(0) for r in range(world)]
+        for ranks_per_node in [None, *[n for n in (1, 2, 3, 4) if world % n == 0]]:
+            for prune in (True, False):
+                layout = context_parallel._Layout(mask, plan, CPConfig(prune=prune, ranks_per_node=ranks_per_node))
+                expected = needs if prune else np.ones((world, chunks), dtype=bool)
+                assert np.array_equal(layout.needs, expected)
+                routes = plain_routes(expected, plan, ranks_per_node)
+                assert [list(phase.items()) for phase in layout.phases] == [list(p.items()) for p in routes]
 
 
 def test_localize_rejects_unequal_lengths():
@@ -595,4 +685,4 @@ def test_layout_is_reused_and_rebuilt_after_an_in_place_mask_edit():
     assert context_parallel._layout_for(mask, plan, CPConfig()) is first
     mask.startend_row_indices[..., 1] = 0  # every key now visible to all earlier rows
     rebuilt = context_parallel._layout_for(mask, plan, CPConfig())
-    assert rebuilt is not first and rebuilt.needs != first.needs
+    assert rebuilt is not first and not np.array_equal(rebuilt.needs, first.needs)
