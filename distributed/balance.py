@@ -1,17 +1,18 @@
 """Sparsity-aware load balancing of query chunks over ranks (the HCC-IPO balancer).
 
 Workload of a query chunk: its non-skipped (query tile, key tile) pairs against the whole
-sequence, PARTIAL tiles weighted by a measured cost factor (they pay the element mask). Every
-rank gets the same number k of chunks (equal token counts); the assignment lowers the largest
-rank load by local search:
+sequence, PARTIAL tiles weighted by a measured cost factor (they pay the element mask), counted
+from each key block's runs of query tiles, never the tile grid. Every rank gets the same number k
+of chunks (equal token counts); the assignment lowers the largest rank load by local search:
 
 1. greedy longest-processing-time start: chunks by decreasing load, each to the lightest rank
    that still has room;
 2. iterative pairwise optimal re-partitioning (IPO): the heaviest rank and each partner pool their
    chunks and split them exactly (equal counts, smallest larger half, by dynamic programming over
-   loads quantized to 1/1000 of the largest chunk); the best improving split is applied; when no
-   pair helps, the heaviest rank and the two lightest are re-split exactly three ways (k <= 4);
-   stop when nothing improves or the lower bound is reached.
+   loads quantized to 1/1000 of the largest chunk); the best improving split is applied (partners
+   are tried lightest first and the search stops at the first whose pool's half cannot beat the
+   best split yet); when no pair helps, the heaviest rank and the two lightest others are re-split
+   exactly three ways (k <= 4); stop when nothing improves or the lower bound is reached.
 
 What that guarantees (on the quantized loads; tested against brute force on small cases):
 - the result is never worse than the longest-first start;
@@ -24,7 +25,7 @@ It is not optimal in general: on random loads (uniform 1-199) it misses the opti
 3 chunks in 15% of cases, by up to 6.3%, and of 5 x 3 in 31%, by up to 6.6% (1.0% / 0.1% of 3 x 4
 and 3 x 3; none found with 2 chunks per rank).
 
-The exact splits run in numba.
+The tile counts and the exact splits run in numba.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ import itertools
 
 import numba
 import numpy as np
-import torch
 
-from ..reference import PARTIAL, SKIP, ColumnMask
+from ..reference import ColumnMask
 
 PARTIAL_TILE_COST = 1.3
 """Cost of a PARTIAL tile relative to an UNMASKED one (element mask + lower issue rate)."""
@@ -45,14 +45,66 @@ _RESOLUTION = 1000  # largest quantized chunk load in the exact splits
 def chunk_loads(
     mask: ColumnMask, chunk_size: int, tile: int = 128, partial_cost: float = PARTIAL_TILE_COST
 ) -> np.ndarray:
-    """Workload of each query chunk (float64 [S / chunk_size]), summed over batch and mask heads."""
+    """Workload of each query chunk (float64 [Sq / chunk_size]), summed over batch and mask heads:
+    its UNMASKED tiles plus `partial_cost` times its PARTIAL tiles, as `ColumnMask.block_classes`
+    classifies them, counted exactly in O(B * Hm * Sk / tile + Sq / tile) without the tile grid."""
     if chunk_size % tile:
         raise ValueError(f"chunk_size {chunk_size} must be a multiple of the tile {tile}")
-    classes = mask.block_classes(tile, tile).classes
-    weight = torch.where(classes == PARTIAL, partial_cost, 1.0) * (classes != SKIP)
-    per_row_tile = weight.sum(dim=(0, 1, 3))  # [Tm]
-    per_chunk = per_row_tile.view(-1, chunk_size // tile).sum(-1)
-    return per_chunk.double().cpu().numpy()
+    if mask.seqlen_q % chunk_size:
+        raise ValueError(f"seqlen_q {mask.seqlen_q} must be a multiple of chunk_size {chunk_size}")
+    bounds = mask.block_bounds(tile)
+    per_key_block = bounds.reshape(8, -1, bounds.shape[-1]).cpu().numpy()  # [bound, batch x head, key block]
+    runs = _class_runs(per_key_block, mask.causal, mask.seqlen_q, mask.seqlen_k, tile)
+    partial, unmasked = runs.cumsum(axis=1)[:, :-1].reshape(2, -1, chunk_size // tile).sum(axis=2)
+    return unmasked + partial_cost * partial
+
+
+@numba.njit(cache=True)
+def _class_runs(bounds, causal: bool, seqlen_q: int, seqlen_k: int, tile: int) -> np.ndarray:
+    """Difference arrays over query tiles (int64 [2, row_tiles + 1]) whose prefix sums count, per
+    query tile, the PARTIAL (row 0) and UNMASKED (row 1) tiles of all key blocks.
+
+    Along one key block, each of `block_classes`' conditions holds on a run of query tiles m
+    (tile rows [mT, mT + T)): LT covers them for m in [ceil(LTS max / T), floor(LTE min / T)), LT
+    touches them for m in [floor(LTS min / T), ceil(LTE max / T)), UT alike, and the causal diagonal
+    skips m < floor((nT - offset) / T) and touches m < ceil((end of block n - 1 - offset) / T). The
+    class is constant between consecutive run ends, so each piece adds to one difference array.
+    """
+    offset, row_tiles = seqlen_k - seqlen_q, seqlen_q // tile  # the causal diagonal's, bottom-right
+    runs = np.zeros((2, row_tiles + 1), dtype=np.int64)
+    skip = np.zeros((3, 2), dtype=np.int64)
+    touch = np.zeros((3, 2), dtype=np.int64)
+    ends = np.zeros(14, dtype=np.int64)
+    for bh in range(bounds.shape[1]):
+        for n in range(bounds.shape[2]):
+            for i in range(2):  # LT, UT: bounds[4i:4i+4] = start min/max, end min/max
+                s_min, s_max = bounds[4 * i, bh, n], bounds[4 * i + 1, bh, n]
+                e_min, e_max = bounds[4 * i + 2, bh, n], bounds[4 * i + 3, bh, n]
+                skip[i, 0], skip[i, 1] = -(-s_max // tile), e_min // tile
+                touch[i, 0], touch[i, 1] = s_min // tile, -(-e_max // tile)
+            if causal:
+                block_end = min((n + 1) * tile, seqlen_k)
+                skip[2, 0], skip[2, 1] = 0, (n * tile - offset) // tile
+                touch[2, 0], touch[2, 1] = 0, -(-(block_end - 1 - offset) // tile)
+            for i in range(3):
+                for j in range(2):
+                    ends[4 * i + 2 * j] = min(max(skip[i, j], 0), row_tiles)
+                    ends[4 * i + 2 * j + 1] = min(max(touch[i, j], 0), row_tiles)
+            ends[12], ends[13] = 0, row_tiles
+            cuts = np.sort(ends)
+            for p in range(13):
+                m, stop = cuts[p], cuts[p + 1]
+                if m == stop:
+                    continue
+                skipped = touched = False
+                for i in range(3 if causal else 2):
+                    skipped |= skip[i, 0] <= m < skip[i, 1]
+                    touched |= touch[i, 0] <= m < touch[i, 1]
+                if not skipped:
+                    cls = 0 if touched else 1
+                    runs[cls, m] += 1
+                    runs[cls, stop] -= 1
+    return runs
 
 
 @numba.njit(cache=True)
@@ -65,14 +117,16 @@ def _best_split(weights: np.ndarray, k: int) -> np.ndarray:
     total = int(weights.sum())
     reach = np.zeros((n + 1, k + 1, total + 1), dtype=np.bool_)
     reach[0, 0, 0] = True
+    below = 0  # the sums reachable with the first i items are at most theirs
     for i in range(n):
         w = weights[i]
         for c in range(k + 1):
-            for s in range(total + 1):
+            for s in range(below + 1):
                 if reach[i, c, s]:
                     reach[i + 1, c, s] = True
                     if c < k:
                         reach[i + 1, c + 1, s + w] = True
+        below += w
     best, best_s = total + 1, -1
     for s in range(total + 1):
         if reach[n, k, s]:
@@ -133,43 +187,52 @@ def balance(loads, world_size: int, max_rounds: int = 200) -> tuple[tuple[int, .
     weights = np.rint(loads * scale).astype(np.int64)
 
     ranks: list[list[int]] = [[] for _ in range(world_size)]
+    rank_load = np.zeros(world_size, dtype=np.int64)
+    full = np.iinfo(np.int64).max
     for c in np.argsort(-weights, kind="stable"):
-        open_ranks = [r for r in range(world_size) if len(ranks[r]) < k]
-        ranks[min(open_ranks, key=lambda r: weights[ranks[r]].sum())].append(int(c))
+        r = int(np.argmin(np.where([len(chunks) < k for chunks in ranks], rank_load, full)))  # first lightest
+        ranks[r].append(int(c))
+        rank_load[r] += weights[c]
     target = int(np.ceil(lower_bound(weights, world_size)))
 
-    def load(r):
-        return int(weights[ranks[r]].sum())
+    def assign(r: int, chunks: list[int]) -> None:
+        ranks[r] = chunks
+        rank_load[r] = weights[chunks].sum()
 
     for _ in range(max_rounds):
-        heavy = max(range(world_size), key=load)
-        if load(heavy) <= target:
+        heavy = int(np.argmax(rank_load))  # the first heaviest
+        if rank_load[heavy] <= target:
             break
         best = None
-        for partner in sorted(range(world_size), key=load):
+        by_load = np.argsort(rank_load, kind="stable")  # lightest first, ties by rank
+        for partner in by_load.tolist():
             if partner == heavy:
                 continue
+            # The larger half of any split holds at least half the pool; partners come lightest
+            # first, so once that cannot beat the heaviest (or the best split yet), none can.
+            if -(-(rank_load[heavy] + rank_load[partner]) // 2) >= (rank_load[heavy] if best is None else best[0]):
+                break
             pool = ranks[heavy] + ranks[partner]
             chosen = _best_split(weights[pool], k)
             first = [c for c, pick in zip(pool, chosen) if pick]
             second = [c for c, pick in zip(pool, chosen) if not pick]
             new_max = max(weights[first].sum(), weights[second].sum())
-            if new_max < load(heavy) and (best is None or new_max < best[0]):
+            if new_max < rank_load[heavy] and (best is None or new_max < best[0]):
                 best = (new_max, partner, first, second)
         if best is None and world_size >= 3 and k <= 4:
-            light = sorted(range(world_size), key=load)[:2]
-            group = [heavy, *light]
+            group = [heavy, *[r for r in by_load.tolist() if r != heavy][:2]]  # with the two lightest others
             pool = [c for r in group for c in ranks[r]]
             parts = _best_three_way(weights[pool], k)
             new_max = max(weights[[pool[i] for i in p]].sum() for p in parts)
-            if new_max < load(heavy):
+            if new_max < rank_load[heavy]:
                 for r, p in zip(group, parts):
-                    ranks[r] = [pool[i] for i in p]
+                    assign(r, [pool[i] for i in p])
                 continue
         if best is None:
             break
         _, partner, first, second = best
-        ranks[heavy], ranks[partner] = first, second
+        assign(heavy, first)
+        assign(partner, second)
     return tuple(tuple(sorted(r)) for r in ranks)
 
 

@@ -1,5 +1,6 @@
 """Context parallelism: plans, localization, the balancer, and CP attention on gloo processes."""
 
+import importlib
 import itertools
 import os
 import socket
@@ -28,7 +29,7 @@ from flashmask3.distributed import (
     make_plan,
     zigzag_assignment,
 )
-from flashmask3.reference import ColumnMask, masks
+from flashmask3.reference import PARTIAL, UNMASKED, ColumnMask, masks
 from flashmask3.verify import random_inputs
 
 import flashmask3 as fm
@@ -191,6 +192,28 @@ def test_layouts_are_their_definition_on_random_masks_and_plans():
                 assert [list(phase.items()) for phase in layout.phases] == [list(p.items()) for p in routes]
 
 
+def test_chunk_loads_count_the_block_classes():
+    def counted(mask, chunk, tile):
+        classes = mask.block_classes(tile, tile).classes
+        per_row_tile = {c: (classes == c).sum(dim=(0, 1, 3)).numpy() for c in (PARTIAL, UNMASKED)}
+        per_chunk = {c: n.reshape(-1, chunk // tile).sum(-1) for c, n in per_row_tile.items()}
+        return per_chunk[UNMASKED] + 1.3 * per_chunk[PARTIAL]
+
+    gen, rng = torch.Generator().manual_seed(2), np.random.default_rng(2)
+    for causal, width in VARIANTS:
+        for trial in range(30):
+            tile = int(rng.choice([1, 2, 4, 8]))
+            chunk = tile * int(rng.integers(1, 4))
+            seqlen_q = chunk * int(rng.integers(1, 6))
+            seqlen_k = seqlen_q if trial % 2 else int(rng.integers(1, 3 * seqlen_q))  # bottom-right causal too
+            batch, heads = (int(x) for x in rng.integers(1, 3, 2))
+            mask = random_column_mask(gen, batch, heads, seqlen_q, seqlen_k, causal, width)
+            assert np.array_equal(chunk_loads(mask, chunk, tile), counted(mask, chunk, tile))
+    for name in masks.MASK_NAMES:
+        mask = masks.build(name, 1024, batch=2, heads=2, seed=3)
+        assert np.array_equal(chunk_loads(mask, 256, 64), counted(mask, 256, 64)), name
+
+
 def test_localize_rejects_unequal_lengths():
     mask = ColumnMask(torch.full((1, 1, 32, 1), 16, dtype=torch.int32), True, 16)
     with pytest.raises(ValueError, match="Sq == Sk"):
@@ -261,6 +284,68 @@ def test_balancer_keeps_its_guarantee_on_small_cases(world, per_rank):
 def test_balancer_is_a_local_search_not_an_exact_one():
     loads = np.array([44, 76, 98, 143, 75, 7, 150, 143, 195, 134, 70, 63], dtype=float)
     assert check_balancer_guarantee(loads, 4) == (309, 302)
+
+
+def test_the_three_way_step_re_splits_the_heaviest_with_two_other_ranks():
+    # Two ranks tie at the top: the heaviest was once among "the two lightest" and re-split with
+    # itself, ending at 417.
+    loads = np.array([1, 84, 69, 195, 163, 71, 157, 64, 118, 87, 128, 106], dtype=float)
+    assert check_balancer_guarantee(loads, 3) == (416, 416)
+
+
+def plain_balance(loads, world, max_rounds=200):
+    """The balancer's search written plainly (loads summed on demand, every partner split): the
+    oracle of the one that keeps loads up to date and stops at partners that cannot win."""
+    splits = importlib.import_module("flashmask3.distributed.balance")
+    loads = np.asarray(loads, dtype=np.float64)
+    k = len(loads) // world
+    weights = np.rint(loads * 1000 / max(loads.max(), 1e-12)).astype(np.int64)
+    ranks = [[] for _ in range(world)]
+    for c in np.argsort(-weights, kind="stable"):
+        ranks[min((r for r in range(world) if len(ranks[r]) < k), key=lambda r: weights[ranks[r]].sum())].append(int(c))
+    target = int(np.ceil(lower_bound(weights, world)))
+
+    def load(r):
+        return int(weights[ranks[r]].sum())
+
+    for _ in range(max_rounds):
+        heavy = max(range(world), key=load)
+        if load(heavy) <= target:
+            break
+        best = None
+        for partner in sorted(range(world), key=load):
+            if partner == heavy:
+                continue
+            pool = ranks[heavy] + ranks[partner]
+            chosen = splits._best_split(weights[pool], k)
+            first = [c for c, pick in zip(pool, chosen) if pick]
+            second = [c for c, pick in zip(pool, chosen) if not pick]
+            new_max = max(weights[first].sum(), weights[second].sum())
+            if new_max < load(heavy) and (best is None or new_max < best[0]):
+                best = (new_max, partner, first, second)
+        if best is None and world >= 3 and k <= 4:
+            group = [heavy, *[r for r in sorted(range(world), key=load) if r != heavy][:2]]
+            pool = [c for r in group for c in ranks[r]]
+            parts = splits._best_three_way(weights[pool], k)
+            if max(weights[[pool[i] for i in p]].sum() for p in parts) < load(heavy):
+                for r, p in zip(group, parts):
+                    ranks[r] = [pool[i] for i in p]
+                continue
+        if best is None:
+            break
+        _, partner, ranks[heavy], ranks[partner] = best
+    return tuple(tuple(sorted(r)) for r in ranks)
+
+
+def test_the_balancer_is_its_plain_search():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        world, k = int(rng.integers(1, 9)), int(rng.integers(1, 7))
+        loads = rng.integers(1, 200, world * k).astype(float) if trial % 2 else rng.lognormal(0, 1, world * k)
+        rounds = int(rng.integers(0, 6)) if trial % 5 == 0 else 200
+        assert balance(loads, world, rounds) == plain_balance(loads, world, rounds), (world, k, loads.tolist())
+    loads = chunk_loads(masks.build("causal_document", 65536, seed=1), 256)  # 256 chunks on 32 ranks
+    assert balance(loads, 32) == plain_balance(loads, 32)
 
 
 @pytest.mark.parametrize("name", ["causal", "causal_document", "share_question", "random_eviction"])
