@@ -7,8 +7,8 @@ Every rank holds its query/key/value chunks (see plan.py) and the global ColumnM
   are posted first; attention on the rank's own chunks runs while they travel (overlap); remote
   chunks follow, and partial results merge by LSE. With `ranks_per_node`, routing is hierarchical:
   a chunk crosses to another node once, to the rank in the same slot there, which relays it inside
-  its node. Backward: dK/dV of remote chunks travel the same routes back and are summed at the
-  owners (pruned the same way); dQ stays local.
+  its node. Backward: the remote chunks first, then the own chunks while the remote chunks' dK/dV
+  travel the same routes back, summed at the owners (pruned the same way); dQ stays local.
 - "ring": Megatron-style ring; every rank's KV passes around the ring, the next block posted before
   the current one is computed; dK/dV travel with it in the backward and arrive summed at the owner.
 - "allgather": plain all-gather of K and V, local attention on everything; dK/dV reduce-scattered
@@ -63,8 +63,8 @@ class CPConfig:
         scheme: "mask_aware" (pruned point-to-point all-gather), "ring" or "allgather".
         prune: skip chunks a receiver's queries cannot see (mask_aware: not sent; all schemes: not
             computed).
-        overlap: mask_aware only: compute on local chunks while remote chunks travel (the ring
-            always overlaps).
+        overlap: mask_aware only: compute on local chunks while remote chunks travel, and in the
+            backward while their dK/dV travel back (the ring always overlaps).
         ranks_per_node: mask_aware only: route hierarchically with this many consecutive group
             ranks per node (None: one level). Checked against the hosts' names at the first call.
         backend: local attention kernels, forward and backward: "cute" (the Hopper kernels; an
@@ -476,7 +476,7 @@ class _LocalAttention:
             return _merge(acc, part)
 
     def backward(self, dout, q, out, lse, kv: dict[int, torch.Tensor], grads: dict, dq, span: str):
-        """`dq` plus the dQ against the needed chunks of `kv`; their [dK; dV] go into `grads`."""
+        """`dq` plus the dQ against the needed chunks of `kv`; their [dK; dV] are added into `grads`."""
         needed = self.layout.needed(self.rank, kv)
         if not needed:
             return dq
@@ -491,7 +491,8 @@ class _LocalAttention:
                 self.layout.union_mask(self.rank, needed),
                 self.scale,
             )
-            grads.update(_split(dkv, needed, self.plan.chunk_size))
+            for c, g in _split(dkv, needed, self.plan.chunk_size).items():
+                grads[c] = grads[c] + g if c in grads else g
             return part if dq is None else dq + part
 
     def own_chunks(self, local: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -565,24 +566,32 @@ def _forward_mask_aware(attn, comm, q, local):
 
 
 def _backward_mask_aware(attn, comm, dout, q, out, lse, local, remote_kv):
-    local_kv, dq = attn.own_chunks(local), None
+    """Remote chunks first, then the own chunks while the remote chunks' dK/dV travel home (the
+    last return phase: the inter-node one where routing is hierarchical). The dK/dV go back in the
+    accumulator dtype, twice the bytes of a bf16 K/V fetch, so hiding the return rather than the
+    K/V fetch (as the forward hides it) hides the larger transfer."""
+    local_kv = attn.own_chunks(local)
     grads: dict[int, torch.Tensor] = {}
+    if remote_kv is None:
+        remote_kv = _fetch_remote_kv(attn, comm, local_kv, lambda: None)
+    dq = attn.backward(dout, q, out, lse, remote_kv, grads, None, "compute_remote")
 
-    def local_grads():
+    def own_grads():
         nonlocal dq
         dq = attn.backward(dout, q, out, lse, local_kv, grads, dq, "compute_local")
 
-    if remote_kv is None:
-        remote_kv = _fetch_remote_kv(attn, comm, local_kv, local_grads)
-    else:
-        local_grads()
-    dq = attn.backward(dout, q, out, lse, remote_kv, grads, dq, "compute_remote")
+    overlap = attn.layout.config.overlap
+    if not overlap:
+        own_grads()
     # dK/dV home along the routes reversed; relays and owners add what arrives.
     shape, dtype = tuple(local_kv[attn.own[0]].shape), _compute_dtype(q)
-    for messages in reversed(attn.layout.phases):
+    phases = list(reversed(attn.layout.phases))
+    for phase, messages in enumerate(phases):
         back = {(dst, src): chunks for (src, dst), chunks in messages.items()}
-        received = comm.wait(_post_phase(comm, back, grads, shape, dtype, "dkv"))
-        for c, g in _arrivals(back, received, comm.rank, attn.plan.chunk_size):
+        pending = _post_phase(comm, back, grads, shape, dtype, "dkv")
+        if overlap and phase == len(phases) - 1:
+            own_grads()
+        for c, g in _arrivals(back, comm.wait(pending), comm.rank, attn.plan.chunk_size):
             grads[c] = grads[c] + g if c in grads else g
     return dq, grads
 

@@ -491,6 +491,56 @@ def test_ring_posts_the_next_block_before_computing(tmp_path):
         )
 
 
+def _mask_aware_backward_order(rank, world):
+    cp = context_parallel
+    log = []
+    cp._Comm.post = _recorded(log, lambda comm, sends, recvs, what: f"post {what}", cp._Comm.post)
+    cp._Comm.wait = _recorded(log, lambda comm, pending: f"wait {pending.what}", cp._Comm.wait)
+    cp._LocalAttention.backward = _recorded(log, lambda *args: args[-1], cp._LocalAttention.backward)
+    mask, inputs, expected = single_device("full", 256)
+    plan = make_plan(256, world, 2, "zigzag")
+    logs, err = {}, 0.0
+    for name, config in (
+        ("fetched again", CPConfig()),
+        ("held", CPConfig(hold_remote_kv=True)),
+        ("hierarchical", CPConfig(ranks_per_node=2)),
+        ("no overlap", CPConfig(overlap=False)),
+    ):
+        q, k, v, dout = inputs
+        local = [plan.shard(x, rank).clone().requires_grad_() for x in (q, k, v)]
+        out = cp_attention(*local, mask, plan, config=config)
+        log[:] = []
+        grads = torch.autograd.grad(out, local, plan.shard(dout, rank))
+        logs[name] = log[:]
+        err = max(err, max_error(rank, plan, (out, *grads), expected))
+    return logs, err
+
+
+def test_mask_aware_backward_computes_the_own_chunks_while_dkdv_travel_home(tmp_path):
+    """Remote chunks first; their dK/dV are posted, then the own chunks' backward runs before the
+    wait (in the last return phase, the inter-node one where routing is hierarchical)."""
+    for logs, err in run_ranks(tmp_path, 4, _mask_aware_backward_order):
+        assert err < 1e-10
+        assert logs["fetched again"] == [
+            "post kv",
+            "wait kv",
+            "compute_remote",
+            "post dkv",
+            "compute_local",
+            "wait dkv",
+        ]
+        assert logs["held"] == ["compute_remote", "post dkv", "compute_local", "wait dkv"]
+        assert logs["hierarchical"] == ["post kv", "wait kv"] * 2 + [
+            "compute_remote",
+            "post dkv",
+            "wait dkv",
+            "post dkv",
+            "compute_local",
+            "wait dkv",
+        ]
+        assert logs["no overlap"] == ["post kv", "wait kv", "compute_remote", "compute_local", "post dkv", "wait dkv"]
+
+
 def _block_diagonal(seqlen, starts):
     """Documents starting at `starts`, each attending to itself (non-causal)."""
     doc = torch.zeros(seqlen, dtype=torch.long)
