@@ -1,22 +1,41 @@
-"""A cost model (a model, not a measurement) of CP attention forward time per scheme.
+"""A cost model (a model, not a measurement) of CP attention time per rank, forward and backward.
 
-Compute: every rank's non-skipped 128 x 128 tiles against the keys it attends, partial tiles
-weighted by PARTIAL_TILE_COST, at a sustained kernel rate (default: the forward kernel's full-mask
-577 TFLOP/s measured on the H200 at 8K). Communication: the bytes each rank sends and receives,
-per link (NVLink 450 GB/s per direction inside a node, 400 Gb/s = 50 GB/s per GPU between nodes);
-a rank's transfer time is its larger direction on its slowest link in use.
+It follows the order of operations of the code (default config: pruning, overlap), per rank:
 
-- mask_aware: local chunks overlap the transfers: max(compute_local, comm) + compute_remote.
-- ring: R steps, each max(compute of the block, one block transfer); the first step has no wait.
-- allgather: all-gather first (every chunk to every rank), then all compute.
-Overlap efficiency = the part of the transfer time hidden under compute.
+- Compute: each kernel call the code makes costs its tiles at the kernel's sustained rate:
+  non-skipped 128 x 128 tiles, PARTIAL ones weighted by PARTIAL_TILE_COST, the forward at 577
+  TFLOP/s and the backward (2.5x the forward's FLOPs) at 533 TFLOP/s, both measured on the H200 at
+  8K with the full mask (bwd_bench_v13_8k_fmv3_cudnn.json: fwd+bwd 544 TFLOP/s). Calls per
+  direction: mask_aware two (the own chunks, the remote chunks; none for an empty set), ring one
+  per step whose block the rank needs, allgather one. With `fit`, each call costs the fitted rank
+  time below instead.
+- Communication: bytes per link (NVLink 450 GB/s per direction inside a node, 400 Gb/s = 50 GB/s
+  per GPU between nodes); one batch of messages takes a rank its larger direction on its slowest
+  link in use. K/V travel in the input dtype, dK/dV in fp32 (the accumulator the code sends).
+  Hierarchical routing's phases run one after the other (the relays forward what the first
+  brought), so their times add.
+
+Per scheme, with C_p the K/V routes' phase p (C_0 inter-node where hierarchical), D_p the dK/dV
+return of phase p, F / B forward / backward calls on the own (o) and remote (r) chunks or on the
+ring's step s, X one K/V block and Y one dK/dV block to the next rank:
+- mask_aware: forward max(F_o, C_0) + C_1 + F_r (the own chunks computed while phase 0 travels);
+  backward C_0 + C_1 (K/V fetched again; none with `hold_remote_kv`) + B_r + D_1 + max(B_o, D_0)
+  (the own chunks' backward while the last return phase travels).
+- ring: forward sum over s < R-1 of max(F_s, X), + F_{R-1} (step s computes while block s+1
+  travels); backward max(B_0, X) + sum over 0 < s < R-1 of max(B_s, X + Y) + max(B_{R-1}, Y) + Y
+  (the next K/V block and the previous step's dK/dV accumulator share the link; X = 0 when held).
+- allgather: forward all-gather, then one call; backward the all-gather again (unless held), one
+  call, the reduce-scatter of dK/dV.
+Overlap efficiency = the part of the transfer time hidden under compute, both directions.
 
 `RankTimeFit`: the mask-aware rank's measured compute time is not tiles / rate alone. Fitted on the
 H200 rank-by-rank timings (scripts/cp_calibrate.py, bench/results/cp_calibration.json), it is
     seconds = fixed + per_load * (its chunks' workload) + per_needed_chunk * (KV chunks it needs),
 the last term being the cost of each extra KV chunk in the union call (gathering it, its mask
-and tile plan); the fixed part (~1.8 ms per rank call) is the robust finding.
-`predict(..., fit=RankTimeFit())` uses it for the mask-aware compute.
+and tile plan); the fixed part (~1.8 ms per rank call) is the robust finding. It was fitted on
+one forward call per rank; `predict(..., fit=RankTimeFit())` charges it per call of every scheme,
+the backward's per-load term scaled by its FLOPs and rate (its fixed and per-chunk costs are
+assumed the forward's: unmeasured).
 """
 
 from __future__ import annotations
@@ -30,11 +49,15 @@ from .plan import CPPlan
 
 NVLINK_BPS = 450e9
 INTER_NODE_BPS = 400e9 / 8
+BACKWARD_FLOPS = 2.5
+"""Backward FLOPs per forward FLOP (five matmuls to two)."""
+_GRAD_BYTES = 4  # dK/dV travel in fp32
 
 
 @dataclass(frozen=True)
 class Hardware:
-    tflops: float = 577.0  # sustained kernel rate on unmasked work
+    tflops: float = 577.0  # sustained forward kernel rate on unmasked work
+    bwd_tflops: float = 533.0  # sustained backward kernel rate (2.5x the forward's FLOPs)
     ranks_per_node: int = 8
     nvlink_bps: float = NVLINK_BPS
     inter_node_bps: float = INTER_NODE_BPS
@@ -55,11 +78,11 @@ class RankTimeFit:
         return self.fixed_s + self.per_load_s * load + self.per_needed_chunk_s * needed_chunks
 
 
-def _tile_seconds(local: ColumnMask, heads: int, head_dim: int, hw: Hardware) -> float:
+def _tile_weight(local: ColumnMask) -> float:
+    """Non-skipped 128 x 128 tiles, PARTIAL ones weighted, over batch and mask heads (the units of
+    `chunk_loads`)."""
     classes = local.block_classes(128, 128).classes
-    weight = ((classes == PARTIAL) * PARTIAL_TILE_COST + (classes > PARTIAL)).sum().item()
-    weight *= heads // local.heads
-    return weight * 4 * 128 * 128 * head_dim / (hw.tflops * 1e12)
+    return float(((classes == PARTIAL) * PARTIAL_TILE_COST + (classes > PARTIAL)).sum())
 
 
 def predict(
@@ -72,68 +95,109 @@ def predict(
     hw: Hardware = Hardware(),
     bytes_per_elem: int = 2,
     fit: RankTimeFit | None = None,
-    loads=None,
+    hold_remote_kv: bool = False,
 ) -> dict:
-    """Modeled per-rank forward seconds, the slowest rank, and the overlap efficiency.
+    """Modeled per-rank seconds, forward and backward, the slowest rank and the overlap efficiency.
 
-    With `fit` (and the plan's `chunk_loads` as `loads`), the mask-aware compute of a rank comes
-    from the fitted rank-time model instead of tiles at the kernel rate, split between local and
-    remote chunks in proportion to their tile time.
+    Returns {"scheme", "slowest_rank_s" (forward + backward), "slowest_forward_s",
+    "slowest_backward_s", "overlap_efficiency", "per_rank": [{"forward_s", "backward_s", "total_s",
+    "compute_s", "comm_s", "hidden_s"}]}. With `fit`, each kernel call costs `fit.seconds` of its
+    load and chunks instead of its tiles at the kernel rate.
     """
     world, chunk = plan.world_size, plan.chunk_size
-    chunk_bytes = 2 * chunk * kv_heads * head_dim * bytes_per_elem
+    kv_bytes = 2 * chunk * kv_heads * head_dim * bytes_per_elem
+    grad_bytes = kv_bytes // bytes_per_elem * _GRAD_BYTES
     layout = _Layout(mask, plan, CPConfig(scheme="mask_aware", ranks_per_node=hw.ranks_per_node))
+    flops_per_weight = 4 * 128 * 128 * head_dim * heads / mask.heads
 
-    def node(r):
-        return r // hw.ranks_per_node
+    def call_s(weight: float, chunks: int, backward: bool) -> float:
+        """One kernel call on `chunks` needed chunks of total tile weight `weight` (none: no call)."""
+        if not chunks:
+            return 0.0
+        if fit is not None:
+            return fit.seconds(weight * (BACKWARD_FLOPS * hw.tflops / hw.bwd_tflops if backward else 1.0), chunks)
+        flops = weight * flops_per_weight * (BACKWARD_FLOPS if backward else 1.0)
+        return flops / ((hw.bwd_tflops if backward else hw.tflops) * 1e12)
+
+    def batch_s(messages: dict, rank: int, chunk_bytes: int, back: bool = False) -> float:
+        """One batch of messages (reversed where `back`): the rank's larger direction, slowest link."""
+        sent, received = {"nv": 0, "ib": 0}, {"nv": 0, "ib": 0}
+        for (src, dst), chunks in messages.items():
+            if back:
+                src, dst = dst, src
+            link = "nv" if src // hw.ranks_per_node == dst // hw.ranks_per_node else "ib"
+            if src == rank:
+                sent[link] += len(chunks) * chunk_bytes
+            if dst == rank:
+                received[link] += len(chunks) * chunk_bytes
+        return max(max(sent["nv"], received["nv"]) / hw.nvlink_bps, max(sent["ib"], received["ib"]) / hw.inter_node_bps)
 
     per_rank = []
     for r in range(world):
+        weights = {c: _tile_weight(layout.union_mask(r, [c])) for c in layout.needed(r, range(plan.num_chunks))}
+
+        def calls(chunks, backward: bool) -> float:
+            needed = [c for c in chunks if c in weights]
+            return call_s(sum(weights[c] for c in needed), len(needed), backward)
+
         own = plan.assignment[r]
-        compute = {
-            c: _tile_seconds(layout.union_mask(r, [c]), heads, head_dim, hw)
-            for c in range(plan.num_chunks)
-            if layout.needs[r][c]
-        }
-        local_s = sum(v for c, v in compute.items() if c in own)
-        remote_s = sum(v for c, v in compute.items() if c not in own)
-        if fit is not None and scheme == "mask_aware":
-            fitted = fit.seconds(float(sum(loads[c] for c in own)), len(compute))
-            share = local_s / (local_s + remote_s) if local_s + remote_s else 1.0
-            local_s, remote_s = fitted * share, fitted * (1 - share)
+        remote = [c for c in weights if c not in own]
         if scheme == "mask_aware":
-            out_b = {"nv": 0, "ib": 0}
-            in_b = {"nv": 0, "ib": 0}
-            for phase in layout.phases:
-                for (src, dst), chunks in phase.items():
-                    link = "nv" if node(src) == node(dst) else "ib"
-                    if src == r:
-                        out_b[link] += len(chunks) * chunk_bytes
-                    if dst == r:
-                        in_b[link] += len(chunks) * chunk_bytes
-            comm = max(max(out_b["nv"], in_b["nv"]) / hw.nvlink_bps, max(out_b["ib"], in_b["ib"]) / hw.inter_node_bps)
-            total = max(local_s, comm) + remote_s
-            hidden = min(comm, local_s)
+            fetch = [batch_s(phase, r, kv_bytes) for phase in layout.phases]
+            back = [batch_s(phase, r, grad_bytes, back=True) for phase in layout.phases]
+            f_own, f_remote = calls(own, False), calls(remote, False)
+            b_own, b_remote = calls(own, True), calls(remote, True)
+            refetch = 0.0 if hold_remote_kv else sum(fetch)
+            forward = max(f_own, fetch[0]) + sum(fetch[1:]) + f_remote
+            backward = refetch + b_remote + sum(back[1:]) + max(b_own, back[0])
+            compute = f_own + f_remote + b_own + b_remote
+            comm = sum(fetch) + refetch + sum(back)
+            hidden = min(f_own, fetch[0]) + min(b_own, back[0])
         else:
-            cross = world > hw.ranks_per_node
-            bps = hw.inter_node_bps if cross else hw.nvlink_bps
-            block = len(plan.assignment[r]) * chunk_bytes
+            bps = hw.inter_node_bps if world > hw.ranks_per_node else hw.nvlink_bps
+            block_kv = len(own) * kv_bytes / bps
+            block_grad = len(own) * grad_bytes / bps
+            refetch = 0.0 if hold_remote_kv else block_kv
             if scheme == "ring":
-                steps = [sum(compute.get(c, 0.0) for c in plan.assignment[(r - s) % world]) for s in range(world)]
-                step_comm = block / bps
-                total = steps[0] + sum(max(s, step_comm) for s in steps[1:])
-                comm = step_comm * (world - 1)
-                hidden = sum(min(s, step_comm) for s in steps[1:])
+                blocks = [plan.assignment[(r - s) % world] for s in range(world)]
+                f_steps = [calls(b, False) for b in blocks]
+                b_steps = [calls(b, True) for b in blocks]
+                # What travels during each step's compute: forward, the next K/V block; backward,
+                # the next K/V block and the previous step's dK/dV accumulator (the last step's
+                # accumulator goes home after it).
+                f_comm = [block_kv] * (world - 1) + [0.0]
+                b_comm = [refetch + block_grad * (s > 0) for s in range(world - 1)] + [block_grad * (world > 1)]
+                home = block_grad * (world > 1)
+                forward = sum(max(f, c) for f, c in zip(f_steps, f_comm))
+                backward = sum(max(b, c) for b, c in zip(b_steps, b_comm)) + home
+                compute = sum(f_steps) + sum(b_steps)
+                comm = sum(f_comm) + sum(b_comm) + home
+                hidden = sum(min(f, c) for f, c in zip(f_steps, f_comm)) + sum(
+                    min(b, c) for b, c in zip(b_steps, b_comm)
+                )
             else:
-                comm = block * (world - 1) / bps
-                total = comm + local_s + remote_s
-                hidden = 0.0
-        per_rank.append({"compute_s": local_s + remote_s, "comm_s": comm, "total_s": total, "hidden_s": hidden})
-    slowest = max(p["total_s"] for p in per_rank)
+                gather, scatter = block_kv * (world - 1), block_grad * (world - 1)
+                f_all, b_all = calls(range(plan.num_chunks), False), calls(range(plan.num_chunks), True)
+                refetch = 0.0 if hold_remote_kv else gather
+                forward = gather + f_all
+                backward = refetch + b_all + scatter
+                compute, comm, hidden = f_all + b_all, gather + refetch + scatter, 0.0
+        per_rank.append(
+            {
+                "forward_s": forward,
+                "backward_s": backward,
+                "total_s": forward + backward,
+                "compute_s": compute,
+                "comm_s": comm,
+                "hidden_s": hidden,
+            }
+        )
     comm_total = sum(p["comm_s"] for p in per_rank)
     return {
         "scheme": scheme,
-        "slowest_rank_s": slowest,
+        "slowest_rank_s": max(p["total_s"] for p in per_rank),
+        "slowest_forward_s": max(p["forward_s"] for p in per_rank),
+        "slowest_backward_s": max(p["backward_s"] for p in per_rank),
         "overlap_efficiency": (sum(p["hidden_s"] for p in per_rank) / comm_total) if comm_total else 1.0,
         "per_rank": per_rank,
     }

@@ -7,9 +7,9 @@ workload, workload = non-skipped 128 x 128 tiles, partial tiles weighted) of the
 zigzag and balanced assignments; the balancer's run time; and the KV bytes each scheme sends per
 layer (bf16, 8 KV heads x 128 = one GQA layer of hidden 4096), counted from the actual routes:
 plain all-gather and ring send every chunk to every other rank, the mask-aware all-gather only
-the chunks a receiver's queries can see. With --model, also the cost model's predicted forward
-TFLOP/s per GPU of each scheme (distributed/cost_model.py: a model, not a measurement; 32 query
-heads, balanced plan for mask_aware, zigzag for ring and all-gather). Writes JSON to
+the chunks a receiver's queries can see. With --model, also the cost model's predicted forward +
+backward TFLOP/s per GPU of each scheme (distributed/cost_model.py: a model, not a measurement; 32
+query heads, 3.5x the forward FLOPs, balanced plan for mask_aware, zigzag for ring and all-gather). Writes JSON to
 runs/cp_report_<K>k_per_rank.json (or --out; the committed one is bench/results/), prints a table.
 """
 
@@ -32,13 +32,13 @@ KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
 
 
 def modeled(mask, seqlen: int, world: int, per_rank: int, loads) -> dict:
-    """Cost-model TFLOP/s per GPU (unmasked work) and overlap efficiency of each scheme."""
+    """Cost-model forward + backward TFLOP/s per GPU (unmasked work) and overlap efficiency of each scheme."""
     heads, kv_heads, head_dim = 32, 8, 128
-    flops = 4.0 * seqlen * seqlen * mask.density() * heads * head_dim
+    flops = 3.5 * 4.0 * seqlen * seqlen * mask.density() * heads * head_dim
     out = {}
     for scheme, assignment in (("mask_aware", "balanced"), ("ring", "zigzag"), ("allgather", "zigzag")):
         plan = make_plan(seqlen, world, per_rank, assignment, loads)
-        pred = predict(mask, plan, scheme, heads, kv_heads, head_dim, Hardware(), fit=RankTimeFit(), loads=loads)
+        pred = predict(mask, plan, scheme, heads, kv_heads, head_dim, Hardware(), fit=RankTimeFit())
         out[f"{scheme}_tflops_per_gpu"] = flops / world / pred["slowest_rank_s"] / 1e12
         out[f"{scheme}_overlap"] = pred["overlap_efficiency"]
     return out
@@ -81,12 +81,12 @@ def main() -> None:
     result = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "rows": rows}
     if args.model:
         result["model"] = {
-            "kind": "cost model, not a measurement",
+            "kind": "cost model of forward + backward, not a measurement",
             "hardware": Hardware().__dict__,
             "mask_aware_rank_time": RankTimeFit().__dict__,
         }
     out.write_text(result_json(result))
-    model = " model TFLOP/s/GPU: mask-aware ring allgather" if args.model else ""
+    model = " model fwd+bwd TFLOP/s/GPU: mask-aware ring allgather" if args.model else ""
     print(
         f"{'mask':24s} {'R':>3s} {'contig':>7s} {'zigzag':>7s} {'balanced':>8s} {'bal ms':>7s} {'AG MB':>8s} "
         f"{'MA MB':>8s}{model}"

@@ -799,18 +799,59 @@ def test_cost_model_orders_the_schemes():
     assert results["allgather"]["overlap_efficiency"] == 0.0
 
 
-def test_fitted_rank_time_replaces_the_tile_rate_for_mask_aware_compute():
+def test_cost_model_follows_the_codes_calls_phases_and_overlap():
+    """Times by hand, in ms: one chunk (k and v, 128 tokens x 64, bf16) takes 1 ms over NVLink and
+    10 ms between nodes, its dK/dV (fp32) twice that; each kernel call costs 1 ms."""
     from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
 
+    chunk_bytes = 2 * 128 * 64 * 2
+    fit = RankTimeFit(fixed_s=1e-3, per_load_s=0.0, per_needed_chunk_s=0.0)
+    mask, plan = masks.build("full", 1024), make_plan(1024, 4, 2, "zigzag")
+
+    def modeled(scheme, ranks_per_node=8, hold=False):
+        hw = Hardware(ranks_per_node=ranks_per_node, nvlink_bps=chunk_bytes * 1e3, inter_node_bps=chunk_bytes * 1e2)
+        result = predict(mask, plan, scheme, 1, 1, 64, hw, fit=fit, hold_remote_kv=hold)
+        (rank_times,) = {tuple(round(v * 1e3, 9) for v in r.values()) for r in result["per_rank"]}  # same on all
+        return dict(zip(("forward", "backward", "total", "compute", "comm", "hidden"), rank_times))
+
+    # Mask-aware, one node: each rank sends its 2 chunks to 3 ranks (6 ms) while computing its own
+    # (1 ms), then the remote call; backward: fetch again, remote call, dK/dV home (12 ms) under
+    # the own chunks' call. Two calls per direction.
+    assert modeled("mask_aware") == dict(forward=7, backward=19, total=26, compute=4, comm=24, hidden=2)
+    assert modeled("mask_aware", hold=True)["backward"] == 1 + 12
+    # Two nodes of 2: the inter-node phase (2 chunks, 20 ms) and the relays' phase (4 chunks, 4 ms)
+    # add up: forward max(1, 20) + 4 + 1; backward 20 + 4 + 1 + 8 (relays' dK/dV) + max(1, 40).
+    hierarchical = modeled("mask_aware", ranks_per_node=2)
+    assert (hierarchical["forward"], hierarchical["backward"]) == (25, 73)
+    assert modeled("mask_aware", ranks_per_node=2, hold=True)["backward"] == 1 + 8 + 40
+    # Ring, 4 steps, one call each: a 2 ms block travels under each step but the last; backward,
+    # the block and the 4 ms dK/dV accumulator share the link, the last accumulator goes home.
+    assert modeled("ring") == dict(
+        forward=3 * 2 + 1, backward=2 + 2 * 6 + 4 + 4, total=29, compute=8, comm=6 + 22, hidden=7
+    )
+    assert modeled("ring", hold=True)["backward"] == 1 + 2 * 4 + 4 + 4
+    # All-gather: 3 blocks in (6 ms), one call; backward gathers again, reduce-scatters 3 x 4 ms.
+    assert modeled("allgather") == dict(forward=7, backward=6 + 1 + 12, total=26, compute=2, comm=24, hidden=0)
+
+
+def test_cost_model_charges_the_fit_per_kernel_call():
+    from flashmask3.distributed.cost_model import BACKWARD_FLOPS, Hardware, RankTimeFit, predict
+
     mask = masks.build("share_question", 8192, seed=2)
-    loads = chunk_loads(mask, 1024)
-    plan = make_plan(8192, 4, 2, "balanced", loads)
+    plan = make_plan(8192, 4, 2, "balanced", chunk_loads(mask, 1024))
     layout = context_parallel._Layout(mask, plan, CPConfig())
-    fit = RankTimeFit(fixed_s=1e-3, per_load_s=2e-6, per_needed_chunk_s=5e-5)
-    result = predict(mask, plan, "mask_aware", 32, 8, 128, Hardware(), fit=fit, loads=loads)
+    fit = RankTimeFit(fixed_s=1e-3, per_load_s=0.0, per_needed_chunk_s=5e-5)
+    result = predict(mask, plan, "mask_aware", 32, 8, 128, Hardware(), fit=fit)
     for rank, per_rank in enumerate(result["per_rank"]):
-        expected = 1e-3 + 2e-6 * loads[list(plan.assignment[rank])].sum() + 5e-5 * sum(layout.needs[rank])
-        assert per_rank["compute_s"] == pytest.approx(expected, rel=1e-9)
+        needed = layout.needed(rank, range(plan.num_chunks))
+        calls = len({c in plan.assignment[rank] for c in needed})  # own chunks, remote chunks, or both
+        assert per_rank["compute_s"] == pytest.approx(2 * (calls * 1e-3 + 5e-5 * len(needed)), rel=1e-12)
+    # The per-load term: forward at the kernel's rate, backward 2.5x the FLOPs at its own rate.
+    rate = predict(mask, plan, "allgather", 32, 8, 128, Hardware(ranks_per_node=4), fit=RankTimeFit(0.0, 1.0, 0.0))
+    loads = chunk_loads(mask, 1024)
+    for rank, per_rank in enumerate(rate["per_rank"]):
+        load = loads[list(plan.assignment[rank])].sum()
+        assert per_rank["compute_s"] == pytest.approx(load * (1 + BACKWARD_FLOPS * 577 / 533), rel=1e-3)
 
 
 def test_layout_is_reused_and_rebuilt_after_an_in_place_mask_edit():
