@@ -25,7 +25,15 @@ It is not optimal in general: on random loads (uniform 1-199) it misses the opti
 3 chunks in 15% of cases, by up to 6.3%, and of 5 x 3 in 31%, by up to 6.6% (1.0% / 0.1% of 3 x 4
 and 3 x 3; none found with 2 chunks per rank).
 
-The tile counts and the exact splits run in numba.
+Communication counts where asked (`visibility`, `chunk_comm`): a rank's cost is then its load plus
+`chunk_comm` per remote K/V chunk its queries need (the key chunks its query chunks see, less its
+own: what the mask-aware scheme sends it). From the result above, the costliest rank swaps one
+chunk with another rank while that lowers the larger of their two costs below its own. The
+largest cost is never above that of the compute-only result, and at the end no single swap with
+the costliest rank lowers it (a swap optimum on the quantized costs, nothing more; and a linear
+model: the code hides part of the transfers under compute).
+
+The tile counts, the exact splits and the swaps run in numba.
 """
 
 from __future__ import annotations
@@ -172,11 +180,15 @@ def lower_bound(loads, world_size: int) -> float:
     return float(max(loads.sum() / world_size, loads[-1] + loads[: k - 1].sum()))
 
 
-def balance(loads, world_size: int, max_rounds: int = 200) -> tuple[tuple[int, ...], ...]:
+def balance(
+    loads, world_size: int, max_rounds: int = 200, visibility: np.ndarray | None = None, chunk_comm: float = 0.0
+) -> tuple[tuple[int, ...], ...]:
     """Assign len(loads) chunks to `world_size` ranks, equal counts, lowering the largest load by
     local search (see the module docstring for what the result guarantees).
 
-    Every round lowers the largest load or the number of ranks at it, so the search ends;
+    With `visibility` (`chunk_visibility`'s bool [chunk, chunk]) and `chunk_comm` > 0 (the cost of
+    receiving one K/V chunk, in units of `loads`), the largest load plus communication instead.
+    Every round lowers the largest cost or the number of ranks at it, so each search ends;
     `max_rounds` only caps its time (the guarantees hold when it ends before)."""
     loads = np.asarray(loads, dtype=np.float64)
     n = len(loads)
@@ -233,7 +245,102 @@ def balance(loads, world_size: int, max_rounds: int = 200) -> tuple[tuple[int, .
         _, partner, first, second = best
         assign(heavy, first)
         assign(partner, second)
+    if visibility is not None and chunk_comm > 0:
+        owned = np.array(ranks, dtype=np.int64)
+        _swap_for_cost(owned, weights, _bitsets(visibility), int(np.rint(chunk_comm * scale)), max_rounds)
+        ranks = owned.tolist()
     return tuple(tuple(sorted(r)) for r in ranks)
+
+
+def _bitsets(visibility: np.ndarray) -> np.ndarray:
+    """Each row of a bool matrix as bits, uint64 [rows, ceil(columns / 64)], column c in bit c % 64
+    of word c // 64."""
+    rows, columns = visibility.shape
+    padded = np.zeros((rows, -(-columns // 64) * 64), dtype=bool)
+    padded[:, :columns] = visibility
+    return np.packbits(padded, axis=1, bitorder="little").view("<u8").astype(np.uint64)
+
+
+@numba.njit(cache=True)
+def _popcount(word: np.uint64) -> int:
+    """Set bits of one word: counts per 2, 4, 8 bits, then the bytes summed by one multiplication."""
+    word = word - ((word >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    word = (word & np.uint64(0x3333333333333333)) + ((word >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    word = (word + (word >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return int((word * np.uint64(0x0101010101010101)) >> np.uint64(56))
+
+
+@numba.njit(cache=True)
+def _views(chunks: np.ndarray, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's own chunks as bits, and for each of its chunks the key chunks the others see."""
+    own = np.zeros(bits.shape[1], dtype=np.uint64)
+    for c in chunks:
+        own[c // 64] |= np.uint64(1) << np.uint64(c % 64)
+    without = np.zeros((len(chunks), bits.shape[1]), dtype=np.uint64)
+    for i in range(len(chunks)):
+        for j in range(len(chunks)):
+            if j != i:
+                without[i] |= bits[chunks[j]]
+    return own, without
+
+
+@numba.njit(cache=True)
+def _received_after_swap(without: np.ndarray, own: np.ndarray, bits: np.ndarray, out: int, into: int) -> int:
+    """Remote chunks a rank's queries see once its chunk `out` is swapped for `into` (`without`:
+    what its other chunks see, `own`: its chunks before the swap)."""
+    received = 0
+    for w in range(len(own)):
+        seen = without[w] | bits[into, w]
+        mine = own[w]
+        if w == out // 64:
+            mine &= ~(np.uint64(1) << np.uint64(out % 64))
+        if w == into // 64:
+            mine |= np.uint64(1) << np.uint64(into % 64)
+        received += _popcount(seen & ~mine)
+    return received
+
+
+@numba.njit(cache=True)
+def _cost(chunks: np.ndarray, weights: np.ndarray, bits: np.ndarray, chunk_comm: int) -> int:
+    """Load plus chunk_comm per remote chunk the rank's queries see."""
+    own, without = _views(chunks, bits)
+    received = 0
+    for w in range(len(own)):
+        received += _popcount((without[0, w] | bits[chunks[0], w]) & ~own[w])
+    return weights[chunks].sum() + chunk_comm * received
+
+
+@numba.njit(cache=True)
+def _swap_for_cost(owned: np.ndarray, weights: np.ndarray, bits: np.ndarray, chunk_comm: int, max_rounds: int) -> None:
+    """Single-chunk swaps between the costliest rank and any other, the best first, while one
+    lowers the larger of the pair's costs below the costliest's (in place on `owned` [rank, k])."""
+    world, k = owned.shape
+    cost = np.array([_cost(owned[r], weights, bits, chunk_comm) for r in range(world)])
+    for _ in range(max_rounds):
+        heavy = np.argmax(cost)
+        best, best_partner, best_i, best_j = cost[heavy], -1, -1, -1
+        heavy_own, heavy_without = _views(owned[heavy], bits)
+        heavy_load = weights[owned[heavy]].sum()
+        for partner in range(world):
+            if partner == heavy:
+                continue
+            partner_own, partner_without = _views(owned[partner], bits)
+            partner_load = weights[owned[partner]].sum()
+            for i in range(k):
+                a = owned[heavy, i]
+                for j in range(k):
+                    b = owned[partner, j]  # swapped for a
+                    received = _received_after_swap(heavy_without[i], heavy_own, bits, a, b)
+                    new_heavy = heavy_load - weights[a] + weights[b] + chunk_comm * received
+                    received = _received_after_swap(partner_without[j], partner_own, bits, b, a)
+                    new_partner = partner_load - weights[b] + weights[a] + chunk_comm * received
+                    if max(new_heavy, new_partner) < best:
+                        best, best_partner, best_i, best_j = max(new_heavy, new_partner), partner, i, j
+        if best_partner < 0:
+            return
+        owned[heavy, best_i], owned[best_partner, best_j] = owned[best_partner, best_j], owned[heavy, best_i]
+        cost[heavy] = _cost(owned[heavy], weights, bits, chunk_comm)
+        cost[best_partner] = _cost(owned[best_partner], weights, bits, chunk_comm)
 
 
 def imbalance(loads, assignment) -> float:

@@ -78,6 +78,19 @@ class RankTimeFit:
         return self.fixed_s + self.per_load_s * load + self.per_needed_chunk_s * needed_chunks
 
 
+def received_chunk_load(
+    chunk_size: int,
+    kv_heads: int,
+    head_dim: int,
+    hw: Hardware = Hardware(),
+    fit: RankTimeFit = RankTimeFit(),
+    bytes_per_elem: int = 2,
+) -> float:
+    """Receiving one K/V chunk between nodes in units of `chunk_loads` (the fit's seconds per unit):
+    the `chunk_comm` of `balance` / `make_plan` that counts communication with compute."""
+    return 2 * chunk_size * kv_heads * head_dim * bytes_per_elem / hw.inter_node_bps / fit.per_load_s
+
+
 def _tile_weight(local: ColumnMask) -> float:
     """Non-skipped 128 x 128 tiles, PARTIAL ones weighted, over batch and mask heads (the units of
     `chunk_loads`)."""

@@ -97,8 +97,17 @@ def zigzag_assignment(world_size: int, chunks_per_rank: int) -> tuple[tuple[int,
     return tuple(out)
 
 
-def make_plan(seqlen: int, world_size: int, chunks_per_rank: int = 2, scheme: str = "zigzag", loads=None) -> CPPlan:
-    """A plan with `scheme` in contiguous | zigzag | balanced (needs per-chunk `loads`)."""
+def make_plan(
+    seqlen: int,
+    world_size: int,
+    chunks_per_rank: int = 2,
+    scheme: str = "zigzag",
+    loads=None,
+    visibility: np.ndarray | None = None,
+    chunk_comm: float = 0.0,
+) -> CPPlan:
+    """A plan with `scheme` in contiguous | zigzag | balanced (needs per-chunk `loads`; with
+    `visibility` and `chunk_comm`, communication counted too: see `balance`)."""
     num_chunks = world_size * chunks_per_rank
     if seqlen % num_chunks:
         raise ValueError(f"seqlen {seqlen} must be a multiple of world_size * chunks_per_rank = {num_chunks}")
@@ -111,7 +120,7 @@ def make_plan(seqlen: int, world_size: int, chunks_per_rank: int = 2, scheme: st
 
         if loads is None:
             raise ValueError("scheme='balanced' needs the per-chunk loads (see balance.chunk_loads)")
-        assignment = balance(loads, world_size)
+        assignment = balance(loads, world_size, visibility=visibility, chunk_comm=chunk_comm)
     else:
         raise ValueError(f"unknown assignment scheme {scheme!r}; accepted: contiguous, zigzag, balanced")
     return CPPlan(seqlen, seqlen // num_chunks, assignment)

@@ -348,6 +348,56 @@ def test_the_balancer_is_its_plain_search():
     assert balance(loads, 32) == plain_balance(loads, 32)
 
 
+def rank_costs(assignment, loads, visibility, chunk_comm):
+    """Each rank's load plus chunk_comm per remote chunk its query chunks see."""
+    costs = []
+    for chunks in assignment:
+        seen = visibility[list(chunks)].any(axis=0)
+        seen[list(chunks)] = False
+        costs.append(loads[list(chunks)].sum() + chunk_comm * seen.sum())
+    return costs
+
+
+def test_the_balancer_counts_communication_where_asked():
+    from flashmask3.distributed.cost_model import received_chunk_load
+
+    mask = masks.build("causal_document", 65536, seed=1)
+    loads, visibility = chunk_loads(mask, 2048), chunk_visibility(mask, 2048)
+    chunk_comm = received_chunk_load(2048, 8, 128)  # 8 MiB of bf16 K/V at 50 GB/s, in load units
+    assert chunk_comm == pytest.approx(360.8, abs=0.1)
+    compute_only = balance(loads, 8)
+    assert balance(loads, 8, visibility=visibility, chunk_comm=0.0) == compute_only
+    counted = balance(loads, 8, visibility=visibility, chunk_comm=chunk_comm)
+    assert counted == make_plan(65536, 8, 4, "balanced", loads, visibility, chunk_comm).assignment
+    # 43 remote chunks received instead of 62 for a larger top load: the largest cost drops by a fifth.
+    for assignment, largest_cost, received in ((compute_only, 6110.8, 62), (counted, 4909.6, 43)):
+        costs = rank_costs(assignment, loads, visibility, chunk_comm)
+        assert max(costs) == pytest.approx(largest_cost, abs=0.1)
+        assert round((sum(costs) - loads.sum()) / chunk_comm) == received
+
+
+def test_the_communication_search_ends_at_a_swap_optimum():
+    """On the quantized costs: never above the compute-only result, and no swap of one chunk
+    between the costliest rank and another lowers the larger of their costs below its cost."""
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        world, k = int(rng.integers(2, 6)), int(rng.integers(1, 5))
+        chunks = world * k
+        loads = rng.integers(1, 100, chunks).astype(float)
+        visibility = rng.random((chunks, chunks)) < rng.uniform(0.1, 0.6)
+        chunk_comm = float(rng.uniform(1, 60))
+        weights = np.rint(loads * 1000 / loads.max())
+        comm = np.rint(chunk_comm * 1000 / loads.max())
+        got = balance(loads, world, visibility=visibility, chunk_comm=chunk_comm)
+        costs = rank_costs(got, weights, visibility, comm)
+        assert max(costs) <= max(rank_costs(balance(loads, world), weights, visibility, comm))
+        heavy = int(np.argmax(costs))
+        for partner in set(range(world)) - {heavy}:
+            for a, b in itertools.product(got[heavy], got[partner]):
+                swapped = [(set(got[heavy]) - {a}) | {b}, (set(got[partner]) - {b}) | {a}]
+                assert max(rank_costs(swapped, weights, visibility, comm)) >= costs[heavy]
+
+
 @pytest.mark.parametrize("name", ["causal", "causal_document", "share_question", "random_eviction"])
 def test_balancer_beats_contiguous_and_zigzag(name):
     mask = masks.build(name, 16384, seed=2)
