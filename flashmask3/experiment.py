@@ -90,7 +90,7 @@ def run_experiment(cfg: DictConfig) -> dict:
     if not isinstance(cfg.mask.get("params"), DictConfig):
         got = cfg.mask.get("params")
         raise ValueError(f"mask.params takes the mask's parameters by name (e.g. mask.params.num_docs=4), got {got!r}")
-    params = OmegaConf.to_container(cfg.mask.params)  # None: the mask's default
+    params = OmegaConf.to_container(cfg.mask.params)
     mask = masks.build(cfg.mask.name, cfg.seqlen, cfg.batch, cfg.heads, cfg.seed, device, **params)
     classes = mask.block_classes(128, 128)
     density = mask.density()

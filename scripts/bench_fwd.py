@@ -98,6 +98,9 @@ def fa4_fn(causal: bool):
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 def kernel_overrides(pairs: list[str]) -> dict:
     """["persistent=false", "num_stages=3"] -> changes of the kernel configurations (FwdConfig,
     BwdConfig), values typed like the fields."""
@@ -107,7 +110,11 @@ def kernel_overrides(pairs: list[str]) -> dict:
         key, _, value = pair.partition("=")
         if key not in fields:
             raise SystemExit(f"{pair}: unknown config field {key!r}; fields: {', '.join(fields)}")
-        changes[key] = value.lower() in ("1", "true", "yes") if fields[key] is bool else int(value)
+        try:
+            changes[key] = _BOOLS[value.lower()] if fields[key] is bool else int(value)
+        except (KeyError, ValueError):
+            accepted = "true or false" if fields[key] is bool else "an integer"
+            raise SystemExit(f"{pair}: {key} must be {accepted}, got {value!r}") from None
     return changes
 
 

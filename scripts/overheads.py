@@ -23,6 +23,7 @@ import math
 import torch
 from bench_fwd import add_common_arguments, fa4_fn, kernel_overrides, new_record
 from flashmask3.optimized import fwd_config
+from flashmask3.optimized.config import apply_overrides
 from flashmask3.optimized.interface import forward as cute_forward
 from flashmask3.verify import random_inputs
 
@@ -67,7 +68,7 @@ def main() -> None:
     heads, scale = 4096 // args.head_dim, args.head_dim**-0.5
     result, save = new_record(args, "bwd" if args.backward else "fwd")
     # The full mask's configuration (non-causal, width 2), with --kernel's changes.
-    config = dataclasses.replace(fwd_config(args.head_dim, False, 2), **kernel_overrides(args.kernel))
+    config = apply_overrides(fwd_config(args.head_dim, False, 2), kernel_overrides(args.kernel))
     result["fwd_config"] = dataclasses.asdict(config)
     fa4 = fa4_fn(causal=False)
     if args.backward:  # through autograd, so the pre/post passes count as they do in training

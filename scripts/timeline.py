@@ -105,6 +105,7 @@ def draw(per_cta: list[list[dict]], path: Path, ctas: int, until_us: float, titl
 def main() -> None:
     from bench_fwd import kernel_overrides
     from flashmask3.optimized import fwd_config
+    from flashmask3.optimized.config import apply_overrides
     from flashmask3.optimized.interface import forward, forward_ctas, mask_variant
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,7 +120,7 @@ def main() -> None:
     mask = masks.build(args.mask, args.seqlen, batch=batch, heads=heads, seed=0, device="cuda")
     q, k, v, _ = random_inputs(batch, args.seqlen, args.seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda")
     scale = 1 / math.sqrt(args.head_dim)
-    config = dataclasses.replace(fwd_config(args.head_dim, *mask_variant(mask)), **kernel_overrides(args.kernel))
+    config = apply_overrides(fwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
     ctas = forward_ctas(q, config)
     per_cta_tiles = 4 * -(-batch * heads * args.seqlen // (128 * ctas)) + 16
     stamps = torch.full((ctas, per_cta_tiles, len(EVENTS)), -1, dtype=torch.int64, device="cuda")

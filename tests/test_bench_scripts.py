@@ -18,6 +18,18 @@ def test_kernel_overrides_are_typed_like_the_config_fields():
     assert bench_fwd.kernel_overrides([]) == {}
 
 
+@pytest.mark.parametrize(
+    "pair, message",
+    [
+        ("persistent=ture", "persistent must be true or false, got 'ture'"),
+        ("num_stages=x", "num_stages must be an integer"),
+    ],
+)
+def test_kernel_overrides_refuse_a_value_of_the_wrong_type(pair, message):
+    with pytest.raises(SystemExit, match=message):
+        bench_fwd.kernel_overrides([pair])
+
+
 def test_ablation_variants_join_config_changes_with_plus():
     assert bench_fwd.variant_overrides("tile_m=128+num_stages=3+lse_ahead=1") == {
         "tile_m": 128,
