@@ -381,9 +381,12 @@ FLASHMASK_V3_PATH_VARIABLE = "FLASHMASK3_FLASHMASK_V3_PATH"
 packs them."""
 
 
-def _flashmask_v3(case: PeerCase) -> AttentionFn:
+def _flashmask_v3(case: PeerCase) -> AttentionFn | None:
     """FlashMask V3's `flashmask_attention` on the case's column mask, q, k, v [B, S, H, D] as
-    ours; its autograd Function runs its backward. It takes the mask's batch only equal to q's."""
+    ours; its autograd Function runs its backward. It takes the mask's batch only equal to q's, and
+    mask heads 1 or one per kv head (the benchmarks' heads are kv heads): None for other masks."""
+    if case.mask.heads not in (1, case.heads):
+        return None
     interface = _import_peer(FLASHMASK_V3_PATH_VARIABLE, "interface_torch")
     bounds = case.mask.startend_row_indices.expand(case.batch, -1, -1, -1).contiguous()
     causal, scale = case.mask.causal, case.softmax_scale
