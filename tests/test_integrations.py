@@ -279,9 +279,15 @@ def transformers():
 def llama(transformers):
     """A 2-layer GQA Llama (4 query heads, 2 kv heads) with attn_implementation=hf.NAME, and the same
     weights with sdpa, in fp64."""
+    return ours_and_sdpa(transformers.LlamaForCausalLM, transformers.LlamaConfig, seed=0)
+
+
+def ours_and_sdpa(model_class, config_class, seed: int, **config_changes):
+    """A tiny 2-layer GQA decoder (4 query heads, 2 kv heads of 8) of `model_class` with
+    attn_implementation=hf.NAME, and the same weights with sdpa, in fp64."""
     from flashmask3.integrations import hf
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = dict(
         vocab_size=64,
         hidden_size=32,
@@ -290,9 +296,10 @@ def llama(transformers):
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
+        **config_changes,
     )
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation=hf.NAME)).double()
-    sdpa = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="sdpa")).double()
+    model = model_class(config_class(**config, attn_implementation=hf.NAME)).double()
+    sdpa = model_class(config_class(**config, attn_implementation="sdpa")).double()
     sdpa.load_state_dict(model.state_dict())
     return model, sdpa
 
@@ -410,22 +417,8 @@ def test_padding_and_generation_match_sdpa(llama, cache):
 
 def test_packed_sliding_window_matches_sdpa(transformers):
     """Mistral's sliding window (3 keys) within packed documents."""
-    from flashmask3.integrations import hf
 
-    torch.manual_seed(3)
-    config = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=3,
-    )
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(**config, attn_implementation=hf.NAME)).double()
-    sdpa = transformers.MistralForCausalLM(transformers.MistralConfig(**config, attn_implementation="sdpa")).double()
-    sdpa.load_state_dict(model.state_dict())
+    model, sdpa = ours_and_sdpa(transformers.MistralForCausalLM, transformers.MistralConfig, seed=3, sliding_window=3)
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(3))
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
     i = torch.arange(12)
@@ -454,22 +447,8 @@ def test_packing_without_position_remapping_is_read(transformers, name, window):
 
 def test_packed_bidirectional_model_matches_sdpa(transformers):
     """A bidirectional model (config is_causal=False): attention within each packed document."""
-    from flashmask3.integrations import hf
 
-    torch.manual_seed(5)
-    config = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        is_causal=False,
-    )
-    model = transformers.LlamaModel(transformers.LlamaConfig(**config, attn_implementation=hf.NAME)).double()
-    sdpa = transformers.LlamaModel(transformers.LlamaConfig(**config, attn_implementation="sdpa")).double()
-    sdpa.load_state_dict(model.state_dict())
+    model, sdpa = ours_and_sdpa(transformers.LlamaModel, transformers.LlamaConfig, seed=5, is_causal=False)
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(5))
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
     doc = torch.tensor([0] * 5 + [1] * 7)
