@@ -51,6 +51,13 @@ class BwdConfig:
     # The thread's LSE values into registers before the S GEMM is issued, not read from smem after
     # it (the loads then queue behind the GEMMs' operand reads); 16 more live registers.
     lse_ahead: bool
+    # The step in FA3's order: dS to smem before the dV GEMM, the dQ GEMM before dK's, and the dQ
+    # add while dK runs (dO released once dV is done, Q once dK is); off: dV and dK are issued as
+    # soon as P and dS exist and one wait covers all three GEMMs before the dQ add.
+    dq_first: bool = False
+    # The thread's Delta values into registers before the wait for the dP GEMM (once P is in
+    # bf16), not read from smem in the dS loop after it.
+    delta_ahead: bool = False
 
 
 def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:

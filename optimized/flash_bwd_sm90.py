@@ -95,6 +95,8 @@ class FlashMaskBackwardSm90:
         self.causal = causal
         self.mask_width = mask_width
         self.lse_ahead = config.lse_ahead
+        self.dq_first = config.dq_first
+        self.delta_ahead = config.delta_ahead
         self.deterministic = deterministic
 
     @classmethod
@@ -589,37 +591,78 @@ class FlashMaskBackwardSm90:
                         p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_c, fastmath=True)
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
+                if const_expr(self.delta_ahead):
+                    delta = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
+                    for c in cutlass.range_constexpr(cute.size(delta)):
+                        delta[c] = sDelta[st_cols[0, c][1], state.index]
                 warpgroup.wait_group(0)
-                wgmma(
-                    tiled_mma_dkv, acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index], zero_init=False
-                )
+                if const_expr(not self.dq_first):
+                    wgmma(
+                        tiled_mma_dkv,
+                        acc_dV,
+                        acc_as_operand_a(rP),
+                        tdVrdOt[None, None, None, state.index],
+                        zero_init=False,
+                    )
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
-                        ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
+                        delta_c = delta[c] if self.delta_ahead else sDelta[st_cols[0, c][1], state.index]
+                        ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - delta_c)
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                wgmma(
-                    tiled_mma_dkv, acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index], zero_init=False
-                )
+                if const_expr(not self.dq_first):
+                    wgmma(
+                        tiled_mma_dkv,
+                        acc_dK,
+                        acc_as_operand_a(rdS),
+                        tdKrQt[None, None, None, state.index],
+                        zero_init=False,
+                    )
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2
                 cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, buf])
+                if const_expr(self.dq_first):
+                    wgmma(
+                        tiled_mma_dkv,
+                        acc_dV,
+                        acc_as_operand_a(rP),
+                        tdVrdOt[None, None, None, state.index],
+                        zero_init=False,
+                    )
                 cute.arch.fence_view_async_shared()
                 if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
-                warpgroup.wait_group(0)
-                pipe_q.consumer_release(state)
-                pipe_do.consumer_release(state)
-                state.advance()
                 rank = Int32(0)
                 if const_expr(self.deterministic):
                     rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
-                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg)
+                if const_expr(self.dq_first):
+                    wgmma(
+                        tiled_mma_dkv,
+                        acc_dK,
+                        acc_as_operand_a(rdS),
+                        tdKrQt[None, None, None, state.index],
+                        zero_init=False,
+                    )
+                    warpgroup.wait_group(1)  # dV and dQ done, dK may still run
+                    pipe_do.consumer_release(state)
+                    self.add_dq(
+                        acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg
+                    )
+                    warpgroup.wait_group(0)
+                    pipe_q.consumer_release(state)
+                else:
+                    warpgroup.wait_group(0)
+                    pipe_q.consumer_release(state)
+                    pipe_do.consumer_release(state)
+                    self.add_dq(
+                        acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg
+                    )
+                state.advance()
                 step += 1
                 entry = tile_list.read(position)
                 position += 1
