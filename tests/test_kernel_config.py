@@ -33,7 +33,14 @@ def test_configs_are_frozen_validated_and_hashable():
 
 def test_overrides_go_to_the_configuration_that_has_the_field():
     """An ablation variant's changes, one set for both directions (the field names are disjoint)."""
-    assert config_fields() == {"tile_m": int, "num_stages": int, "persistent": bool, "lse_ahead": bool}
+    assert config_fields() == {
+        "tile_m": int,
+        "num_stages": int,
+        "persistent": bool,
+        "lse_ahead": bool,
+        "dq_first": bool,
+        "delta_ahead": bool,
+    }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(192, 2, persistent=False)
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(lse_ahead=False)
