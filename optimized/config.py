@@ -31,6 +31,9 @@ class FwdConfig:
     # One CTA per SM, each drawing work tiles until none are left (off: one CTA per work tile; the
     # same kernel, only the grid differs).
     persistent: bool
+    # PARTIAL key tiles whose keys all share one set of bounds (a document's interior, a question's
+    # answers) masked from one key's bounds, per row, instead of every key's.
+    uniform_tiles: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):

@@ -43,7 +43,7 @@ from .config import BwdConfig
 from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
-from .mask_role import END_OF_LIST, TileList, list_query_tiles
+from .mask_role import END_OF_LIST, PARTIAL, TileList, entry_tile, list_query_tiles
 
 LOG2_E = math.log2(math.e)
 
@@ -462,7 +462,7 @@ class FlashMaskBackwardSm90:
             entry = tile_list.read(position)
             position += 1
             while entry != END_OF_LIST:
-                m_block = entry >> 1
+                m_block = entry_tile(entry)
                 pipe_q.producer_acquire(state)
                 q_bar = pipe_q.producer_get_barrier(state)
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
@@ -556,7 +556,7 @@ class FlashMaskBackwardSm90:
             entry = tile_list.read(position)
             position += 1
             while entry != END_OF_LIST:
-                m_block = entry >> 1
+                m_block = entry_tile(entry)
                 query_start = m_block * self.tile_m
                 acc_S = cute.make_rmem_tensor(st_shape, Float32)
                 acc_dP = cute.make_rmem_tensor(st_shape, Float32)
@@ -569,7 +569,7 @@ class FlashMaskBackwardSm90:
                 pipe_do.consumer_wait(state)
                 wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
                 warpgroup.wait_group(1)
-                if (entry & 1) != 0:
+                if (entry & PARTIAL) != 0:
                     apply_column_mask(
                         acc_S,
                         st_coords,

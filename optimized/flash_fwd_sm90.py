@@ -37,7 +37,7 @@ from .config import FwdConfig
 from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
-from .mask_role import END_OF_LIST, TileList, list_work_tiles
+from .mask_role import END_OF_LIST, PARTIAL, UNIFORM, TileList, entry_tile, list_work_tiles
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
 from .timeline import Event, Timeline
@@ -65,6 +65,7 @@ class FlashMaskForwardSm90:
         self.mask_width = mask_width
         self.tile_m = config.tile_m
         self.num_stages = config.num_stages
+        self.uniform_tiles = config.uniform_tiles
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all)
@@ -266,6 +267,7 @@ class FlashMaskForwardSm90:
                     self.tile_n,
                     self.causal,
                     self.mask_width,
+                    self.uniform_tiles,
                     timeline,
                 )
         else:
@@ -345,20 +347,20 @@ class FlashMaskForwardSm90:
             position += 1
             entry = tile_list.read(position)
             if entry != END_OF_LIST:
-                self.load_tile(tma_k, tKgK, tKsK, pipe_k, k_state, entry >> 1)
+                self.load_tile(tma_k, tKgK, tKsK, pipe_k, k_state, entry_tile(entry))
                 k_state.advance()
                 previous = entry
                 position += 1
                 entry = tile_list.read(position)
                 while entry != END_OF_LIST:
-                    self.load_tile(tma_k, tKgK, tKsK, pipe_k, k_state, entry >> 1)
+                    self.load_tile(tma_k, tKgK, tKsK, pipe_k, k_state, entry_tile(entry))
                     k_state.advance()
-                    self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, previous >> 1)
+                    self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, entry_tile(previous))
                     v_state.advance()
                     previous = entry
                     position += 1
                     entry = tile_list.read(position)
-                self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, previous >> 1)
+                self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, entry_tile(previous))
                 v_state.advance()
             position += 1
             tiles_done += 1
@@ -610,15 +612,19 @@ class FlashMaskForwardSm90:
         cp.async group per entry, empty unless PARTIAL: `mask_scores` waits by count."""
         sBounds, lane, _ = bounds
         _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
-        if entry != END_OF_LIST and (entry & 1) != 0:
-            key = cutlass.min((entry >> 1) * self.tile_n + lane, seqlen_k - 1)
-            atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
-            one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
-            cute.copy(
-                atom,
-                cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
-                cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy),
-            )
+        if entry != END_OF_LIST and (entry & PARTIAL) != 0:
+            copies = True
+            if const_expr(self.uniform_tiles):  # a UNIFORM tile's keys share the first key's bounds
+                copies = (entry & UNIFORM) == 0 or lane == 0
+            if copies:
+                key = cutlass.min(entry_tile(entry) * self.tile_n + lane, seqlen_k - 1)
+                atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
+                one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
+                cute.copy(
+                    atom,
+                    cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
+                    cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy),
+                )
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -640,25 +646,20 @@ class FlashMaskForwardSm90:
         """The element mask, on tiles the mask role listed PARTIAL only; the column boundaries come
         from smem (`bounds`, see `prefetch_bounds`) once all but the `newer_groups` latest cp.async
         groups (the next entry's) have landed."""
-        if (entry & 1) != 0:
+        if (entry & PARTIAL) != 0:
             sBounds, _, wg = bounds
             cute.arch.cp_async_wait_group(newer_groups)
             cute.arch.barrier(barrier_id=self.bounds_barrier + wg, number_of_threads=128)
             tile_bounds = sBounds[None, None, position % 2]
-            apply_column_mask(
-                acc_S,
-                s_coords,
-                mRowIndices,
-                mask_batch,
-                mask_head,
-                row_start,
-                (entry >> 1) * self.tile_n,
-                seqlen_k,
-                causal_offset,
-                self.causal,
-                self.mask_width,
-                tile_bounds=tile_bounds,
-            )
+            key_start = entry_tile(entry) * self.tile_n
+            mask = (acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start, key_start, seqlen_k, causal_offset)
+            if const_expr(self.uniform_tiles):
+                if (entry & UNIFORM) != 0:
+                    apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds, uniform=True)
+                else:
+                    apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds)
+            else:
+                apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds)
 
     @cute.jit
     def begin_turn(self, wg):

@@ -43,6 +43,25 @@ def _hidden(
 
 
 @cute.jit
+def _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offset, causal, width):
+    """The mask of a tile whose keys share `bounds`: whether a row is hidden is decided once per
+    row; only the causal diagonal is left per element."""
+    first = bounds[0]
+    second = bounds[1] if cutlass.const_expr(width >= 2) else first
+    third = bounds[2] if cutlass.const_expr(width == 4) else first
+    fourth = bounds[3] if cutlass.const_expr(width == 4) else first
+    for q in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
+        query = query_start + c_rows[q, 0][0]
+        # The key argument only feeds the causal part, tested per element below.
+        row_hidden = _hidden(query, query + causal_offset, first, second, third, fourth, causal_offset, causal, width)
+        for k in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+            hidden = row_hidden
+            if cutlass.const_expr(causal):
+                hidden = hidden or key_start + c_rows[q, k][1] > query + causal_offset
+            s_rows[q, k] = -Float32.inf if hidden else s_rows[q, k]
+
+
+@cute.jit
 def apply_column_mask(
     acc_S: cute.Tensor,
     coords: cute.Tensor,
@@ -57,6 +76,7 @@ def apply_column_mask(
     width: cutlass.Constexpr[int],
     keys_on_rows: cutlass.Constexpr[bool] = False,
     tile_bounds: cute.Tensor | None = None,
+    uniform: cutlass.Constexpr[bool] = False,
 ) -> None:
     """Set hidden scores of the thread's fragment to -inf.
 
@@ -64,10 +84,15 @@ def apply_column_mask(
     coordinates, or (key, query) with `keys_on_rows` (the backward's transposed scores);
     `mRowIndices` is the mask's int32 [Bm, Hm, Sk, width] `startend_row_indices`. The bounds of
     each of the thread's keys are loaded once, from `tile_bounds` (the tile's (key, boundary) copy
-    in smem) when given.
+    in smem) when given. `uniform` (forward, with `tile_bounds`): every key of the tile has the
+    bounds of `tile_bounds` row 0 and none is past the end, so the mask is a set of rows (and the
+    causal diagonal).
     """
     s_rows = acc_rows_view(acc_S)
     c_rows = acc_rows_view(coords)
+    if cutlass.const_expr(uniform):
+        _apply_row_mask(s_rows, c_rows, tile_bounds[0, None], query_start, key_start, causal_offset, causal, width)
+        return
     key_mode = 0 if cutlass.const_expr(keys_on_rows) else 1
     for k in cutlass.range_constexpr(cute.size(s_rows, mode=[key_mode])):
         key_in_tile = c_rows[k, 0][0] if cutlass.const_expr(keys_on_rows) else c_rows[0, k][1]

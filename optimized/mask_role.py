@@ -5,7 +5,8 @@ warp also draws: tile_scheduler.py; the backward: one key tile) and walks the ti
 The mask warp classifies those 32 at a time, one per lane, from the
 per-key-block min/max of the boundary vectors (`block_minmax`, computed once per call on the GPU;
 FlashMask's rule, exactly `ColumnMask.block_classes`): SKIP tiles are left out, the others are
-published in order as `tile << 1 | partial` into a small smem ring (`TileList`), then -1. The TMA
+published in order as `tile << 2 | flags` (PARTIAL, UNIFORM) into a small smem ring (`TileList`),
+then -1. The TMA
 producer and the consumer warps read the same ring, so skipped tiles cost neither loads nor MMAs and
 UNMASKED tiles cost no mask arithmetic.
 """
@@ -20,6 +21,16 @@ from .tile_scheduler import NO_MORE_WORK, WorkTiles, draw_work_tile
 from .timeline import Event, Timeline
 
 END_OF_LIST = -1
+PARTIAL = 1  # entry flag: the tile needs the element mask
+# Entry flag of a PARTIAL forward tile whose keys all have the same bounds (min == max of every
+# boundary column, no ragged end): its mask is a set of rows, read from one key's bounds.
+UNIFORM = 2
+
+
+@cute.jit
+def entry_tile(entry: Int32) -> Int32:
+    """The tile index of a list entry."""
+    return entry >> 2
 
 
 @dataclass(frozen=True)
@@ -92,7 +103,8 @@ def tile_flags(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
 ):
-    """(listed, partial) of the tile rows [row_start, row_end) x keys [key_start, key_start + tile_n).
+    """(listed, partial, uniform) of the tile rows [row_start, row_end) x keys [key_start, key_start +
+    tile_n); uniform: every boundary column's min equals its max and no key is past the end.
 
     `bounds` holds the key block's min of each of the `width` boundary columns, then their max.
     A tile is SKIP when one interval covers all its rows for every key (or the causal part hides
@@ -117,15 +129,18 @@ def tile_flags(
         covered = hi0 <= row_start or lo1 >= row_end
         touched = lo0 < row_end or hi1 > row_start
     key_end = cutlass.min(key_start + tile_n, seqlen_k)
+    uniform = key_end == key_start + tile_n
+    for w in cutlass.range_constexpr(width):
+        uniform = uniform and bounds[w] == bounds[width + w]
     touched = touched or key_end < key_start + tile_n
     if const_expr(causal):
         covered = covered or key_start > row_end - 1 + causal_offset
         touched = touched or key_end - 1 > row_start + causal_offset
-    return not covered, touched
+    return not covered, touched, uniform
 
 
 @cute.jit
-def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, partial) -> Int32:
+def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, flags: Int32) -> Int32:
     """Publish the warp's listed tiles in lane order after `position`; return the next position.
 
     The whole warp waits once for room (not each lane on its own slot): a warp whose lanes wait on
@@ -137,7 +152,7 @@ def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, pa
     if count > 0:
         tile_list.wait_free(position + count - 1)
         if listed:
-            tile_list.put(position + cute.arch.popc(ballot & ((Int32(1) << lane) - 1)), (tile << 1) | Int32(partial))
+            tile_list.put(position + cute.arch.popc(ballot & ((Int32(1) << lane) - 1)), (tile << 2) | flags)
     return position + count
 
 
@@ -161,9 +176,11 @@ def list_key_tiles(
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
+    flag_uniform: cutlass.Constexpr[bool],
 ) -> Int32:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
-    published from entry `position` on; returns the position after END_OF_LIST."""
+    published from entry `position` on (PARTIAL tiles flagged UNIFORM where they are, if
+    `flag_uniform`); returns the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
     if const_expr(causal):
@@ -175,10 +192,13 @@ def list_key_tiles(
         tile = first + lane
         for w in cutlass.range_constexpr(2 * width):
             bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
-        listed, partial = tile_flags(
+        listed, partial, uniform = tile_flags(
             bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset, causal, width
         )
-        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
+        flags = Int32(partial)
+        if const_expr(flag_uniform):
+            flags = flags | (Int32(UNIFORM) if partial and uniform else Int32(0))
+        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
     _put_single(tile_list, position, END_OF_LIST)
     return position + 1
 
@@ -198,6 +218,7 @@ def list_work_tiles(
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
+    flag_uniform: cutlass.Constexpr[bool],
     timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
@@ -224,6 +245,7 @@ def list_work_tiles(
             tile_n,
             causal,
             width,
+            flag_uniform,
         )
         if cute.arch.lane_idx() == 0:
             timeline.record(tiles_done, Event.LIST_END)
@@ -262,7 +284,7 @@ def list_query_tiles(
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
         tile = base + lane
         row_start = tile * tile_m
-        listed, partial = tile_flags(
+        listed, partial, _ = tile_flags(
             bounds,
             row_start,
             cutlass.min(row_start + tile_m, seqlen_q),
@@ -273,6 +295,6 @@ def list_query_tiles(
             causal,
             width,
         )
-        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, partial)
+        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, Int32(partial))
     _put_single(tile_list, position, END_OF_LIST)
     return position + 1

@@ -37,6 +37,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "tile_m": int,
         "num_stages": int,
         "persistent": bool,
+        "uniform_tiles": bool,
         "lse_ahead": bool,
         "dq_first": bool,
         "delta_ahead": bool,
