@@ -9,8 +9,8 @@ out = fm.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, cau
 out = fm.flashmask_attention(q, k, v, startend_row_indices, causal=True)  # PaddlePaddle's form
 """
 
-from .api import BACKENDS, SINK_BACKENDS, attention, varlen_attention
+from .api import BACKENDS, attention, varlen_attention
 from .integrations.paddle import flashmask_attention
 from .reference import ColumnMask, masks
 
-__all__ = ["attention", "varlen_attention", "flashmask_attention", "ColumnMask", "masks", "BACKENDS", "SINK_BACKENDS"]
+__all__ = ["attention", "varlen_attention", "flashmask_attention", "ColumnMask", "masks", "BACKENDS"]

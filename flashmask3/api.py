@@ -12,12 +12,10 @@ from . import peers
 from .optimized import ops
 from .optimized.interface import cute_attention, unsupported_reason
 from .reference import ColumnMask
-from .reference.attention import reference_attention
+from .reference.attention import join_sinks, reference_attention
 
 Backend = Literal["auto", "reference", "cute", "sdpa", "flex"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cute", "sdpa", "flex")
-SINK_BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "flex")
-"""The backends that take attention sinks ("auto" never picks cute for them)."""
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -62,10 +60,10 @@ def attention(
             may require grad. Each query row's softmax gets one more term in its denominator:
             p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sinks[h])), out_i = sum_j p_ij v_j, and the
             returned lse includes it: logaddexp(lse, sinks[h]). The reference computes it
-            directly; sdpa and flex apply it to their (out, lse) after the fact, exactly:
-            out * sigmoid(lse - sink), gradients (sinks' too) through their differentiable lse.
-            "auto" picks one of those; "cute" raises NotImplementedError (the kernels take no
-            sinks yet). Backends that take sinks: `SINK_BACKENDS`.
+            directly; cute, sdpa and flex apply it to their (out, lse) after the fact, exactly:
+            out * sigmoid(lse - sink). cute's backward then runs its kernel on the joined out and
+            lse (the sink is a key of value 0) and adds d(sinks); sdpa's and flex's gradients flow
+            through their differentiable lse. Every backend takes them.
 
     Returns:
         out [B, Sq, Hq, D] in q's dtype (and lse if asked). Softmax runs in fp32. A query row that
@@ -75,7 +73,7 @@ def attention(
     """
     _check_inputs(q, k, v)
     if sinks is not None:
-        _check_sinks(sinks, q, backend)
+        _check_sinks(sinks, q)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     window = _check_flash_arguments(causal, window_size)
@@ -104,7 +102,7 @@ def attention(
         # answers it without reducing over an empty key axis, as the others would.
         backend = "reference"
     if backend == "auto":
-        backend = _auto_backend(q, k, sinks)
+        backend = _auto_backend(q, k)
     if backend == "reference":
         out, lse = reference_attention(q, k, v, mask, softmax_scale, sinks=sinks)
     elif backend == "sdpa":  # its lse is None only where not asked for (no lse and no sinks)
@@ -114,28 +112,14 @@ def attention(
     elif backend == "cute":
         if _cute_unsupported(q, k):
             cute_attention(q, k, v, mask, softmax_scale, deterministic)  # raises, with its error for the reason
-        out, lse = ops.attention(q, k, v, mask, softmax_scale, deterministic)
+        out, lse = ops.attention(q, k, v, mask, softmax_scale, deterministic, sinks)
     elif backend == "flex":
         out, lse = peers.flex_attention(q, k, v, mask, softmax_scale)
     else:
         raise ValueError(f"unknown backend {backend!r}; accepted: {', '.join(BACKENDS)}")
-    if sinks is not None and backend != "reference":  # the reference has them in its softmax already
+    if sinks is not None and backend in ("sdpa", "flex"):  # the reference and cute joined them already
         out, lse = join_sinks(out, lse, sinks)
     return (out, lse.float()) if return_lse else out
-
-
-def join_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention sinks applied to a backend's (out [B, Sq, Hq, D], lse [B, Hq, Sq]) after the fact.
-
-    With L = lse and s the head's sink, the sink's term in the denominator scales every key's
-    probability by exp(L) / (exp(L) + exp(s)) = sigmoid(L - s): out * sigmoid(L - s), and the
-    LSE becomes logaddexp(L, s). Exact; autograd brings dsinks, and the backend's gradients through
-    its lse, provided that lse is differentiable. A row that sees no key (L = -inf) gives 0 and s.
-    Computed in lse's dtype; out keeps its own.
-    """
-    sink = sinks.to(lse.dtype).view(1, -1, 1)  # [1, Hq, 1] against lse [B, Hq, Sq]
-    keys_share = torch.sigmoid(lse - sink).transpose(1, 2).unsqueeze(-1)  # [B, Sq, Hq, 1]
-    return (out.to(lse.dtype) * keys_share).to(out.dtype), torch.logaddexp(lse, sink)
 
 
 def varlen_attention(
@@ -244,10 +228,10 @@ def _flash_attention_mask(
     return ColumnMask._band(seqlen_q, seqlen_k, *window, causal, cu_seqlens=cu_seqlens, device=device)
 
 
-def _auto_backend(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor | None) -> Backend:
+def _auto_backend(q: torch.Tensor, k: torch.Tensor) -> Backend:
     if not q.is_cuda:
         return "reference"
-    return "flex" if sinks is not None or _cute_unsupported(q, k) else "cute"
+    return "flex" if _cute_unsupported(q, k) else "cute"
 
 
 def _cute_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -264,8 +248,8 @@ def _cute_unsupported_at_trace(device: torch.device, dtype: torch.dtype, head_di
     return unsupported_reason(probe, probe)
 
 
-def _check_sinks(sinks: torch.Tensor, q: torch.Tensor, backend: str) -> None:
-    """Shape, dtype and device of `sinks` (never its values: no host sync), and a backend that takes them."""
+def _check_sinks(sinks: torch.Tensor, q: torch.Tensor) -> None:
+    """Shape, dtype and device of `sinks` (never its values: no host sync)."""
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"sinks must be a torch.Tensor [Hq] or None, got {type(sinks).__name__}")
     heads_q = q.shape[2]
@@ -277,11 +261,6 @@ def _check_sinks(sinks: torch.Tensor, q: torch.Tensor, backend: str) -> None:
         raise TypeError(f"sinks dtype must be one of bf16, fp16, fp32, fp64, got {sinks.dtype}")
     if sinks.device != q.device:
         raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
-    if backend == "cute":
-        raise NotImplementedError(
-            "sinks: backend='cute' does not take attention sinks yet (its backward has no LSE gradient "
-            f"input); backends that do: {', '.join(SINK_BACKENDS)}"
-        )
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import ColumnMask
+from ..reference.attention import join_sinks, sinks_backward
 from . import interface
 
 
@@ -26,15 +27,19 @@ def attention(
     mask: ColumnMask | None,
     softmax_scale: float,
     deterministic: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) through the custom ops; differentiable in q, k, v.
+    """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) through the custom ops; differentiable in q, k, v
+    (and `sinks`).
 
     Inputs as for `interface.forward`; the mask must already be on q's device with seqlen_q = Sq.
-    `deterministic` is read by the backward.
+    `deterministic` is read by the backward. `sinks` [Hq]: joined to the kernel's out and lse
+    (`join_sinks`); the backward runs the kernel on the joined ones, where the sink is a key of
+    value 0, and adds d(sinks).
     """
     row_indices = None if mask is None else mask.startend_row_indices
     causal = False if mask is None else mask.causal
-    return cute_forward(q, k, v, row_indices, causal, softmax_scale, deterministic)
+    return cute_forward(q, k, v, row_indices, causal, softmax_scale, deterministic, sinks)
 
 
 def _mask(row_indices: torch.Tensor | None, causal: bool, seqlen_q: int) -> ColumnMask | None:
@@ -51,13 +56,16 @@ def cute_forward(
     causal: bool,
     softmax_scale: float,
     deterministic: bool,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Hopper forward kernel: (out, lse). `deterministic` is an input only for the backward."""
-    return interface.forward(q, k, v, _mask(row_indices, causal, q.shape[1]), softmax_scale)
+    """The Hopper forward kernel: (out, lse), with `sinks` joined. `deterministic` is an input only
+    for the backward."""
+    out, lse = interface.forward(q, k, v, _mask(row_indices, causal, q.shape[1]), softmax_scale)
+    return (out, lse) if sinks is None else join_sinks(out, lse, sinks)
 
 
 @cute_forward.register_fake
-def _forward_fake(q, k, v, row_indices, causal, softmax_scale, deterministic):
+def _forward_fake(q, k, v, row_indices, causal, softmax_scale, deterministic, sinks=None):
     b, sq, hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -86,17 +94,20 @@ def _backward_fake(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, row_indices, causal, softmax_scale, deterministic = inputs
+    q, k, v, row_indices, causal, softmax_scale, deterministic, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, row_indices)
+    ctx.save_for_backward(q, k, v, out, lse, row_indices, sinks)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, row_indices = ctx.saved_tensors
+    q, k, v, out, lse, row_indices, sinks = ctx.saved_tensors
     dq, dk, dv = cute_backward(dout, q, k, v, out, lse, row_indices, ctx.causal, ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[7]:
+        dsinks = sinks_backward(dout, out, lse, sinks, torch.float32).to(sinks.dtype)
+    return dq, dk, dv, None, None, None, None, dsinks
 
 
 cute_forward.register_autograd(_backward, setup_context=_setup_context)

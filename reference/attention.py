@@ -209,6 +209,20 @@ def sinks_backward(
     return -(sink_probability * delta.transpose(1, 2)).sum((0, 2))
 
 
+def join_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention sinks applied to a backend's (out [B, Sq, Hq, D], lse [B, Hq, Sq]) after the fact.
+
+    With L = lse and s the head's sink, the sink's term in the denominator scales every key's
+    probability by exp(L) / (exp(L) + exp(s)) = sigmoid(L - s): out * sigmoid(L - s), and the
+    LSE becomes logaddexp(L, s). Exact; autograd brings dsinks, and the backend's gradients through
+    its lse, provided that lse is differentiable. A row that sees no key (L = -inf) gives 0 and s.
+    Computed in lse's dtype; out keeps its own.
+    """
+    sink = sinks.to(lse.dtype).view(1, -1, 1)  # [1, Hq, 1] against lse [B, Hq, Sq]
+    keys_share = torch.sigmoid(lse - sink).transpose(1, 2).unsqueeze(-1)  # [B, Sq, Hq, 1]
+    return (out.to(lse.dtype) * keys_share).to(out.dtype), torch.logaddexp(lse, sink)
+
+
 class ReferenceAttention(torch.autograd.Function):
     """Differentiable reference attention; the backward is the explicit one above."""
 

@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from flashmask3.reference import ColumnMask
+from flashmask3.reference import attention as reference
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,3 +34,30 @@ def random_column_mask(gen: torch.Generator, batch, heads, seqlen_q, seqlen_k, c
     else:  # non-causal [LTS, UTE]: independent
         idx = torch.stack([pairs[0][..., 0], pairs[0][..., 1]], -1)
     return ColumnMask(idx.to(torch.int32), causal, seqlen_q)
+
+
+# -- the cute custom ops on the CPU ----------------------------------------------------------------
+def _reference_forward(q, k, v, row_indices, causal, softmax_scale, deterministic, sinks=None):
+    mask = None if row_indices is None else ColumnMask._unchecked(row_indices, causal, q.shape[1])
+    out, lse = reference.forward(q, k, v, mask, softmax_scale, torch.float64)
+    out, lse = out.to(q.dtype).contiguous(), lse.float().contiguous()
+    return (out, lse) if sinks is None else reference.join_sinks(out, lse, sinks)
+
+
+def _reference_backward(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, deterministic):
+    mask = None if row_indices is None else ColumnMask._unchecked(row_indices, causal, q.shape[1])
+    grads = reference.backward(dout, q, k, v, out, lse, mask, softmax_scale, torch.float64)
+    return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v)))
+
+
+@pytest.fixture
+def cute_on_cpu(monkeypatch):
+    """The custom ops on CPU through the reference (the kernels are registered for CUDA only), and
+    `backend="cute"` let through on CPU."""
+    from flashmask3.optimized import ops
+
+    import flashmask3.api as api
+
+    ops.cute_forward.register_kernel("cpu", _reference_forward)
+    ops.cute_backward.register_kernel("cpu", _reference_backward)
+    monkeypatch.setattr(api, "unsupported_reason", lambda q, k: None)

@@ -9,11 +9,9 @@ import pytest
 import torch
 from flashmask3.optimized import ops
 from flashmask3.reference import ColumnMask
-from flashmask3.reference import attention as reference
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashmask3 as fm
-import flashmask3.api as api
 
 
 def dense_attention(q, k, v, attend, scale=None):
@@ -34,27 +32,6 @@ def random_qkv(batch, seqlen, heads_q, heads_kv, head_dim, seed=0, requires_grad
 
 
 # -- the cute custom ops --------------------------------------------------------------------------
-
-
-def _reference_forward(q, k, v, row_indices, causal, softmax_scale, deterministic):
-    mask = None if row_indices is None else ColumnMask._unchecked(row_indices, causal, q.shape[1])
-    out, lse = reference.forward(q, k, v, mask, softmax_scale, torch.float64)
-    return out.to(q.dtype).contiguous(), lse.float().contiguous()
-
-
-def _reference_backward(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, deterministic):
-    mask = None if row_indices is None else ColumnMask._unchecked(row_indices, causal, q.shape[1])
-    grads = reference.backward(dout, q, k, v, out, lse, mask, softmax_scale, torch.float64)
-    return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v)))
-
-
-@pytest.fixture
-def cute_on_cpu(monkeypatch):
-    """The custom ops on CPU through the reference (the kernels are registered for CUDA only), and
-    `backend="cute"` let through on CPU."""
-    ops.cute_forward.register_kernel("cpu", _reference_forward)
-    ops.cute_backward.register_kernel("cpu", _reference_backward)
-    monkeypatch.setattr(api, "unsupported_reason", lambda q, k: None)
 
 
 def test_fake_implementations_give_the_kernels_shapes_and_dtypes():

@@ -1,6 +1,6 @@
 """Attention sinks (gpt-oss): the reference against a dense softmax with a sink column and under
-gradcheck, the after-the-fact form of sdpa and flex, GQA, rows that see no key, bad sinks, verify
-and the Hugging Face integration."""
+gradcheck, the after-the-fact form of cute, sdpa and flex, GQA, rows that see no key, bad sinks,
+verify and the Hugging Face integration."""
 
 import importlib
 import math
@@ -14,7 +14,6 @@ from flashmask3.verify import compare, random_inputs, random_sinks, run_suite
 from flashmask3.verify.__main__ import main as verify_main
 
 import flashmask3 as fm
-import flashmask3.api as api
 
 compare_mod = importlib.import_module("flashmask3.verify.compare")
 
@@ -150,7 +149,7 @@ def test_flex_with_sinks_forward_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flex", "sdpa", "auto"])
+@pytest.mark.parametrize("backend", ["cute", "flex", "sdpa", "auto"])
 @pytest.mark.parametrize("mask_name", ["causal_document", "qk_sparse", "random_eviction"])
 def test_sinks_on_a_gpu_pass_verify_against_the_fp64_reference(backend, mask_name):
     mask = masks.build(mask_name, 1000, heads=4, seed=1, device="cuda")
@@ -226,20 +225,18 @@ def test_bad_sinks_are_refused_by_name(sinks, error, match):
         fm.attention(q, k, v, sinks=sinks)
 
 
-@pytest.mark.parametrize("seqlen_k", [16, 0])
-def test_cute_refuses_sinks_naming_the_backends_that_take_them(seqlen_k):
-    q, k, v, sinks, _ = inputs_with_sinks(1, 16, seqlen_k, 2, 2, 64, dtype=torch.bfloat16)
-    match = (
-        r"^sinks: backend='cute' does not take attention sinks yet .*; backends that do: auto, reference, sdpa, flex$"
-    )
-    with pytest.raises(NotImplementedError, match=match):
-        fm.attention(q, k, v, backend="cute", sinks=sinks)
+@pytest.mark.parametrize("mask_name", ["causal_document", "share_question", "random_eviction"])
+def test_cute_with_sinks_through_its_custom_ops_matches_the_reference(cute_on_cpu, mask_name):
+    """The cute path's plumbing, its kernels stood in for by the reference on the CPU: the sinks
+    joined after the forward op, the backward op run on the joined out and LSE, d(sinks) added."""
+    mask = masks.build(mask_name, 90, batch=2, heads=4, seed=4)
+    q, k, v, sinks, dout = inputs_with_sinks(2, 90, 90, 4, 2, 16, seed=4)
 
+    def run(backend):
+        return lambda *x: fm.attention(*x[:3], mask, backend=backend, return_lse=True, sinks=x[3])
 
-def test_auto_never_picks_cute_for_sinks():
-    assert api._auto_backend(SimpleNamespace(is_cuda=True), None, torch.zeros(2)) == "flex"
-    q, k, v, sinks, _ = inputs_with_sinks(1, 32, 32, 2, 2, 16)
-    assert torch.equal(fm.attention(q, k, v, sinks=sinks), fm.attention(q, k, v, backend="reference", sinks=sinks))
+    expected = values_and_grads(run("reference"), q, k, v, sinks, dout)
+    assert_all_close(values_and_grads(run("cute"), q, k, v, sinks, dout), expected, 1e-5)  # fp32 LSE
 
 
 # -- verify --------------------------------------------------------------------------------------
@@ -284,32 +281,24 @@ def hf_reference():
     return hf
 
 
-def test_hf_attention_passes_s_aux_on_as_sinks(hf_reference):
+@pytest.mark.parametrize("backend", ["reference", "cute"])
+def test_hf_attention_passes_s_aux_on_as_sinks(hf_reference, cute_on_cpu, backend):
     """HF's attention call (q [B, H, S, D]) with gpt-oss's s_aux: a dense causal softmax with a sink
-    column, gradients too."""
+    column, gradients too (cute: its custom ops, the kernels stood in for by the reference)."""
     from transformers import AttentionInterface
 
-    forward = AttentionInterface()[hf_reference.NAME]
-    q, k, v, sinks, dout = inputs_with_sinks(2, 21, 21, 4, 2, 8, seed=10)
-    causal = torch.ones(21, 21, dtype=torch.bool).tril()[None, None]
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
-    heads_first = (x.transpose(1, 2) for x in leaves[:3])
-    out, _ = forward(SimpleNamespace(is_causal=True), *heads_first, None, scaling=0.4, s_aux=leaves[3])
-    expected = values_and_grads(lambda *x: dense_with_sink_column(*x[:3], causal, 0.4, x[3]), q, k, v, sinks, dout)
-    grads = torch.autograd.grad(out, leaves, dout)
-    torch.testing.assert_close([out, *grads], expected[:1] + expected[2:], rtol=1e-10, atol=1e-10)
-
-
-def test_hf_with_cute_refuses_s_aux_by_name(hf_reference):
-    from transformers import AttentionInterface
-
-    hf_reference.register(backend="cute")
+    hf_reference.register(backend=backend)
     try:
-        q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match=r"^s_aux: attention sinks are not supported by backend='cute'"):
-            AttentionInterface()[hf_reference.NAME](
-                SimpleNamespace(is_causal=True), q, q, q, None, s_aux=torch.zeros(4)
-            )
+        forward = AttentionInterface()[hf_reference.NAME]
+        q, k, v, sinks, dout = inputs_with_sinks(2, 21, 21, 4, 2, 8, seed=10)
+        causal = torch.ones(21, 21, dtype=torch.bool).tril()[None, None]
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+        heads_first = (x.transpose(1, 2) for x in leaves[:3])
+        out, _ = forward(SimpleNamespace(is_causal=True), *heads_first, None, scaling=0.4, s_aux=leaves[3])
+        dense = values_and_grads(lambda *x: dense_with_sink_column(*x[:3], causal, 0.4, x[3]), q, k, v, sinks, dout)
+        grads = torch.autograd.grad(out, leaves, dout)
+        tol = 1e-10 if backend == "reference" else 1e-5  # cute's LSE is fp32
+        torch.testing.assert_close([out, *grads], dense[:1] + dense[2:], rtol=tol, atol=tol)
     finally:
         hf_reference.register(backend="reference")
 

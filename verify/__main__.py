@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ..api import BACKENDS, SINK_BACKENDS
+from ..api import BACKENDS
 from ..reference import masks
 from .suite import DTYPES, format_table, run_suite
 
@@ -59,11 +59,6 @@ def parse(argv: list[str]) -> dict:
             raise ValueError(f"unknown mask {name!r}; accepted: {', '.join(masks.MASK_NAMES)}")
     if opts["backend"] not in BACKENDS:
         raise ValueError(f"unknown backend {opts['backend']!r}; accepted: {', '.join(BACKENDS)}")
-    if opts.get("sinks") and opts["backend"] not in SINK_BACKENDS:
-        raise ValueError(
-            f"sinks=true: backend={opts['backend']} takes no attention sinks yet; backends that do: "
-            f"{', '.join(SINK_BACKENDS)}"
-        )
     heads, kv_heads = opts.get("heads", 4), opts.get("kv_heads", 2)  # run_suite's defaults
     if heads % kv_heads:
         raise ValueError(f"heads must be a multiple of kv_heads (GQA), got heads={heads} kv_heads={kv_heads}")

@@ -29,8 +29,7 @@ A dense 4-D `attention_mask` (bool, or additive 0 / -inf) is converted exactly w
 `ColumnMask.from_dense` (O(Sq * Sk) and a host read, once per forward).
 
 Attention sinks (gpt-oss passes its `sinks` parameter as `s_aux`, one logit per query head) go to
-`flashmask3.attention(..., sinks=...)` on the backends that take them (`SINK_BACKENDS`; "auto"
-picks one); with backend="cute" they are a ValueError naming `s_aux`.
+`flashmask3.attention(..., sinks=...)`, on every backend.
 
 What flashmask3 cannot honour raises a ValueError naming the argument: dropout > 0, `softcap`,
 `position_bias`, `output_attentions`, a dense mask with other values or shapes, and mask functions
@@ -50,7 +49,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..api import BACKENDS, SINK_BACKENDS, Backend, attention
+from ..api import BACKENDS, Backend, attention
 from ..reference import ColumnMask
 
 NAME = "fm3"
@@ -226,11 +225,6 @@ def _attention_forward(
     for name in ("softcap", "position_bias"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: flashmask3 does not support it; use attn_implementation='eager' or 'sdpa'")
-    if s_aux is not None and backend not in SINK_BACKENDS:
-        raise ValueError(
-            f"s_aux: attention sinks are not supported by backend={backend!r} yet; "
-            f"register(backend=...) one of {', '.join(SINK_BACKENDS)}"
-        )
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True: flashmask3 never forms the attention weights")
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
