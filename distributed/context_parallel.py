@@ -252,10 +252,12 @@ def _layout_for(mask: ColumnMask, plan: CPPlan, config: CPConfig) -> _Layout:
     tensor bumps its version and rebuilds the layout."""
     global _last_layout
     version = mask.startend_row_indices._version
-    if _last_layout is None or _last_layout[:4] != (id(mask), id(plan), version, config):
+    entry = _last_layout  # read once: another thread may replace it (threads as ranks)
+    if entry is None or entry[:4] != (id(mask), id(plan), version, config):
         # The objects are kept in the entry, so their ids cannot be reused while it lives.
-        _last_layout = (id(mask), id(plan), version, config, (mask, plan), _Layout(mask, plan, config))
-    return _last_layout[5]
+        entry = (id(mask), id(plan), version, config, (mask, plan), _Layout(mask, plan, config))
+        _last_layout = entry
+    return entry[5]
 
 
 # -- comm: the group's side --------------------------------------------------------------------------
