@@ -31,6 +31,7 @@ from flashmask3.distributed import (
 )
 from flashmask3.reference import PARTIAL, UNMASKED, ColumnMask, masks
 from flashmask3.verify import random_inputs
+from flashmask3.verify.cp import max_error, run_cp, single_device
 
 import flashmask3 as fm
 
@@ -439,31 +440,6 @@ def run_ranks(tmp_path, world, fn, *args) -> list:
     """fn(rank, world, *args) on `world` gloo processes; every rank's return value."""
     mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path), fn, args), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-def single_device(name_or_mask, seqlen, seed=0, heads=4, kv_heads=2):
-    """mask, inputs and the fp64 single-device reference output and gradients."""
-    mask = (
-        masks.build(name_or_mask, seqlen, batch=1, heads=heads, seed=seed)
-        if isinstance(name_or_mask, str)
-        else name_or_mask
-    )
-    q, k, v, dout = random_inputs(1, seqlen, seqlen, heads, kv_heads, 16, torch.float64, seed=seed)
-    ins = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = fm.attention(*ins, mask, backend="reference")
-    return mask, (q, k, v, dout), (out.detach(), *torch.autograd.grad(out, ins, dout))
-
-
-def run_cp(rank, plan, mask, inputs, config, group=None):
-    """This rank's (out, dq, dk, dv) of one CP forward + backward."""
-    q, k, v, dout = inputs
-    local = [plan.shard(x, rank).clone().requires_grad_() for x in (q, k, v)]
-    out = cp_attention(*local, mask, plan, group, config)
-    return (out.detach(), *torch.autograd.grad(out, local, plan.shard(dout, rank)))
-
-
-def max_error(rank, plan, got, expected) -> float:
-    return max((g - plan.shard(e, rank)).abs().max().item() for g, e in zip(got, expected))
 
 
 def _equivalence(rank, world, assignment):
