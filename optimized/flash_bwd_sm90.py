@@ -96,7 +96,6 @@ class FlashMaskBackwardSm90:
         self.mask_width = mask_width
         self.lse_ahead = config.lse_ahead
         self.dq_first = config.dq_first
-        self.delta_ahead = config.delta_ahead
         self.deterministic = deterministic
 
     @classmethod
@@ -591,10 +590,6 @@ class FlashMaskBackwardSm90:
                         p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_c, fastmath=True)
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
-                if const_expr(self.delta_ahead):
-                    delta = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
-                    for c in cutlass.range_constexpr(cute.size(delta)):
-                        delta[c] = sDelta[st_cols[0, c][1], state.index]
                 warpgroup.wait_group(0)
                 if const_expr(not self.dq_first):
                     wgmma(
@@ -607,8 +602,7 @@ class FlashMaskBackwardSm90:
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
-                        delta_c = delta[c] if self.delta_ahead else sDelta[st_cols[0, c][1], state.index]
-                        ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - delta_c)
+                        ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
                 if const_expr(not self.dq_first):

@@ -284,7 +284,10 @@ def test_backward_ablation_step_runs_both_configurations_with_the_changes(monkey
     monkeypatch.setattr(bench_bwd, "cute_backward", lambda *args, config: seen.append(config) or ("dq", "dk", "dv"))
     step = bench_bwd.backward_step(FakeMask(1.0), 64, {"persistent": False, "lse_ahead": False})
     assert step(1, 2, 3, 4) == ("dq", "dk", "dv")
-    assert seen == [dataclasses.replace(fwd_config(64, True, 1), persistent=False), BwdConfig(lse_ahead=False)]
+    assert seen == [
+        dataclasses.replace(fwd_config(64, True, 1), persistent=False),
+        BwdConfig(lse_ahead=False, dq_first=True),
+    ]
 
 
 def test_record_is_saved_under_out(tmp_path, monkeypatch):
