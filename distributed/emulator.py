@@ -504,7 +504,7 @@ class _Emulator:
             raise EmulatorError(f"rank {rank} failed: {type(error).__name__}: {error}") from error
         for transfer in self.transfers:
             if transfer.done is None:
-                transfer.deliver(self.delay)
+                transfer.deliver(0.0)  # already late
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for state in self.groups.values():
@@ -588,11 +588,10 @@ def _rank_main(emulator: _Emulator, rank: int, fn: Callable[[int, int], T], stor
 
 
 def _in_group(emulator: _Emulator, rank: int, fn: Callable[[int, int], T], store) -> T:
+    # No destroy_process_group: the thread's world and group names die with the thread (and
+    # torch's ThreadLocalWorld lags c10d's world in some versions: 2.11's has no `comms`).
     dist.init_process_group(BACKEND, rank=rank, world_size=emulator.world_size, store=store)
-    try:
-        return fn(rank, emulator.world_size)
-    finally:
-        dist.destroy_process_group()
+    return fn(rank, emulator.world_size)
 
 
 def emulate(

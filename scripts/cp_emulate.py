@@ -65,7 +65,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
     parser.add_argument("--plans", default=",".join(PLANS))
     parser.add_argument("--schemes", default=",".join(SCHEMES))
-    parser.add_argument("--delay", type=float, default=1e-3, help="seconds before each transfer (delay, no_wait)")
+    parser.add_argument("--delay", type=float, default=1e-3, help="seconds before each transfer (mode delay)")
+    parser.add_argument(
+        "--control-delay",
+        type=float,
+        default=2e-2,
+        help="seconds before each transfer of the no-wait control (CUDA: long enough that a rank reads its "
+        "buffers before the copies land; on CPU its transfers come after the run anyway)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs") / "cp_emulate.json")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp64")
@@ -90,7 +97,7 @@ def run_case(args, case: dict, kernels: str, mask, inputs, expected, baseline) -
         lambda rank, world: run_cp(rank, plan, mask, inputs, config),
         args.ranks,
         device=args.device,
-        delay=0.0 if case["mode"] == "plain" else args.delay,
+        delay={"plain": 0.0, "delay": args.delay, "no_wait": args.control_delay}[case["mode"]],
         skip_waits=case["mode"] == "no_wait",
         warm_up=(lambda: compile_cp_kernels(args.device, inputs[0].dtype, args.head_dim))
         if kernels == "cute"
