@@ -36,10 +36,13 @@ PEER_NAMES = {
 
 # The README's result tables: title, then the files (oldest first) in bench/results/.
 README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Forward, S = 8K, the column-mask kernels", ("fwd_bench_v13_8k_fmv3_cudnn.json",)),
-    ("Forward + backward, S = 8K, the column-mask kernels", ("bwd_bench_v13_8k_fmv3_cudnn.json",)),
-    ("Forward, S = 32K, the column-mask kernels", ("fwd_bench_v13_32k_fmv3_cudnn.json",)),
-    ("Forward + backward, S = 32K, the column-mask kernels", ("bwd_bench_v13_32k_fmv3_cudnn.json",)),
+    ("Forward, S = 8K, the column-mask kernels", ("fwd_bench_v14_8k_fmv3_cudnn.json",)),
+    ("Forward + backward, S = 8K, the column-mask kernels", ("bwd_bench_v14_8k_fmv3_cudnn.json",)),
+    ("Forward, S = 32K, the column-mask kernels (the previous kernels)", ("fwd_bench_v13_32k_fmv3_cudnn.json",)),
+    (
+        "Forward + backward, S = 32K, the column-mask kernels (the previous kernels)",
+        ("bwd_bench_v13_32k_fmv3_cudnn.json",),
+    ),
     ("Forward, S = 8K", ("fwd_bench_v12_8k_peers.json", "fwd_bench_v13_8k_fa4.json")),
     ("Forward, S = 32K and 128K", ("fwd_bench_v12_32k_peers.json", "fwd_bench_v13_128k_partial.json")),
     ("Forward + backward, S = 8K", ("bwd_bench_v12_8k_peers.json",)),
