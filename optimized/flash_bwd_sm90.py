@@ -44,6 +44,7 @@ from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_column_mask
 from .mask_role import END_OF_LIST, PARTIAL, TileList, entry_tile, list_query_tiles
+from .timeline import STEP_SEGMENTS, BwdEvent, StepProfile
 
 LOG2_E = math.log2(math.e)
 
@@ -136,6 +137,7 @@ class FlashMaskBackwardSm90:
         mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
         mDqRanks: cute.Tensor,  # [Bm, Hm, Tn, Tm] int32, deterministic mode: the key tile's place in dQ's sum
         mSemaphore: cute.Tensor,  # [B, Hq, Tm] int32, zeroed (used in deterministic mode)
+        mTimeline: cute.Tensor | None,  # [CTAs, len(BwdEvent)] int64 in a profiled build, else None
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
         qheads_per_maskhead: Int32,
@@ -191,6 +193,8 @@ class FlashMaskBackwardSm90:
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (self.tile_n, self.head_dim))
         kv_bytes = cute.size_in_bytes(self.dtype, sKV_layout)
 
+        profiled_slots = len(STEP_SEGMENTS) if const_expr(mTimeline is not None) else 1
+
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
@@ -206,6 +210,8 @@ class FlashMaskBackwardSm90:
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            # The profiled build's cycle accumulators (one unused slot in the default build).
+            step_cycles: cute.struct.MemRange[cutlass.Int64, profiled_slots]
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
@@ -222,6 +228,7 @@ class FlashMaskBackwardSm90:
             mBlockBounds,
             mDqRanks,
             mSemaphore,
+            mTimeline,
             tma_q,
             tma_k,
             tma_v,
@@ -264,6 +271,7 @@ class FlashMaskBackwardSm90:
         mBlockBounds: cute.Tensor,
         mDqRanks: cute.Tensor,
         mSemaphore: cute.Tensor,
+        mTimeline: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -368,6 +376,9 @@ class FlashMaskBackwardSm90:
                     )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            cycles = None
+            if const_expr(mTimeline is not None):
+                cycles = storage.step_cycles.get_tensor(cute.make_layout(len(STEP_SEGMENTS)))
             self.consume(
                 sLSE,
                 sDelta,
@@ -403,6 +414,7 @@ class FlashMaskBackwardSm90:
                 qheads_per_maskhead,
                 mQ.shape[0],
                 mK.shape[0],
+                StepProfile(mTimeline, cycles, tidx == 128),
             )
 
     @cute.jit
@@ -511,8 +523,10 @@ class FlashMaskBackwardSm90:
         qheads_per_maskhead,
         seqlen_q,
         seqlen_k,
+        profile,
     ):
-        """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T, the dV/dK/dQ products."""
+        """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T, the dV/dK/dQ products.
+        `profile`: the profiled build's `StepProfile` (compiles to nothing otherwise)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -544,8 +558,13 @@ class FlashMaskBackwardSm90:
         causal_offset = seqlen_k - seqlen_q
         st_cols = acc_rows_view(st_coords)
 
+        grid_n, grid_h, _ = cute.arch.grid_dim()
+        cta = n_block + grid_n * (head_kv + grid_h * batch)
+        profile.stamp(cta, BwdEvent.START)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
+        profile.stamp(cta, BwdEvent.KV_LANDED)
+        clock = profile.start()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         step = Int32(0)
         position = Int32(0)
@@ -564,10 +583,12 @@ class FlashMaskBackwardSm90:
                     lse = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
                     for c in cutlass.range_constexpr(cute.size(lse)):
                         lse[c] = sLSE[st_cols[0, c][1], state.index]
+                clock = profile.mark(clock, BwdEvent.WAIT_Q)
                 wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
                 pipe_do.consumer_wait(state)
                 wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
                 warpgroup.wait_group(1)
+                clock = profile.mark(clock, BwdEvent.WAIT_S)
                 if (entry & PARTIAL) != 0:
                     apply_column_mask(
                         acc_S,
@@ -590,7 +611,9 @@ class FlashMaskBackwardSm90:
                         p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_c, fastmath=True)
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
+                clock = profile.mark(clock, BwdEvent.SOFTMAX)
                 warpgroup.wait_group(0)
+                clock = profile.mark(clock, BwdEvent.WAIT_DP)
                 if const_expr(not self.dq_first):
                     wgmma(
                         tiled_mma_dkv,
@@ -626,9 +649,11 @@ class FlashMaskBackwardSm90:
                         zero_init=False,
                     )
                 cute.arch.fence_view_async_shared()
+                clock = profile.mark(clock, BwdEvent.DS)
                 if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
+                clock = profile.mark(clock, BwdEvent.DS_BARRIER)
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
                 rank = Int32(0)
@@ -644,23 +669,31 @@ class FlashMaskBackwardSm90:
                     )
                     warpgroup.wait_group(1)  # dV and dQ done, dK may still run
                     pipe_do.consumer_release(state)
+                    clock = profile.mark(clock, BwdEvent.WAIT_DQ)
                     self.add_dq(
                         acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg
                     )
+                    clock = profile.mark(clock, BwdEvent.ADD_DQ)
                     warpgroup.wait_group(0)
                     pipe_q.consumer_release(state)
+                    clock = profile.mark(clock, BwdEvent.WAIT_DK)
                 else:
                     warpgroup.wait_group(0)
                     pipe_q.consumer_release(state)
                     pipe_do.consumer_release(state)
+                    clock = profile.mark(clock, BwdEvent.WAIT_DQ)
                     self.add_dq(
                         acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg
                     )
+                    clock = profile.mark(clock, BwdEvent.ADD_DQ)
                 state.advance()
                 step += 1
                 entry = tile_list.read(position)
                 position += 1
 
+        profile.stamp(cta, BwdEvent.LOOP_END)
+        profile.stamp(cta, BwdEvent.STEPS, step)
+        profile.write_cycles(cta)
         if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(
@@ -679,6 +712,7 @@ class FlashMaskBackwardSm90:
             batch,
             tidx,
         )
+        profile.stamp(cta, BwdEvent.STORED)
 
     @cute.jit
     def add_dq(self, acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg):

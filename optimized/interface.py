@@ -172,6 +172,14 @@ def forward(
     return out, lse
 
 
+def backward_ctas(k: torch.Tensor) -> int:
+    """The backward's grid size for k [B, Sk, Hkv, D]: one CTA per key tile, KV head and batch."""
+    from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
+
+    b, sk, hkv, _ = k.shape
+    return b * hkv * -(-sk // Kernel.tile_n)
+
+
 def forward_ctas(q: torch.Tensor, config: FwdConfig) -> int:
     """The forward's grid size for q [B, Sq, Hq, D] under `config`."""
     b, sq, hq, _ = q.shape
@@ -197,13 +205,16 @@ def backward(
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     config: BwdConfig | None = None,
+    timeline: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the Hopper backward kernel, in q's dtype; dk, dv summed over each GQA group.
 
     `deterministic=True` makes the key tiles add into dQ in a fixed order: bitwise identical
     gradients run to run. `dk` / `dv` may be given (contiguous, k's shape) to write into.
     `config`: the main kernel's configuration (default: `bwd_config`'s choice for the head dim and
-    mask).
+    mask). `timeline`: an int64 [CTAs, len(timeline.BwdEvent)] buffer runs a build of the main
+    kernel that records each CTA's phases and the cycles of each segment of its steps
+    (`optimized/timeline.py`); CTAs = `backward_ctas(...)`.
     """
     from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
 
@@ -228,7 +239,7 @@ def backward(
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
-    tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore]
+    tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, timeline]
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic)
     dq = torch.empty_like(q)
@@ -272,12 +283,13 @@ def compile_check(
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
     without a GPU (fake tensors), launched as `_launch` does (TVM-FFI); return the seconds taken.
     Set CUTE_DSL_ARCH=sm_90a first when no GPU is present. `config`: the forward's (backward's)
-    configuration, by default the chosen one; `timeline`: the forward's timeline build."""
+    configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
+    backward's profiled build."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from .timeline import Event
+    from .timeline import BwdEvent, Event
 
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
     b, sq, sk, hq, hkv = (cute.sym_int32() for _ in range(5))
@@ -308,6 +320,7 @@ def compile_check(
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
+            fake(cutlass.Int64, (cute.sym_int32(), len(BwdEvent))) if timeline else None,
         ]
     else:
         config = config or fwd_config(head_dim, causal, width)

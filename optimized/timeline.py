@@ -1,10 +1,15 @@
-"""Per-CTA event timestamps of the persistent forward, to see where a work tile's time goes.
+"""Per-CTA event timestamps, to see where the kernels' time goes.
 
-Compiled in only when `interface.forward` is given a `timeline` buffer (a debugging build, off by
-default: the default kernel has none of it). One thread per role writes `%globaltimer` (ns) at its
-events into an int64 buffer [CTAs, work tiles per CTA, len(Event)]; work tiles past the buffer's
-second dim are not recorded.
-`scripts/timeline.py` runs it and draws the picture.
+Forward (`Event`, `Timeline`): compiled in only when `interface.forward` is given a `timeline`
+buffer (a debugging build, off by default: the default kernel has none of it). One thread per role
+writes `%globaltimer` (ns) at its events into an int64 buffer [CTAs, work tiles per CTA,
+len(Event)]; work tiles past the buffer's second dim are not recorded.
+
+Backward (`BwdEvent`, `StepProfile`): compiled in only when `interface.backward` is given a
+`timeline` buffer [CTAs, len(BwdEvent)] int64. Consumer thread 0 stamps the CTA's phases with
+`%globaltimer` and sums the SM clock cycles of each segment of its query-tile steps (`clock`
+between consecutive marks, into smem), written out once at the end.
+`scripts/timeline.py` runs either and summarizes it.
 """
 
 from dataclasses import dataclass
@@ -41,3 +46,74 @@ class Timeline:
             if work_tile < self.buffer.shape[1]:
                 stamp = cute.arch.globaltimer() if cutlass.const_expr(value is None) else Int64(value)
                 self.buffer[cta, work_tile, event] = stamp
+
+
+class BwdEvent(IntEnum):
+    """A backward CTA's record: four times (ns), the step count, then cycles summed over its steps."""
+
+    START = 0  # consumer warpgroup 0 begins
+    KV_LANDED = 1  # K and V are in smem
+    LOOP_END = 2  # the last step is done
+    STORED = 3  # dK and dV's TMA stores issued
+    STEPS = 4  # query-tile steps (not a time)
+    # Cycles per segment of a step, each from the previous mark to its own:
+    WAIT_Q = 5  # the list entry, Q's barrier (and the LSE loads)
+    WAIT_S = 6  # S and dP issued (dO's barrier between), S's wait
+    SOFTMAX = 7  # the element mask, the exponentials, P to bf16
+    WAIT_DP = 8  # dP's wait
+    DS = 9  # dS, its stmatrix and the dV / dK GEMMs issued before the barrier, the fence
+    DS_BARRIER = 10  # lane 0's wait for the last dQ add to read sdQ, the barrier between warpgroups
+    WAIT_DQ = 11  # the dQ GEMM (and dK's) issued, the wait for dQ
+    ADD_DQ = 12  # dQ to smem, the warpgroup barrier, the reduce-add issued
+    WAIT_DK = 13  # the wait for dK (dq_first), the stage releases
+
+
+STEP_SEGMENTS = tuple(e for e in BwdEvent if e >= BwdEvent.WAIT_Q)
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """The backward's record: `buffer` [CTAs, len(BwdEvent)] int64 and its smem accumulators, or
+    None (then every call compiles to nothing). Only consumer thread 0 (`recorder`) records."""
+
+    buffer: cute.Tensor | None
+    cycles: cute.Tensor | None  # Int64 smem [len(STEP_SEGMENTS)]
+    recorder: cutlass.Boolean
+
+    @cute.jit
+    def start(self) -> Int32:
+        """Zero the accumulators; the clock to mark from (the SM clock's low 32 bits: one register,
+        and a segment is far shorter than its wrap)."""
+        now = Int32(0)
+        if cutlass.const_expr(self.buffer is not None):
+            if self.recorder:
+                for i in cutlass.range_constexpr(len(STEP_SEGMENTS)):
+                    self.cycles[i] = Int64(0)
+            now = cute.arch.clock()
+        return now
+
+    @cute.jit
+    def mark(self, last: Int32, segment: cutlass.Constexpr[int]) -> Int32:
+        """Add the cycles since `last` to `segment`; return the clock now."""
+        now = last
+        if cutlass.const_expr(self.buffer is not None):
+            now = cute.arch.clock()
+            if self.recorder:
+                slot = segment - BwdEvent.WAIT_Q
+                self.cycles[slot] = self.cycles[slot] + Int64(now - last)
+        return now
+
+    @cute.jit
+    def stamp(self, cta: Int32, event: cutlass.Constexpr[int], value: Int32 | None = None) -> None:
+        """Write `event`: the time, or `value`."""
+        if cutlass.const_expr(self.buffer is not None):
+            if self.recorder:
+                stamp = cute.arch.globaltimer() if cutlass.const_expr(value is None) else Int64(value)
+                self.buffer[cta, event] = stamp
+
+    @cute.jit
+    def write_cycles(self, cta: Int32) -> None:
+        if cutlass.const_expr(self.buffer is not None):
+            if self.recorder:
+                for i in cutlass.range_constexpr(len(STEP_SEGMENTS)):
+                    self.buffer[cta, BwdEvent.WAIT_Q + i] = self.cycles[i]

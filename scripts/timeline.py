@@ -1,6 +1,7 @@
-"""Where a forward work tile's time goes, per CTA: the timeline build's event stamps, summarized and drawn.
+"""Where the kernels' time goes, per CTA: the timeline builds' event stamps, summarized (and drawn).
 
     python scripts/timeline.py --mask sliding_window --seqlen 8192 [--kernel persistent=false]
+    python scripts/timeline.py --backward --mask full --seqlen 8192 [--kernel dq_first=false]
 
 Runs the forward once at 128K tokens (B = 128K/S, H = 4096/D, bf16) in the build that stamps each
 role's events (`optimized/timeline.py`), then per work tile: the consumers' wait before it (from
@@ -8,6 +9,13 @@ the previous tile's store to this tile's first turn, or from the kernel's start)
 key tile, its epilogue, and how long Q took from issue to landing; per CTA the idle tail (the
 kernel's last store minus the CTA's). Writes the summary as JSON and a picture of the first CTAs'
 tiles over time to $OUT (or runs/); prints the summary last.
+
+`--backward`: the forward as usual, then the backward's main kernel in its profiled build: per CTA
+the time until K and V land, its steps and its epilogue, and the SM cycles consumer thread 0 spent
+in each segment of its query-tile steps (`BwdEvent`: waiting for Q, for S, the softmax, waiting
+for dP, dS, the barrier between the warpgroups, waiting for dQ, the dQ add, waiting for dK), as
+medians over CTAs per step and as shares of the step. The profiled build reads the clock at every
+segment (a few % slower); compare segments, not its total, with the default build.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ import statistics
 from pathlib import Path
 
 import torch
+from flashmask3.optimized.timeline import STEP_SEGMENTS, BwdEvent, Event
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
 
-EVENTS = ("work_tile", "listed", "list_end", "q_issued", "q_landed", "loop_start", "loop_end", "stored", "key_tiles")
+EVENTS = tuple(e.name.lower() for e in Event)
+SEGMENTS = tuple(e.name.lower() for e in STEP_SEGMENTS)
 
 
 def work_tiles_of(stamps: torch.Tensor) -> list[list[dict]]:
@@ -74,6 +84,27 @@ def summarize(per_cta: list[list[dict]]) -> dict:
     }
 
 
+def summarize_backward(stamps: torch.Tensor) -> dict:
+    """Medians over the backward's CTAs. `stamps`: int64 [CTAs, len(BwdEvent)]: start, K/V landed,
+    loop end, stored (ns), the step count, then cycles per step segment."""
+    rows = [row for row in stamps.tolist() if row[4] > 0]
+    per_step = {name: [row[5 + i] / row[4] for row in rows] for i, name in enumerate(SEGMENTS)}
+    step_cycles = [sum(row[5:]) / row[4] for row in rows]
+    medians = {name: statistics.median(values) for name, values in per_step.items()}
+    total = sum(medians.values())
+    return {
+        "ctas": len(stamps),
+        "ctas_with_steps": len(rows),
+        "median_steps": statistics.median(row[4] for row in rows),
+        "median_kv_wait_us": statistics.median((row[1] - row[0]) / 1e3 for row in rows),
+        "median_step_us": statistics.median((row[2] - row[1]) / 1e3 / row[4] for row in rows),
+        "median_epilogue_us": statistics.median((row[3] - row[2]) / 1e3 for row in rows),
+        "median_step_cycles": statistics.median(step_cycles),
+        "segment_cycles_per_step": {name: round(value, 1) for name, value in medians.items()},
+        "segment_share": {name: round(value / total, 4) for name, value in medians.items()},
+    }
+
+
 def draw(per_cta: list[list[dict]], path: Path, ctas: int, until_us: float, title: str) -> None:
     """A row per CTA: the consumers' wait (grey), main loop (blue) and epilogue (orange) per work tile."""
     import matplotlib
@@ -104,9 +135,9 @@ def draw(per_cta: list[list[dict]], path: Path, ctas: int, until_us: float, titl
 
 def main() -> None:
     from bench_fwd import kernel_overrides
-    from flashmask3.optimized import fwd_config
+    from flashmask3.optimized import bwd_config, fwd_config
     from flashmask3.optimized.config import apply_overrides
-    from flashmask3.optimized.interface import forward, forward_ctas, mask_variant
+    from flashmask3.optimized.interface import backward, backward_ctas, forward, forward_ctas, mask_variant
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mask", default="sliding_window", choices=masks.MASK_NAMES)
@@ -114,13 +145,36 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ctas-shown", type=int, default=12)
     parser.add_argument("--until-us", type=float, default=200.0)
-    parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE", help="forward config change")
+    parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE", help="config change")
+    parser.add_argument("--backward", action="store_true", help="profile the backward's main kernel instead")
     args = parser.parse_args()
     heads, batch = 4096 // args.head_dim, max(1, 131072 // args.seqlen)
     mask = masks.build(args.mask, args.seqlen, batch=batch, heads=heads, seed=0, device="cuda")
-    q, k, v, _ = random_inputs(batch, args.seqlen, args.seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda")
+    q, k, v, dout = random_inputs(batch, args.seqlen, args.seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda")
     scale = 1 / math.sqrt(args.head_dim)
     config = apply_overrides(fwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
+    out_dir = Path(os.environ.get("OUT", "runs"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kind = "timeline_bwd" if args.backward else "timeline"
+    name = f"{kind}_{args.mask}_{args.seqlen}" + "".join(f"_{o}" for o in args.kernel)
+    if args.backward:
+        bwd = apply_overrides(bwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
+        out, lse = forward(q, k, v, mask, scale, config=config)
+        stamps = torch.zeros(backward_ctas(k), len(BwdEvent), dtype=torch.int64, device="cuda")
+        for _ in range(3):  # compile, warm up, then the recorded run
+            stamps.zero_()
+            backward(dout, q, k, v, out, lse, mask, scale, config=bwd, timeline=stamps)
+        torch.cuda.synchronize()
+        summary = {
+            "mask": args.mask,
+            "seqlen": args.seqlen,
+            "head_dim": args.head_dim,
+            "bwd_config": dataclasses.asdict(bwd),
+            **summarize_backward(stamps.cpu()),
+        }
+        (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary, indent=1))
+        return
     ctas = forward_ctas(q, config)
     per_cta_tiles = 4 * -(-batch * heads * args.seqlen // (128 * ctas)) + 16
     stamps = torch.full((ctas, per_cta_tiles, len(EVENTS)), -1, dtype=torch.int64, device="cuda")
@@ -136,9 +190,6 @@ def main() -> None:
         "fwd_config": dataclasses.asdict(config),
         **summarize(per_cta),
     }
-    out_dir = Path(os.environ.get("OUT", "runs"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"timeline_{args.mask}_{args.seqlen}" + "".join(f"_{o}" for o in args.kernel)
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))
     draw(per_cta, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
     print(json.dumps(summary, indent=1))

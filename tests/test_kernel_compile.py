@@ -136,6 +136,14 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         assert " 0 HGMMA" not in summary and "serialized" not in summary, summaries
 
 
+def test_backward_profiled_build_compiles():
+    """The debugging build that sums each step segment's cycles (`optimized/timeline.py`); the
+    default build has none of it."""
+    from flashmask3.optimized import compile_check
+
+    assert compile_check("bf16", 128, False, 2, direction="bwd", timeline=True) > 0
+
+
 def test_forward_timeline_build_compiles():
     """The debugging build that stamps each role's events (`optimized/timeline.py`); the default build
     has none of it."""

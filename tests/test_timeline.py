@@ -25,6 +25,34 @@ def test_work_tiles_are_read_per_cta_and_summarized():
     assert summary["max_idle_tail_us"] == pytest.approx(34.3 - 2.5)
 
 
+def test_the_backward_profile_is_summarized_per_step():
+    # start, K/V landed, loop end, stored (ns), steps, then cycles of the 9 segments over all steps
+    stamps = torch.zeros(3, 14, dtype=torch.int64)
+    stamps[0] = torch.tensor([0, 1000, 21000, 22000, 10, 100, 200, 300, 400, 500, 600, 700, 800, 900])
+    stamps[1] = torch.tensor([0, 3000, 43000, 45000, 20, 400, 400, 600, 800, 1000, 1200, 1400, 1600, 1800])
+    stamps[2, 4] = 0  # a CTA whose key tile no query tile sees: left out of the medians
+    summary = timeline.summarize_backward(stamps)
+    assert (summary["ctas"], summary["ctas_with_steps"], summary["median_steps"]) == (3, 2, 15)
+    assert summary["median_kv_wait_us"] == pytest.approx(2.0)
+    assert summary["median_step_us"] == pytest.approx(2.0)  # 20 us / 10 steps and 40 us / 20 steps
+    assert summary["median_epilogue_us"] == pytest.approx(1.5)
+    assert summary["segment_cycles_per_step"]["wait_q"] == pytest.approx(15.0)  # 10 and 20 per step
+    assert summary["segment_cycles_per_step"]["wait_dk"] == pytest.approx(90.0)
+    assert summary["median_step_cycles"] == pytest.approx(455.0)  # 4500 / 10 and 9200 / 20
+    assert sum(summary["segment_share"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert list(summary["segment_share"]) == [
+        "wait_q",
+        "wait_s",
+        "softmax",
+        "wait_dp",
+        "ds",
+        "ds_barrier",
+        "wait_dq",
+        "add_dq",
+        "wait_dk",
+    ]
+
+
 def test_the_picture_is_drawn(tmp_path):
     pytest.importorskip("matplotlib")
     stamps = torch.full((1, 1, 9), -1, dtype=torch.int64)
