@@ -25,7 +25,8 @@ over key blocks given the final LSE).
 Memory: by default a rank keeps only its own K/V for the backward and fetches the remote K/V
 again along the same routes (the ring passes KV around again, as Megatron's does);
 `CPConfig(hold_remote_kv=True)` keeps the remote chunks instead, trading memory per layer for one
-fewer K/V exchange. `last_forward_stats` / `last_backward_stats` report the bytes held.
+fewer K/V exchange. `rank_stats()` (one rank per process: `last_forward_stats` /
+`last_backward_stats`) reports the bytes held, sent and the times.
 """
 
 from __future__ import annotations
@@ -167,9 +168,25 @@ class CPStats:
 
 
 last_forward_stats = CPStats()
-"""This rank's `CPStats` of the last `cp_attention` forward."""
+"""This process's `CPStats` of the last `cp_attention` forward (ranks as threads: the rank's that
+finished last; `rank_stats` has each rank's)."""
 last_backward_stats = CPStats()
-"""This rank's `CPStats` of the last `cp_attention` backward."""
+"""This process's `CPStats` of the last `cp_attention` backward (see `last_forward_stats`)."""
+_stats_by_rank: dict[int, list[CPStats]] = {}  # global rank -> [forward, backward] of its last calls
+
+
+def rank_stats(rank: int | None = None) -> tuple[CPStats, CPStats]:
+    """(forward, backward) `CPStats` of the last `cp_attention` forward and backward of global rank
+    `rank` (default: the caller's, `dist.get_rank()`). The same as `last_forward_stats` /
+    `last_backward_stats` with one rank per process; with ranks as threads (`emulate`), where those
+    hold whichever rank's call finished last, each rank's own."""
+    entry = _stats_by_rank.get(dist.get_rank() if rank is None else rank)
+    return (entry[0], entry[1]) if entry else (CPStats(), CPStats())
+
+
+def _record_stats(direction: int, stats: CPStats, comm: _Comm) -> None:
+    """Keep `stats` as its rank's last of `direction` (0 forward, 1 backward)."""
+    _stats_by_rank.setdefault(_global(comm.rank, comm.group), [CPStats(), CPStats()])[direction] = stats
 
 
 # -- plan: who needs which chunk, and how chunks travel --------------------------------------------
@@ -710,6 +727,7 @@ class _CPFunction(torch.autograd.Function):
         stats.set_kv(local, *kept.values())
         stats.saved_kv_bytes = stats.held_kv_bytes
         last_forward_stats = stats
+        _record_stats(0, stats, comm)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -732,6 +750,7 @@ class _CPFunction(torch.autograd.Function):
         dk = torch.cat([grads[c][0] if c in grads else zeros[:, : plan.chunk_size] for c in attn.own], dim=1)
         dv = torch.cat([grads[c][1] if c in grads else zeros[:, : plan.chunk_size] for c in attn.own], dim=1)
         last_backward_stats = stats
+        _record_stats(1, stats, comm)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

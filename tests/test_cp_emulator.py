@@ -99,6 +99,24 @@ def test_skipped_waits_give_wrong_numbers_wherever_messages_travel(references):
     assert failed == with_messages and len(failed) == 24
 
 
+def test_each_rank_reads_its_own_stats_when_ranks_are_threads(references):
+    """The module's last_forward_stats / last_backward_stats are the process's, whichever rank
+    thread finished last; `rank_stats()` is each rank's: the remote chunks it received, forward and
+    backward (fetched again), are those its queries see (contiguous causal-document: 0 for rank 0,
+    more further on)."""
+    mask, inputs, _ = references["causal_document"]
+    plan = cp_plan(mask, WORLD, 2, "contiguous")
+    layout = context_parallel._Layout(mask, plan, CPConfig())
+    remote = [sum(layout.needs[r, c] and plan.owner(c) != r for c in range(plan.num_chunks)) for r in range(WORLD)]
+
+    def rank_main(rank, world):
+        run_cp(rank, plan, mask, inputs, CPConfig())
+        fwd, bwd = context_parallel.rank_stats()
+        return fwd.chunks_received, bwd.chunks_received
+
+    assert emulate(rank_main, WORLD).results == [(n, n) for n in remote] and len(set(remote)) == 3
+
+
 def test_layout_cache_is_safe_across_threads():
     """Threads as ranks share context_parallel's layout cache: a thread must get the layout of its
     own mask even when another replaces the cache between its check and its return."""

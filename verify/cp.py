@@ -1,6 +1,7 @@
 """Context-parallel attention against single-device attention: the reference, one rank's forward and
 backward, the errors (max abs, and verify's relative-L2 rule), and the kernels' warm-up for ranks
-run as threads (the CP tests, on gloo processes or the emulator, and scripts/cp_emulate.py)."""
+run as threads (the CP tests, on gloo processes or the emulator, scripts/cp_emulate.py and
+scripts/cp_bench.py)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,16 @@ def single_device(
         if isinstance(name_or_mask, str)
         else name_or_mask
     )
-    q, k, v, dout = random_inputs(1, seqlen, seqlen, heads, kv_heads, head_dim, dtype, device, seed=seed)
+    inputs = random_inputs(1, seqlen, seqlen, heads, kv_heads, head_dim, dtype, device, seed=seed)
+    return mask, inputs, exact(mask, inputs)
+
+
+def exact(mask: ColumnMask, inputs) -> tuple[torch.Tensor, ...]:
+    """(out, dq, dk, dv) of single-device attention on `inputs` (q, k, v, dout), computed in fp64."""
+    q, k, v, dout = inputs
     ins = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
     out = attention(*ins, mask, backend="reference")
-    return mask, (q, k, v, dout), (out.detach(), *torch.autograd.grad(out, ins, dout.double()))
+    return (out.detach(), *torch.autograd.grad(out, ins, dout.double()))
 
 
 def low_precision(mask: ColumnMask, inputs) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,136 @@
+"""The CP harnesses on CPU: scripts/cp_bench.py with its ranks as threads (every scheme against
+single-device attention, the JSON it writes, a broken scheme reported as a failure), and
+scripts/cp_memory.py's one rank with its peers faked (the K/V bytes the CP layer holds)."""
+
+import json
+import math
+import re
+
+import cp_bench  # scripts/, on pytest's pythonpath
+import cp_memory
+import numpy as np
+import pytest
+from flashmask3.distributed import chunk_visibility, context_parallel
+from flashmask3.reference import masks
+from flashmask3.verify.cp import cp_plan
+
+MASKS = ("causal_document", "share_question")
+# 4 ranks x 64 tokens in 2 chunks, 4 heads x 16, 2 KV heads (--quick), fp64, the PyTorch kernels.
+ARGV = ["--emulate", "4", "--quick", "--device", "cpu", "--dtype", "fp64", "--backend", "reference"]
+LOCAL_KV = 2 * 64 * 2 * 16 * 8  # a rank's K and V: 64 tokens x 2 KV heads x 16, fp64
+
+
+def run_bench(tmp_path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "cp_bench.json"
+    code = cp_bench.main([*ARGV, "--masks", ",".join(MASKS), "--rounds", "2", *extra, "--out", str(out)])
+    return code, json.loads(out.read_text())
+
+
+def test_every_scheme_matches_single_device_and_is_timed(tmp_path, capsys):
+    code, record = run_bench(tmp_path)
+    assert code == 0 and record["failures"] == [] and record["launcher"] == "emulate"
+    assert record["world_size"] == 4 and record["devices"] == ["cpu"] * 4 and record["kernels"] == "reference"
+    rows = {(row["mask"], row["scheme"]): row for row in record["rows"]}
+    assert list(rows) == [(m, s) for m in MASKS for s in cp_bench.SCHEMES]
+    for row in rows.values():
+        assert row["passed"] and max(row["rel_errors"].values()) < 1e-10 and row["max_abs_error"] < 1e-10, row
+        assert row["fwd_bwd_ms"] > row["fwd_ms"] > 0 and row["tflops_fwd_bwd"] > 0
+        assert 0 <= row["overlap_efficiency"] <= 1 and row["fwd_comm_ms"] > 0 and row["bwd_comm_ms"] > 0
+    for mask in MASKS:
+        # Bytes sent per layer, all ranks: ring passes 3 K/V blocks each way and 4 fp64 dK/dV
+        # accumulators; all-gather gathers K/V twice and reduce-scatters dK/dV, 3 blocks each.
+        assert rows[mask, "ring"]["sent_mib"] * 2**20 == 4 * 10 * LOCAL_KV
+        assert rows[mask, "allgather"]["sent_mib"] * 2**20 == 4 * 9 * LOCAL_KV
+        assert rows[mask, "mask_aware"]["sent_mib"] < rows[mask, "allgather"]["sent_mib"]
+        for scheme in ("mask_aware", "hierarchical"):
+            for other in ("ring", "allgather"):
+                ratio = rows[mask, other]["fwd_bwd_ms"] / rows[mask, scheme]["fwd_bwd_ms"]
+                assert math.isclose(rows[mask, scheme][f"fwd_bwd_speedup_vs_{other}"], ratio, rel_tol=2e-3)
+    table = capsys.readouterr().out.splitlines()
+    assert table[-1].startswith("share_question") and "allgather" in table[-1]
+
+
+def test_a_broken_scheme_is_a_failure_and_the_run_goes_on(tmp_path, monkeypatch):
+    """ring's output off by 0.1% fails its check (and is still timed); an all-gather that raises on
+    every rank records its error, is not timed, and the other schemes go on; the exit code is 1."""
+    ring_forward = context_parallel._FORWARD["ring"]
+
+    def wrong_ring(attn, comm, q, local):
+        (out, lse), kept = ring_forward(attn, comm, q, local)
+        return (out * 1.001, lse), kept
+
+    def broken_allgather(attn, comm, q, local):
+        raise RuntimeError("all-gather broken on purpose")
+
+    monkeypatch.setitem(context_parallel._FORWARD, "ring", wrong_ring)
+    monkeypatch.setitem(context_parallel._FORWARD, "allgather", broken_allgather)
+    code, record = run_bench(tmp_path, "--schemes", "mask_aware,ring,allgather")
+    assert code == 1
+    rows = {(row["mask"], row["scheme"]): row for row in record["rows"]}
+    for mask in MASKS:
+        assert rows[mask, "mask_aware"]["passed"] and max(rows[mask, "mask_aware"]["rel_errors"].values()) < 1e-10
+        ring = rows[mask, "ring"]
+        assert not ring["passed"] and math.isclose(ring["rel_errors"]["out"], 1e-3, rel_tol=1e-6)
+        assert ring["check_failures"][0].startswith("out: 0.001 > tol 1e-10") and ring["fwd_bwd_ms"] > 0
+        allgather = rows[mask, "allgather"]
+        assert allgather["error"] == "every rank: RuntimeError: all-gather broken on purpose"
+        assert "fwd_ms" not in allgather and "passed" not in allgather
+        assert "fwd_bwd_speedup_vs_ring" in rows[mask, "mask_aware"]
+        assert "fwd_bwd_speedup_vs_allgather" not in rows[mask, "mask_aware"]
+    assert [(f["mask"], f["scheme"]) for f in record["failures"]] == [
+        (m, s) for m in MASKS for s in ("ring", "allgather")
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--quick"], "launch with torchrun --nproc-per-node N"),
+        (["--emulate", "1"], "--emulate takes the number of ranks, 2 or more, got 1"),
+        (["--emulate", "2", "--masks", "causal,diagonal"], r"--masks: unknown \['diagonal'\]; accepted: full, causal"),
+        (["--emulate", "2", "--schemes", "tree"], r"--schemes: unknown \['tree'\]; accepted: mask_aware, hierarchical"),
+        (["--emulate", "2", "--heads", "6", "--kv-heads", "4"], r"--heads \(6\) of --kv-heads \(4\)"),
+    ],
+)
+def test_bad_arguments_name_the_option_and_the_accepted_values(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit):
+        cp_bench.main(argv)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_one_rank_with_faked_peers_holds_its_own_kv_and_one_stage_unless_holding(tmp_path):
+    """CP 8 at 1024 tokens (2 chunks of 64 per rank), fp32: by default the forward keeps only the
+    rank's own K/V for the backward and holds, at peak, its own plus one stage's receive buffers
+    (mask-aware: every remote chunk its queries see; ring: the block computed and the one
+    arriving); holding keeps the remote K/V too."""
+    out = tmp_path / "cp_memory.json"
+    argv = ["--world", "8", "--tokens", "1024", "--chunks-per-rank", "2", "--heads", "4", "--kv-heads", "2"]
+    argv += ["--head-dim", "16"]
+    argv += ["--device", "cpu", "--masks", "causal_document", "--schemes", "mask_aware,ring", "--out", str(out)]
+    assert cp_memory.main(argv) == 0
+    rows = {(r["scheme"], r["hold_remote_kv"]): r for r in json.loads(out.read_text())["rows"]}
+    local, chunk = 2 * 128 * 2 * 16 * 4, 2 * 64 * 2 * 16 * 4  # bytes of k and v, fp32
+    # The rank that needs the most remote chunks, from the mask alone.
+    mask = masks.build("causal_document", 1024, heads=4, seed=0)
+    plan = cp_plan(mask, 8, 2, "balanced")
+    needs = chunk_visibility(mask, plan.chunk_size)[np.asarray(plan.assignment)].any(axis=1)
+    remote = [sum(needs[r, c] and plan.owner(c) != r for c in range(16)) for r in range(8)]
+    rank, received = int(np.argmax(remote)), max(remote)
+    assert received > 0 and {r["rank"] for r in rows.values()} == {rank}
+
+    def kv(scheme, hold):
+        row = rows[scheme, hold]
+        return row["saved_kv_bytes"], row["fwd_peak_kv_bytes"], row["bwd_peak_kv_bytes"]
+
+    stage = local + received * chunk
+    assert rows["mask_aware", False]["remote_chunks"] == received
+    assert kv("mask_aware", False) == (local, stage, stage)
+    assert kv("mask_aware", True) == (stage, stage, stage)
+    # The ring passes every block; holding keeps the chunks this rank's queries see, as above.
+    assert kv("ring", False) == (local, 3 * local, 3 * local)
+    saved, fwd_peak, bwd_peak = kv("ring", True)
+    assert saved == bwd_peak == stage < fwd_peak
+    for row in rows.values():
+        assert row["kernel_fwd_ms"] > 0 and row["kernel_bwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+        assert "peak_gib" not in row  # no allocator statistics on the CPU
