@@ -611,43 +611,27 @@ class FlashMaskBackwardSm90:
                         p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_c, fastmath=True)
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
+                dv_gemm = (acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index])  # dV += P^T dO
                 clock = profile.mark(clock, BwdEvent.SOFTMAX)
                 warpgroup.wait_group(0)
                 clock = profile.mark(clock, BwdEvent.WAIT_DP)
                 if const_expr(not self.dq_first):
-                    wgmma(
-                        tiled_mma_dkv,
-                        acc_dV,
-                        acc_as_operand_a(rP),
-                        tdVrdOt[None, None, None, state.index],
-                        zero_init=False,
-                    )
+                    wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
                         ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
+                dk_gemm = (acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index])  # dK += dS^T Q
                 if const_expr(not self.dq_first):
-                    wgmma(
-                        tiled_mma_dkv,
-                        acc_dK,
-                        acc_as_operand_a(rdS),
-                        tdKrQt[None, None, None, state.index],
-                        zero_init=False,
-                    )
+                    wgmma(tiled_mma_dkv, *dk_gemm, zero_init=False)
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2
                 cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, buf])
                 if const_expr(self.dq_first):
-                    wgmma(
-                        tiled_mma_dkv,
-                        acc_dV,
-                        acc_as_operand_a(rP),
-                        tdVrdOt[None, None, None, state.index],
-                        zero_init=False,
-                    )
+                    wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
                 cute.arch.fence_view_async_shared()
                 clock = profile.mark(clock, BwdEvent.DS)
                 if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
@@ -659,20 +643,13 @@ class FlashMaskBackwardSm90:
                 rank = Int32(0)
                 if const_expr(self.deterministic):
                     rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
+                dq_target = (m_block, head, batch, rank)
                 if const_expr(self.dq_first):
-                    wgmma(
-                        tiled_mma_dkv,
-                        acc_dK,
-                        acc_as_operand_a(rdS),
-                        tdKrQt[None, None, None, state.index],
-                        zero_init=False,
-                    )
+                    wgmma(tiled_mma_dkv, *dk_gemm, zero_init=False)
                     warpgroup.wait_group(1)  # dV and dQ done, dK may still run
                     pipe_do.consumer_release(state)
                     clock = profile.mark(clock, BwdEvent.WAIT_DQ)
-                    self.add_dq(
-                        acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg
-                    )
+                    self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
                     clock = profile.mark(clock, BwdEvent.ADD_DQ)
                     warpgroup.wait_group(0)
                     pipe_q.consumer_release(state)
@@ -682,9 +659,7 @@ class FlashMaskBackwardSm90:
                     pipe_q.consumer_release(state)
                     pipe_do.consumer_release(state)
                     clock = profile.mark(clock, BwdEvent.WAIT_DQ)
-                    self.add_dq(
-                        acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg
-                    )
+                    self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
                     clock = profile.mark(clock, BwdEvent.ADD_DQ)
                 state.advance()
                 step += 1
