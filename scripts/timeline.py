@@ -165,33 +165,20 @@ def main() -> None:
             stamps.zero_()
             backward(dout, q, k, v, out, lse, mask, scale, config=bwd, timeline=stamps)
         torch.cuda.synchronize()
-        summary = {
-            "mask": args.mask,
-            "seqlen": args.seqlen,
-            "head_dim": args.head_dim,
-            "bwd_config": dataclasses.asdict(bwd),
-            **summarize_backward(stamps.cpu()),
-        }
-        (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))
-        print(json.dumps(summary, indent=1))
-        return
-    ctas = forward_ctas(q, config)
-    per_cta_tiles = 4 * -(-batch * heads * args.seqlen // (128 * ctas)) + 16
-    stamps = torch.full((ctas, per_cta_tiles, len(EVENTS)), -1, dtype=torch.int64, device="cuda")
-    for _ in range(3):  # compile, warm up, then the recorded run
-        stamps.fill_(-1)
-        forward(q, k, v, mask, scale, timeline=stamps, config=config)
-    torch.cuda.synchronize()
-    per_cta = work_tiles_of(stamps.cpu())
-    summary = {
-        "mask": args.mask,
-        "seqlen": args.seqlen,
-        "head_dim": args.head_dim,
-        "fwd_config": dataclasses.asdict(config),
-        **summarize(per_cta),
-    }
+        measured = {"bwd_config": dataclasses.asdict(bwd), **summarize_backward(stamps.cpu())}
+    else:
+        ctas = forward_ctas(q, config)
+        per_cta_tiles = 4 * -(-batch * heads * args.seqlen // (128 * ctas)) + 16
+        stamps = torch.full((ctas, per_cta_tiles, len(EVENTS)), -1, dtype=torch.int64, device="cuda")
+        for _ in range(3):  # compile, warm up, then the recorded run
+            stamps.fill_(-1)
+            forward(q, k, v, mask, scale, timeline=stamps, config=config)
+        torch.cuda.synchronize()
+        per_cta = work_tiles_of(stamps.cpu())
+        measured = {"fwd_config": dataclasses.asdict(config), **summarize(per_cta)}
+        draw(per_cta, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
+    summary = {"mask": args.mask, "seqlen": args.seqlen, "head_dim": args.head_dim, **measured}
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))
-    draw(per_cta, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
     print(json.dumps(summary, indent=1))
 
 
