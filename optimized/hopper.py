@@ -7,7 +7,9 @@ from typing import Type
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import pipeline
+from cutlass import Float32, Int32, pipeline
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -61,3 +63,24 @@ def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Te
         cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor) -> None:
+    """dst = src (fp32 registers) in dst's bf16 or fp16, two elements per packed `cvt`. Unlike
+    `dst.store(src.load().to(...))`, whose conversion the compiler re-emits at each later use of
+    dst, the packed values are computed once and every reader of dst shares them."""
+    kind = "bf16x2" if dst.element_type == cutlass.BFloat16 else "f16x2"
+    packed = cute.recast_tensor(dst, Int32)
+    for i in range(cute.size(packed)):  # unrolled at trace time
+        lo, hi = Float32(src[2 * i]), Float32(src[2 * i + 1])
+        packed[i] = Int32(
+            llvm.inline_asm(
+                ir.IntegerType.get_signless(32),
+                [hi.ir_value(), lo.ir_value()],
+                f"cvt.rn.{kind}.f32 $0, $1, $2;",
+                "=r,f,f",
+                has_side_effects=False,
+                is_align_stack=False,
+                asm_dialect=llvm.AsmDialect.AD_ATT,
+            )
+        )
