@@ -58,12 +58,6 @@ class BwdConfig:
     # add while dK runs (dO released once dV is done, Q once dK is); off: dV and dK are issued as
     # soon as P and dS exist and one wait covers all three GEMMs before the dQ add.
     dq_first: bool
-    # The dV GEMM issued as soon as P is in registers, before the wait for dP: ptxas must then keep
-    # the exponentials ahead of that wait (under the dP GEMM), and dS is computed under dV.
-    dv_before_dp_wait: bool
-    # dS converted to 16 bits once, by packed cvt into the registers both its stmatrix and the dK
-    # GEMM read (the compiler's conversion is emitted once per use, on both sides of the dS barrier).
-    ds_convert_once: bool
 
 
 def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
@@ -80,7 +74,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     """The backward's configuration for this head dim and mask variant: the LSE ahead of the S GEMM
     (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
     spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
-    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, dv_before_dp_wait=True, ds_convert_once=True)
+    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True)
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)

@@ -105,8 +105,6 @@ class FlashMaskBackwardSm90:
         self.mask_width = mask_width
         self.lse_ahead = config.lse_ahead
         self.dq_first = config.dq_first
-        self.dv_before_dp_wait = config.dv_before_dp_wait
-        self.ds_convert_once = config.ds_convert_once
         self.deterministic = deterministic
 
     @classmethod
@@ -622,24 +620,17 @@ class FlashMaskBackwardSm90:
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
                 dv_gemm = (acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index])  # dV += P^T dO
-                # dV is issued before the dP wait, right after it, or after dS's stmatrix (the peers' order).
-                dv_at = "early" if self.dv_before_dp_wait else ("after_ds" if self.dq_first else "after_dp")
-                if const_expr(dv_at == "early"):
-                    wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
                 clock = profile.mark(clock, BwdEvent.SOFTMAX)
-                warpgroup.wait_group(1 if dv_at == "early" else 0)
+                warpgroup.wait_group(0)
                 clock = profile.mark(clock, BwdEvent.WAIT_DP)
-                if const_expr(dv_at == "after_dp"):
+                if const_expr(not self.dq_first):
                     wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
                         ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
-                if const_expr(self.ds_convert_once):
-                    convert_to_16bit(acc_dP, rdS)
-                else:
-                    rdS.store(acc_dP.load().to(self.dtype))
+                convert_to_16bit(acc_dP, rdS)  # once: the stmatrix and the dK GEMM read the same registers
                 dk_gemm = (acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index])  # dK += dS^T Q
                 if const_expr(not self.dq_first):
                     wgmma(tiled_mma_dkv, *dk_gemm, zero_init=False)
@@ -647,7 +638,7 @@ class FlashMaskBackwardSm90:
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2
                 cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, buf])
-                if const_expr(dv_at == "after_ds"):
+                if const_expr(self.dq_first):
                     wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
                 cute.arch.fence_view_async_shared()
                 clock = profile.mark(clock, BwdEvent.DS)
