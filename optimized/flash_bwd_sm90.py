@@ -673,6 +673,7 @@ class FlashMaskBackwardSm90:
                 step += 1
                 entry = tile_list.read(position)
                 position += 1
+                clock = profile.mark(clock, BwdEvent.NEXT_ENTRY)
 
         profile.stamp(cta, BwdEvent.LOOP_END)
         profile.stamp(cta, BwdEvent.STEPS, step)

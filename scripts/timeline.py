@@ -13,7 +13,8 @@ tiles over time to $OUT (or runs/); prints the summary last.
 `--backward`: the forward as usual, then the backward's main kernel in its profiled build: per CTA
 the time until K and V land, its steps and its epilogue, and the SM cycles consumer thread 0 spent
 in each segment of its query-tile steps (`BwdEvent`: waiting for Q, for S, the softmax, waiting
-for dP, dS, the barrier between the warpgroups, waiting for dQ, the dQ add, waiting for dK), as
+for dP, dS, the barrier between the warpgroups, waiting for dQ, the dQ add, waiting for dK, reading
+the next query tile's list entry), as
 medians over CTAs per step and as shares of the step. The profiled build reads the clock at every
 segment (a few % slower); compare segments, not its total, with the default build.
 """

@@ -26,10 +26,10 @@ def test_work_tiles_are_read_per_cta_and_summarized():
 
 
 def test_the_backward_profile_is_summarized_per_step():
-    # start, K/V landed, loop end, stored (ns), steps, then cycles of the 9 segments over all steps
-    stamps = torch.zeros(3, 14, dtype=torch.int64)
-    stamps[0] = torch.tensor([0, 1000, 21000, 22000, 10, 100, 200, 300, 400, 500, 600, 700, 800, 900])
-    stamps[1] = torch.tensor([0, 3000, 43000, 45000, 20, 400, 400, 600, 800, 1000, 1200, 1400, 1600, 1800])
+    # start, K/V landed, loop end, stored (ns), steps, then cycles of the 10 segments over all steps
+    stamps = torch.zeros(3, 15, dtype=torch.int64)
+    stamps[0] = torch.tensor([0, 1000, 21000, 22000, 10, 100, 200, 300, 400, 500, 600, 700, 800, 900, 50])
+    stamps[1] = torch.tensor([0, 3000, 43000, 45000, 20, 400, 400, 600, 800, 1000, 1200, 1400, 1600, 1800, 0])
     stamps[2, 4] = 0  # a CTA whose key tile no query tile sees: left out of the medians
     summary = timeline.summarize_backward(stamps)
     assert (summary["ctas"], summary["ctas_with_steps"], summary["median_steps"]) == (3, 2, 15)
@@ -38,7 +38,8 @@ def test_the_backward_profile_is_summarized_per_step():
     assert summary["median_epilogue_us"] == pytest.approx(1.5)
     assert summary["segment_cycles_per_step"]["wait_q"] == pytest.approx(15.0)  # 10 and 20 per step
     assert summary["segment_cycles_per_step"]["wait_dk"] == pytest.approx(90.0)
-    assert summary["median_step_cycles"] == pytest.approx(455.0)  # 4500 / 10 and 9200 / 20
+    assert summary["segment_cycles_per_step"]["next_entry"] == pytest.approx(2.5)  # 5 and 0 per step
+    assert summary["median_step_cycles"] == pytest.approx(457.5)  # 4550 / 10 and 9200 / 20
     assert sum(summary["segment_share"].values()) == pytest.approx(1.0, abs=1e-3)
     assert list(summary["segment_share"]) == [
         "wait_q",
@@ -50,6 +51,7 @@ def test_the_backward_profile_is_summarized_per_step():
         "wait_dq",
         "add_dq",
         "wait_dk",
+        "next_entry",
     ]
 
 
