@@ -205,7 +205,10 @@ def sinks_backward(
     """
     acc = _accumulator(compute_dtype)
     delta = (dout.to(compute_dtype).to(acc) * out.to(compute_dtype).to(acc)).sum(-1)  # [B, Sq, Hq]
-    sink_probability = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))  # [B, Hq, Sq]
+    sink = sinks.to(acc).view(1, -1, 1)
+    # A sink of -inf takes no share of any row, not even of one that sees no key (L = -inf too,
+    # where exp(sink - L) would be NaN).
+    sink_probability = torch.where(torch.isneginf(sink), 0.0, torch.exp(sink - lse.to(acc)))  # [B, Hq, Sq]
     return -(sink_probability * delta.transpose(1, 2)).sum((0, 2))
 
 
@@ -215,12 +218,20 @@ def join_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tup
     With L = lse and s the head's sink, the sink's term in the denominator scales every key's
     probability by exp(L) / (exp(L) + exp(s)) = sigmoid(L - s): out * sigmoid(L - s), and the
     LSE becomes logaddexp(L, s). Exact; autograd brings dsinks, and the backend's gradients through
-    its lse, provided that lse is differentiable. A row that sees no key (L = -inf) gives 0 and s.
-    Computed in lse's dtype; out keeps its own.
+    its lse, provided that lse is differentiable. A row that sees no key (L = -inf) gives 0 and s;
+    with s = -inf too it gives 0 and -inf, and no gradient. A sink of -inf leaves the other rows
+    as they were. Computed in lse's dtype (out scaled in the wider of the two); out keeps its own.
     """
     sink = sinks.to(lse.dtype).view(1, -1, 1)  # [1, Hq, 1] against lse [B, Hq, Sq]
-    keys_share = torch.sigmoid(lse - sink).transpose(1, 2).unsqueeze(-1)  # [B, Sq, Hq, 1]
-    return (out.to(lse.dtype) * keys_share).to(out.dtype), torch.logaddexp(lse, sink)
+    # Rows that see neither a key nor a sink: L - s and logaddexp's gradient would be NaN there.
+    # L is made finite in them before the arithmetic (so that the backward of the branch that
+    # torch.where drops is finite too) and their results set after it.
+    empty = torch.isneginf(lse) & torch.isneginf(sink)  # [B, Hq, Sq]
+    finite_lse = lse.masked_fill(empty, 0.0)
+    keys_share = torch.where(empty, 0.0, torch.sigmoid(finite_lse - sink))
+    joined_lse = torch.where(empty, -math.inf, torch.logaddexp(finite_lse, sink))
+    scaled = out.to(torch.promote_types(out.dtype, lse.dtype)) * keys_share.transpose(1, 2).unsqueeze(-1)
+    return scaled.to(out.dtype), joined_lse
 
 
 class ReferenceAttention(torch.autograd.Function):

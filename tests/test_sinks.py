@@ -191,6 +191,120 @@ def test_no_keys_at_all_give_zero_and_the_sinks(backend):
     assert not dq.any() and not dsinks.any()  # out is 0 whatever the sink
 
 
+# -- sinks of -inf ---------------------------------------------------------------------------------
+
+
+def with_sinks(backend, mask):
+    """fn(q, k, v, sinks) -> (out, lse) through fm.attention, softmax scale 0.3."""
+    return lambda *x: fm.attention(*x[:3], mask, backend=backend, softmax_scale=0.3, return_lse=True, sinks=x[3])
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal, 2", "rows that see nothing"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "cute"])
+def test_sinks_of_minus_inf_are_no_sinks(cute_on_cpu, backend, mask_name):
+    """Every sink -inf: out, lse, dq, dk and dv those of no sink (to the bit on the reference) and
+    d(sinks) 0, rows that see nothing included (out 0, lse -inf, dq 0), no NaN."""
+    mask = MASKS[mask_name](48, 48, 2)
+    q, k, v, _, dout = inputs_with_sinks(2, 48, 48, 4, 2, 8, seed=12)
+    sinks = torch.full((4,), -math.inf, dtype=torch.float64)
+    got = values_and_grads(with_sinks(backend, mask), q, k, v, sinks, dout)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fm.attention(*leaves, mask, backend=backend, softmax_scale=0.3, return_lse=True)
+    expected = [out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout), torch.zeros(4).double()]
+    assert not any(bool(x.isnan().any()) for x in got)
+    assert torch.equal(got[-1], expected[-1])
+    if backend == "reference":
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
+            assert torch.equal(a, b), name
+    else:
+        assert_all_close(got, expected, 1e-12)
+    if mask_name == "rows that see nothing":  # rows [0, 16): no key to see, and no sink
+        assert not got[0][:, :16].any() and bool(torch.isneginf(got[1][..., :16]).all())
+        assert not got[2][:, :16].any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "cute"])
+def test_rows_that_see_nothing_with_a_sink_of_minus_inf(cute_on_cpu, backend):
+    """Rows [0, 20) see no key; query heads 0 and 3 have a sink of -inf, 1 and 2 a finite one. The
+    rows that see nothing give out 0 and lse -inf under a sink of -inf (their sink under a finite
+    one), dq 0, and nothing to d(sinks). The rest as a dense softmax whose sink column is -1e4 where
+    the sink is -inf (exp(-1e4 - L) is 0 in fp64), in fp64; no NaN anywhere."""
+    mask = first_rows_see_nothing(64, 20)
+    q, k, v, sinks, dout = inputs_with_sinks(2, 64, 64, 4, 2, 8, seed=13)
+    sinks[[0, 3]] = -math.inf
+    got = values_and_grads(with_sinks(backend, mask), q, k, v, sinks, dout)
+    assert not any(bool(x.isnan().any()) for x in got)
+    out, lse, dq, dk, dv, dsinks = got
+    assert not out[:, :20].any() and not dq[:, :20].any()
+    assert bool(torch.isneginf(lse[:, [0, 3], :20]).all()) and bool(torch.isfinite(lse[..., 20:]).all())
+    assert torch.equal(lse[:, [1, 2], :20], sinks[[1, 2]].to(lse.dtype).view(1, 2, 1).expand(2, 2, 20))
+    assert all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv, dsinks)) and not dsinks[[0, 3]].any()
+
+    almost_no_sinks = torch.where(torch.isneginf(sinks), -1e4, sinks)
+    attend = mask.to_dense()
+    expected = values_and_grads(
+        lambda *x: dense_with_sink_column(*x[:3], attend, 0.3, x[3]), q, k, v, almost_no_sinks, dout
+    )
+    expected[1][:, [0, 3], :20] = -math.inf  # the one difference: no sink at all, where -1e4 gives -1e4
+    assert_all_close(got, expected, 1e-5 if backend == "cute" else 1e-10)  # cute's LSE is fp32
+
+
+def test_reference_gradcheck_with_a_sink_of_minus_inf_and_rows_that_see_nothing():
+    """dq, dk, dv against finite differences with sinks [-inf, finite] (a sink of -inf has none to
+    take), rows [0, 3) seeing no key."""
+    mask = first_rows_see_nothing(9, 3)
+    q, k, v, sinks, _ = inputs_with_sinks(1, 9, 9, 2, 1, 3, seed=14)
+    sinks[0] = -math.inf
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda *x: reference_attention(*x, mask, 0.5, sinks=sinks), leaves)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
+def test_no_keys_at_all_and_sinks_of_minus_inf(backend):
+    q, k, v, _, dout = inputs_with_sinks(1, 8, 0, 2, 2, 16)
+    sinks = torch.tensor([-math.inf, -math.inf], dtype=torch.float64)
+    leaves = [x.requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = fm.attention(*leaves[:3], causal=True, backend=backend, return_lse=True, sinks=leaves[3])
+    assert not out.any() and bool(torch.isneginf(lse).all())
+    dq, _, _, dsinks = torch.autograd.grad(out, leaves, dout)
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dsinks, torch.zeros_like(dsinks))
+
+
+def test_join_sinks_and_sinks_backward_where_neither_a_key_nor_the_sink_is_seen():
+    """The after-the-fact join on lse -inf and a sink of -inf: out 0, lse -inf, every gradient 0,
+    where the plain formulas give NaN (sigmoid(-inf + inf), exp(-inf + inf)); rows with a key or a
+    finite sink as before. Under torch.compile(fullgraph=True) too: no branch on values."""
+    from flashmask3.reference.attention import join_sinks, sinks_backward
+
+    lse = torch.tensor([[[-math.inf, 0.7, -math.inf], [-math.inf, 0.7, -1.0]]], dtype=torch.float64)  # [1, 2, 3]
+    out = torch.randn(1, 3, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(15))
+    out[:, 0] = 0
+    out[:, 2, 0] = 0  # out is 0 where lse is -inf
+    sinks = torch.tensor([-math.inf, 0.2], dtype=torch.float64)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(16))
+    for join in (join_sinks, torch.compile(join_sinks, fullgraph=True, backend="aot_eager")):
+        leaves = [x.clone().requires_grad_() for x in (out, lse, sinks)]
+        joined_out, joined_lse = join(*leaves)
+        dlse = torch.ones_like(joined_lse)
+        d_out, d_lse, d_sinks = torch.autograd.grad((joined_out, joined_lse), leaves, (dout, dlse), retain_graph=True)
+        for x in (joined_out, d_out, d_lse, d_sinks):
+            assert not x.isnan().any()
+        # head 0, no sink: out and lse as they were, no d(sink); the gradients passed on unchanged
+        # where a key is seen (row 1), 0 where none is (rows 0 and 2)
+        assert torch.equal(joined_out[:, :, 0], out[:, :, 0])
+        assert torch.equal(joined_lse[:, 0], lse[:, 0]) and d_sinks[0] == 0
+        assert torch.equal(d_out[:, 1, 0], dout[:, 1, 0]) and not d_out[:, [0, 2], 0].any()
+        assert torch.equal(d_lse[:, 0], torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64))
+        # head 1, a finite sink: its share, lse the sink's where nothing is seen
+        assert torch.equal(joined_lse[0, 1, 0], sinks[1]) and not joined_out[:, 0, 1].any()
+        torch.testing.assert_close(joined_lse[:, 1], torch.logaddexp(lse[:, 1], sinks[1]), rtol=0, atol=0)
+    # the explicit d(sinks) of the reference and cute: autograd's through the joined out alone
+    dsinks = sinks_backward(dout, joined_out.detach(), joined_lse.detach(), sinks, torch.float64)
+    through_out = torch.autograd.grad(joined_out, leaves[2], dout)[0]
+    assert dsinks[0] == 0 and through_out[0] == 0 and bool(torch.isfinite(dsinks).all())
+    torch.testing.assert_close(dsinks, through_out, rtol=1e-12, atol=1e-12)
+
+
 def test_sinks_in_low_precision_keep_their_dtype():
     q, k, v, dout = random_inputs(1, 128, 128, 4, 2, 32, torch.bfloat16, seed=8)
     sinks = random_sinks(4, 128, seed=8).requires_grad_()  # an fp32 parameter beside bf16 activations
