@@ -35,7 +35,8 @@ NCCL's semantics, as emulated:
 - Collectives (sum all-reduce and reduce-scatter, all-gather, so all_gather_object, and barrier):
   every rank's n-th collective on a group must be the same call; it runs once all ranks joined (on
   CUDA, on the last joiner's communication stream after every rank's current stream), and its wait
-  is a stream wait as above.
+  is a stream wait as above. It holds the ranks' tensors until it ran, no longer (on CUDA, with
+  `protect_buffers`, their memory is not reused before its copies ran).
 - NCCL's first-call rule: every rank of a group must join its first collective or batched
   point-to-point call. c10d posts a Python group's batch op by op, so the emulator sees operations,
   not batches: a group whose first call is point-to-point on some ranks but not on all is an error
@@ -473,6 +474,9 @@ class _Emulator:
         return _Work(lambda: self._wait_collective(state, rank, index, call))
 
     def _run_collective(self, call: _Collective, run: Callable[[list], None], rank: int, cuda: bool) -> None:
+        """Run the call on every rank's tensors, then let go of them: the call outlives its run
+        (the waits refer to it), and holding every rank's buffers of every collective for the whole
+        run grows the memory with each call until the device runs out."""
         with torch.no_grad():
             if not cuda:
                 run(call.args)
@@ -485,6 +489,11 @@ class _Emulator:
                     run(call.args)
                     call.event = torch.cuda.Event()
                     call.event.record(stream)
+                if self.protect:  # as for messages: no reuse of the memory before the copies ran
+                    for tensor in _tensors(call.args):
+                        if tensor.is_cuda:
+                            tensor.record_stream(stream)
+        call.args, call.ready = [], []
         call.done = True
 
     def _wait_collective(self, state: _GroupState, rank: int, index: int, call: _Collective) -> None:

@@ -36,9 +36,10 @@ environment sets them): on shared hosts a program that uses it can take the host
 service, and the transfers measured are NCCL's point-to-point and ring collectives anyway.
 
 Rank 0 writes one JSON (commit, command, world size, devices, rows, failures; `--out`, default
-runs/cp_bench_cp<N>.json) and prints a table last. A scheme that raises on every rank (a kernel
-that cannot run the inputs, say) records its error and the run goes on; one that fails on some
-ranks only, inside communication, hangs NCCL until its timeout (the emulator names the waits).
+runs/cp_bench_cp<N>.json) and prints a table last. A scheme whose check raises on every rank (a
+kernel that cannot run the inputs, say) records its error, is not timed, and the run goes on; one
+that fails on some ranks only, inside communication, hangs NCCL until its timeout (the emulator
+names the waits). An error while timing ends the run (the emulator: "rank N failed: <its error>").
 The exit code is 1 where any check fails or errs. With `--emulate`, the ranks share one device:
 its times test the harness, they are no multi-GPU measurement.
 """
@@ -265,25 +266,23 @@ def check(case: Case, mask, inputs, reference, kernels: str, rank: int, world: i
     }
 
 
-def time_cases(cases: dict[str, Case], mask, args, device: torch.device) -> tuple[dict[str, list], dict[str, str]]:
+def time_cases(cases: dict[str, Case], mask, args, device: torch.device) -> dict[str, list]:
     """This rank's `timed_round` samples per scheme after the warm-up calls, the schemes taking
     turns (every other round in reverse) so that a drift of the clocks is no difference between
-    them; and the error of each scheme that raised (its rounds end there)."""
+    them.
+
+    An error here ends the run: every case ran its check on every rank, so what fails now (out of
+    memory, say) may fail on some ranks only, amid communication; a rank that went on to the next
+    scheme would make other collectives than its peers (NCCL hangs, the emulator names the
+    mismatch, either way hiding the error)."""
     samples: dict[str, list] = {scheme: [] for scheme in cases}
-    errors: dict[str, str] = {}
     for turn in range(args.warmup + args.rounds):
         order = list(cases) if turn % 2 == 0 else list(cases)[::-1]
-        for scheme in (s for s in order if s not in errors):
-            try:
-                sample = timed_round(cases[scheme], mask, device)
-            except EmulatorError:
-                raise
-            except Exception as exc:
-                errors[scheme] = error_string(exc)
-                continue
+        for scheme in order:
+            sample = timed_round(cases[scheme], mask, device)
             if turn >= args.warmup:
                 samples[scheme].append(sample)
-    return samples, errors
+    return samples
 
 
 def summarize(per_rank: list[list[dict]], flops: float) -> dict:
@@ -375,17 +374,13 @@ def bench_rank(rank: int, world: int, args: argparse.Namespace, device: torch.de
             if "error" not in row:
                 cases[scheme] = case
             mask_rows.append(row)
-        samples, errors = time_cases(cases, mask, args, device)
-        gathered = all_ranks((samples, errors))
+        gathered = all_ranks(time_cases(cases, mask, args, device))
         if rank != 0:
             continue
         flops = attention_flops(1, args.heads, seqlen, seqlen, args.head_dim, mask.density()) / world
         for row in mask_rows:
-            failed = {r: e[row["scheme"]] for r, (_, e) in enumerate(gathered) if row["scheme"] in e}
-            if failed:
-                row["error"] = "timing: " + describe_errors(failed, world)
-            elif row["scheme"] in cases:
-                row |= summarize([s[row["scheme"]] for s, _ in gathered], flops)
+            if row["scheme"] in cases:
+                row |= summarize([samples[row["scheme"]] for samples in gathered], flops)
         speedups(mask_rows)
         rows += mask_rows
     if rank != 0:

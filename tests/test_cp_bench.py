@@ -2,15 +2,19 @@
 single-device attention, the JSON it writes, a broken scheme reported as a failure), and
 scripts/cp_memory.py's one rank with its peers faked (the K/V bytes the CP layer holds)."""
 
+import collections
 import json
 import math
 import re
+import threading
+import weakref
 
 import cp_bench  # scripts/, on pytest's pythonpath
 import cp_memory
 import numpy as np
 import pytest
-from flashmask3.distributed import chunk_visibility, context_parallel
+import torch
+from flashmask3.distributed import chunk_visibility, context_parallel, emulator
 from flashmask3.reference import masks
 from flashmask3.verify.cp import cp_plan
 
@@ -80,6 +84,58 @@ def test_a_broken_scheme_is_a_failure_and_the_run_goes_on(tmp_path, monkeypatch)
     assert [(f["mask"], f["scheme"]) for f in record["failures"]] == [
         (m, s) for m in MASKS for s in ("ring", "allgather")
     ]
+
+
+def test_a_run_fits_a_device_of_fixed_memory(tmp_path, monkeypatch):
+    """The failure of `cp_bench.py --emulate 4 --rounds 3` on an H200, on the CPU: the emulator held
+    every collective's tensors for the whole run (~20 GiB more per round at the default size),
+    a rank ran out of memory in the 6th round of the first mask, amid the all-gather baseline's
+    backward, and, its error swallowed, went on to the next scheme's barrier while the others
+    reduce-scattered ("rank 2 calls barrier but another rank called reduce_scatter"). Here the
+    device holds 8 MiB of tensors passed to collectives: a collective raises out of memory past
+    that. The run holds ~1.5 MiB of them at once; all it passes, 47 MiB."""
+    budget, lock, live = 8 * 2**20, threading.Lock(), {}  # storage -> (a tensor's weakref, bytes)
+    peak = [0]
+    collective = emulator._Emulator.collective
+
+    def on_a_small_device(self, state, rank, op, args, run):
+        with lock:
+            for t in emulator._tensors(args):
+                live[t.untyped_storage().data_ptr()] = (weakref.ref(t), t.untyped_storage().nbytes())
+            for ptr in [p for p, (ref, _) in live.items() if ref() is None]:
+                del live[ptr]
+            held = sum(n for _, n in live.values())
+            peak[0] = max(peak[0], held)
+        if held > budget:
+            raise torch.OutOfMemoryError(f"{held} bytes held by collectives' tensors, the device has {budget}")
+        return collective(self, state, rank, op, args, run)
+
+    monkeypatch.setattr(emulator._Emulator, "collective", on_a_small_device)
+    code, record = run_bench(tmp_path, "--masks", "full,causal_document", "--warmup", "3", "--rounds", "3")
+    assert "run_error" not in record and code == 0 and record["failures"] == []
+    assert len(record["rows"]) == 8 and all(row["passed"] and row["fwd_bwd_ms"] > 0 for row in record["rows"])
+    assert 0 < peak[0] <= budget / 2
+
+
+def test_an_error_while_timing_on_one_rank_ends_the_run_with_that_error(tmp_path, monkeypatch):
+    """The all-gather baseline's backward runs out of memory on rank 2 in the last timed round,
+    after its all-gather, before its reduce-scatter: the run stops with rank 2's error. (Swallowed,
+    rank 2 went on to the next scheme's barrier: "collective 89 on group 0: rank 2 calls barrier but
+    another rank called reduce_scatter", on the H200.)"""
+    reduce_scatter = context_parallel._Comm.reduce_scatter
+    calls = collections.Counter()
+
+    def out_of_memory_on_rank_2(comm, per_rank):
+        calls[comm.rank] += 1
+        # The check's, then 2 per round (timed, communication alone): the 4th round's timed one.
+        if comm.rank == 2 and calls[2] == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory on purpose")
+        return reduce_scatter(comm, per_rank)
+
+    monkeypatch.setattr(context_parallel._Comm, "reduce_scatter", out_of_memory_on_rank_2)
+    code, record = run_bench(tmp_path, "--masks", "full", "--warmup", "1", "--rounds", "3")
+    assert code == 1 and record["rows"] == [] and calls[2] == 8
+    assert record["run_error"] == "EmulatorError: rank 2 failed: OutOfMemoryError: CUDA out of memory on purpose"
 
 
 @pytest.mark.parametrize(
