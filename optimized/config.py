@@ -58,10 +58,6 @@ class BwdConfig:
     # add while dK runs (dO released once dV is done, Q once dK is); off: dV and dK are issued as
     # soon as P and dS exist and one wait covers all three GEMMs before the dQ add.
     dq_first: bool
-    # Each query tile's list entry written by the producer beside its Q stage (and a head's end as a
-    # stage without bytes), so the consumers read it after the Q wait they make anyway instead of
-    # waiting on and releasing the mask role's list themselves.
-    entry_with_q: bool
 
 
 def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
@@ -78,7 +74,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     """The backward's configuration for this head dim and mask variant: the LSE ahead of the S GEMM
     (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
     spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
-    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, entry_with_q=True)
+    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True)
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)

@@ -8,9 +8,10 @@ tuning choices come as a `BwdConfig` (config.py).
 Warpgroup 0, warp 1 is the mask role (mask_role.py): per query head, it classifies the query tiles
 against the key tile from the key block's min/max and publishes the ones not fully masked, flagged
 PARTIAL or not, into a smem ring. Warp 0 is the producer (TMA: K and V once, then Q and dO of each
-listed query tile through `num_stages`-deep mbarrier pipelines). Warpgroups 1-2 are consumers, 64
-keys each. They work on the transposed scores, so the rows of a thread's fragment are keys and each thread loads
-the mask bounds of only its own two keys:
+listed query tile through `num_stages`-deep mbarrier pipelines); it writes each entry beside its Q
+stage, so the consumers read it after the Q wait (a head's end is a stage without bytes).
+Warpgroups 1-2 are consumers, 64 keys each. They work on the transposed scores, so the rows of a
+thread's fragment are keys and each thread loads the mask bounds of only its own two keys:
     S^T = K Q^T, dP^T = V dO^T                      (SS-WGMMA)
     P^T = exp2(S^T * scale * log2 e - LSE * log2 e)  (element mask only on PARTIAL tiles)
     dV += P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q   (RS-WGMMA: P^T, dS^T stay in registers)
@@ -105,7 +106,6 @@ class FlashMaskBackwardSm90:
         self.mask_width = mask_width
         self.lse_ahead = config.lse_ahead
         self.dq_first = config.dq_first
-        self.entry_with_q = config.entry_with_q
         self.deterministic = deterministic
 
     @classmethod
@@ -211,7 +211,7 @@ class FlashMaskBackwardSm90:
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
             tile_ring: cute.struct.MemRange[Int32, TileList.slots]
-            stage_entries: cute.struct.MemRange[Int32, self.num_stages]  # entry_with_q: each Q stage's entry
+            stage_entries: cute.struct.MemRange[Int32, self.num_stages]  # the list entry each Q stage holds
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -322,9 +322,7 @@ class FlashMaskBackwardSm90:
         tile_list = TileList(
             storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)), storage.mbar_tiles.data_ptr()
         )
-        # Read by the producer, and by the consumer warps unless each entry comes with its Q stage.
-        list_readers = 1 if const_expr(self.entry_with_q) else 1 + 4 * self.num_consumer_wgs
-        tile_list.init(list_readers, warp_idx, self.num_threads // 32)
+        tile_list.init(1, warp_idx, self.num_threads // 32)  # read by the producer; the consumers get it with Q
         stage_entries = storage.stage_entries.get_tensor(cute.make_layout(self.num_stages))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -400,7 +398,6 @@ class FlashMaskBackwardSm90:
                 mdK,
                 mdV,
                 mRowIndices,
-                tile_list,
                 stage_entries,
                 mDqRanks,
                 mSemaphore,
@@ -490,12 +487,9 @@ class FlashMaskBackwardSm90:
             position += 1
             while entry != END_OF_LIST:
                 m_block = entry_tile(entry)
-                if const_expr(self.entry_with_q):
-                    pipe_q.sync_object_empty.wait(state.index, state.phase)
-                    stage_entries[state.index] = entry  # before the arrive that releases it with the stage
-                    pipe_q.sync_object_full.arrive(state.index, pipe_q.producer_mask)
-                else:
-                    pipe_q.producer_acquire(state)
+                pipe_q.sync_object_empty.wait(state.index, state.phase)
+                stage_entries[state.index] = entry  # before the arrive that publishes it with the stage
+                pipe_q.sync_object_full.arrive(state.index, pipe_q.producer_mask)
                 q_bar = pipe_q.producer_get_barrier(state)
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
                 cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=q_bar)
@@ -506,15 +500,14 @@ class FlashMaskBackwardSm90:
                 state.advance()
                 entry = tile_list.read(position)
                 position += 1
-            if const_expr(self.entry_with_q):
-                # The head's end as a stage of its own: no bytes, the full barriers only arrived on.
-                pipe_q.sync_object_empty.wait(state.index, state.phase)
-                stage_entries[state.index] = entry
-                pipe_do.sync_object_empty.wait(state.index, state.phase)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(state))
-                    cute.arch.mbarrier_arrive(pipe_do.producer_get_barrier(state))
-                state.advance()
+            # The head's end as a stage of its own: no bytes, the full barriers only arrived on.
+            pipe_q.sync_object_empty.wait(state.index, state.phase)
+            stage_entries[state.index] = entry
+            pipe_do.sync_object_empty.wait(state.index, state.phase)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(state))
+                cute.arch.mbarrier_arrive(pipe_do.producer_get_barrier(state))
+            state.advance()
 
     @cute.jit
     def consume(
@@ -525,7 +518,6 @@ class FlashMaskBackwardSm90:
         mdK,
         mdV,
         mRowIndices,
-        tile_list,
         stage_entries,
         mDqRanks,
         mSemaphore,
@@ -598,19 +590,15 @@ class FlashMaskBackwardSm90:
         clock = profile.start()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         step = Int32(0)
-        position = Int32(0)
         for g in cutlass.range(qheads_per_kvhead, unroll=1):
             head = head_kv * qheads_per_kvhead + g
             mask_head = head // qheads_per_maskhead
-            entry = self.next_entry(tile_list, position, pipe_q, state, stage_entries)
-            position += 1
+            entry = self.next_entry(pipe_q, state, stage_entries)
             while entry != END_OF_LIST:
                 m_block = entry_tile(entry)
                 query_start = m_block * self.tile_m
                 acc_S = cute.make_rmem_tensor(st_shape, Float32)
                 acc_dP = cute.make_rmem_tensor(st_shape, Float32)
-                if const_expr(not self.entry_with_q):
-                    pipe_q.consumer_wait(state)
                 if const_expr(self.lse_ahead):
                     lse = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
                     for c in cutlass.range_constexpr(cute.size(lse)):
@@ -695,13 +683,11 @@ class FlashMaskBackwardSm90:
                     clock = profile.mark(clock, BwdEvent.ADD_DQ)
                 state.advance()
                 step += 1
-                entry = self.next_entry(tile_list, position, pipe_q, state, stage_entries)
-                position += 1
+                entry = self.next_entry(pipe_q, state, stage_entries)
                 clock = profile.mark(clock, BwdEvent.NEXT_ENTRY)
-            if const_expr(self.entry_with_q):  # the stage that carried the head's end
-                pipe_q.consumer_release(state)
-                pipe_do.consumer_release(state)
-                state.advance()
+            pipe_q.consumer_release(state)  # the stage that carried the head's end
+            pipe_do.consumer_release(state)
+            state.advance()
 
         profile.stamp(cta, BwdEvent.LOOP_END)
         profile.stamp(cta, BwdEvent.STEPS, step)
@@ -727,16 +713,10 @@ class FlashMaskBackwardSm90:
         profile.stamp(cta, BwdEvent.STORED)
 
     @cute.jit
-    def next_entry(self, tile_list, position, pipe_q, state, stage_entries) -> Int32:
-        """A consumer's next list entry: from the mask role's list, or (entry_with_q) from the Q
-        stage it came with, once the stage is full."""
-        entry = Int32(0)
-        if const_expr(self.entry_with_q):
-            pipe_q.consumer_wait(state)
-            entry = stage_entries[state.index]
-        else:
-            entry = tile_list.read(position)
-        return entry
+    def next_entry(self, pipe_q, state, stage_entries) -> Int32:
+        """A consumer's next list entry, from the Q stage it came with, once the stage is full."""
+        pipe_q.consumer_wait(state)
+        return stage_entries[state.index]
 
     @cute.jit
     def add_dq(self, acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg):

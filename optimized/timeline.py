@@ -57,7 +57,7 @@ class BwdEvent(IntEnum):
     STORED = 3  # dK and dV's TMA stores issued
     STEPS = 4  # query-tile steps (not a time)
     # Cycles per segment of a step, each from the previous mark to its own:
-    WAIT_Q = 5  # Q's barrier (with entry_with_q in NEXT_ENTRY instead), the LSE loads
+    WAIT_Q = 5  # the LSE loads (Q's barrier is in NEXT_ENTRY)
     WAIT_S = 6  # S and dP issued (dO's barrier between), S's wait
     SOFTMAX = 7  # the element mask, the exponentials, P to bf16
     WAIT_DP = 8  # dP's wait
@@ -66,7 +66,7 @@ class BwdEvent(IntEnum):
     WAIT_DQ = 11  # the dQ GEMM (and dK's) issued, the wait for dQ
     ADD_DQ = 12  # dQ to smem, the warpgroup barrier, the reduce-add issued
     WAIT_DK = 13  # the wait for dK (dq_first), the stage releases
-    NEXT_ENTRY = 14  # the next query tile's entry: from the mask role's list, or Q's barrier and its stage
+    NEXT_ENTRY = 14  # the next query tile's Q barrier and its entry, from Q's stage
 
 
 STEP_SEGMENTS = tuple(e for e in BwdEvent if e >= BwdEvent.WAIT_Q)

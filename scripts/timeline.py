@@ -27,12 +27,15 @@ import json
 import math
 import os
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 from flashmask3.optimized.timeline import STEP_SEGMENTS, BwdEvent, Event
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
+
+from flashmask3.bench import git_commit
 
 EVENTS = tuple(e.name.lower() for e in Event)
 SEGMENTS = tuple(e.name.lower() for e in STEP_SEGMENTS)
@@ -178,7 +181,14 @@ def main() -> None:
         per_cta = work_tiles_of(stamps.cpu())
         measured = {"fwd_config": dataclasses.asdict(config), **summarize(per_cta)}
         draw(per_cta, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
-    summary = {"mask": args.mask, "seqlen": args.seqlen, "head_dim": args.head_dim, **measured}
+    summary = {
+        "commit": git_commit(),
+        "command": " ".join(["scripts/timeline.py", *sys.argv[1:]]),
+        "mask": args.mask,
+        "seqlen": args.seqlen,
+        "head_dim": args.head_dim,
+        **measured,
+    }
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
 
