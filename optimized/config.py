@@ -58,6 +58,10 @@ class BwdConfig:
     # add while dK runs (dO released once dV is done, Q once dK is); off: dV and dK are issued as
     # soon as P and dS exist and one wait covers all three GEMMs before the dQ add.
     dq_first: bool
+    # The CTAs launched in order of their query-tile steps, most first (a 1-D grid through a host
+    # permutation), so few long CTAs are left for the last wave; not in deterministic mode, whose
+    # key tiles wait for the ones before them.
+    longest_first: bool
 
 
 def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
@@ -74,7 +78,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     """The backward's configuration for this head dim and mask variant: the LSE ahead of the S GEMM
     (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
     spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
-    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True)
+    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, longest_first=False)
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)

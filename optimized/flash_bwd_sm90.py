@@ -106,6 +106,7 @@ class FlashMaskBackwardSm90:
         self.mask_width = mask_width
         self.lse_ahead = config.lse_ahead
         self.dq_first = config.dq_first
+        self.longest_first = config.longest_first
         self.deterministic = deterministic
 
     @classmethod
@@ -146,6 +147,7 @@ class FlashMaskBackwardSm90:
         mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
         mDqRanks: cute.Tensor,  # [Bm, Hm, Tn, Tm] int32, deterministic mode: the key tile's place in dQ's sum
         mSemaphore: cute.Tensor,  # [B, Hq, Tm] int32, zeroed (used in deterministic mode)
+        mCtaOrder: cute.Tensor | None,  # [Tn * Hkv * B] int32 with longest_first: the CTAs' work, in launch order
         mTimeline: cute.Tensor | None,  # [CTAs, len(BwdEvent)] int64 in a profiled build, else None
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
@@ -224,6 +226,8 @@ class FlashMaskBackwardSm90:
             step_cycles: cute.struct.MemRange[cutlass.Int64, profiled_slots]
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        if const_expr(mCtaOrder is not None):
+            grid = (cute.size(mCtaOrder.shape[0]), 1, 1)
         self.kernel(
             tma_mQ,
             tma_mK,
@@ -238,6 +242,7 @@ class FlashMaskBackwardSm90:
             mBlockBounds,
             mDqRanks,
             mSemaphore,
+            mCtaOrder,
             mTimeline,
             tma_q,
             tma_k,
@@ -281,6 +286,7 @@ class FlashMaskBackwardSm90:
         mBlockBounds: cute.Tensor,
         mDqRanks: cute.Tensor,
         mSemaphore: cute.Tensor,
+        mCtaOrder: cute.Tensor | None,
         mTimeline: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -310,6 +316,10 @@ class FlashMaskBackwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(mCtaOrder is not None):  # a 1-D grid launching the CTAs with the most steps first
+            tiles_n = cute.ceil_div(mK.shape[0], self.tile_n)
+            work = mCtaOrder[n_block]
+            n_block, head_kv, batch = work % tiles_n, (work // tiles_n) % mK.shape[2], work // tiles_n // mK.shape[2]
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
@@ -581,8 +591,7 @@ class FlashMaskBackwardSm90:
         causal_offset = seqlen_k - seqlen_q
         st_cols = acc_rows_view(st_coords)
 
-        grid_n, grid_h, _ = cute.arch.grid_dim()
-        cta = n_block + grid_n * (head_kv + grid_h * batch)
+        cta = n_block + cute.ceil_div(seqlen_k, self.tile_n) * (head_kv + mdK.shape[2] * batch)  # its place in the grid
         profile.stamp(cta, BwdEvent.START)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)

@@ -22,7 +22,7 @@ import torch
 
 from ..reference import ColumnMask
 from .config import BwdConfig, FwdConfig, bwd_config, fwd_config
-from .tile_plan import block_minmax, dq_ranks, full_mask
+from .tile_plan import block_minmax, dq_ranks, full_mask, longest_first
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128)
@@ -239,7 +239,11 @@ def backward(
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
-    tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, timeline]
+    # Deterministic mode keeps the grid order: its key tiles wait for the ones launched before them.
+    order = (
+        longest_first(mask, b, hq, hkv, tile_m, Kernel.tile_n) if config.longest_first and not deterministic else None
+    )
+    tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, timeline]
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic)
     dq = torch.empty_like(q)
@@ -320,6 +324,7 @@ def compile_check(
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
+            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_first and not deterministic else None,
             fake(cutlass.Int64, (cute.sym_int32(), len(BwdEvent))) if timeline else None,
         ]
     else:

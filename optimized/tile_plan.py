@@ -6,6 +6,8 @@
   `ColumnMask.block_classes` defines it, plus the ragged last key tile), O(B * Hm * Tm * Tn).
 - `dq_ranks`: for the deterministic backward, each key tile's place among the key tiles a query
   tile sees (the order of its dQ sum).
+- `backward_cta_steps` / `longest_first`: the backward's CTAs' steps, and the CTAs ordered by them,
+  most first.
 """
 
 from __future__ import annotations
@@ -58,3 +60,22 @@ def dq_ranks(mask: ColumnMask, tile_m: int, tile_n: int) -> torch.Tensor:
     in the deterministic, key-ordered dQ sum of query tile m)."""
     seen = tile_classes(mask, tile_m, tile_n) != SKIP
     return (torch.cumsum(seen, dim=-1, dtype=torch.int32) - seen.int()).transpose(-1, -2).contiguous()
+
+
+def backward_cta_steps(
+    mask: ColumnMask, batch: int, q_heads: int, kv_heads: int, tile_m: int, tile_n: int
+) -> torch.Tensor:
+    """int32 [batch * kv_heads * Tn]: each backward CTA's query-tile steps (its key tile's non-SKIP
+    query tiles, summed over its KV head's query heads), in grid order: key tile + Tn * (KV head +
+    kv_heads * batch)."""
+    steps = (tile_classes(mask, tile_m, tile_n) != SKIP).sum(dim=2, dtype=torch.int32)  # [Bm, Hm, Tn]
+    steps = steps.expand(batch, -1, -1).repeat_interleave(q_heads // mask.heads, dim=1)  # [B, Hq, Tn]
+    return steps.reshape(batch, kv_heads, q_heads // kv_heads, -1).sum(dim=2, dtype=torch.int32).flatten()
+
+
+def longest_first(mask: ColumnMask, batch: int, q_heads: int, kv_heads: int, tile_m: int, tile_n: int) -> torch.Tensor:
+    """int32 [batch * kv_heads * Tn]: the backward's CTAs (numbered in grid order) sorted by their
+    steps, most first (ties in grid order). Launched in this order, the long CTAs start in the first
+    wave and the last one holds short ones (longest-processing-time-first list scheduling)."""
+    steps = backward_cta_steps(mask, batch, q_heads, kv_heads, tile_m, tile_n)
+    return torch.sort(steps, descending=True, stable=True).indices.to(torch.int32)

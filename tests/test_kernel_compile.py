@@ -66,7 +66,12 @@ def test_backward_without_lse_ahead_compiles():
     """`lse_ahead=False`: the backward reads the LSE from smem after the S GEMM (chosen at mask width 4)."""
     from flashmask3.optimized import BwdConfig, compile_check
 
-    assert compile_check("bf16", 128, True, 1, BwdConfig(lse_ahead=False, dq_first=True), direction="bwd") > 0
+    assert (
+        compile_check(
+            "bf16", 128, True, 1, BwdConfig(lse_ahead=False, dq_first=True, longest_first=False), direction="bwd"
+        )
+        > 0
+    )
 
 
 def test_launch_compiles_once_per_configuration_and_passes_torch_tensors(monkeypatch):
@@ -93,6 +98,25 @@ def test_launch_compiles_once_per_configuration_and_passes_torch_tensors(monkeyp
     assert flags == {"options": "--enable-tvm-ffi"}
     assert calls[1][0] is not out and calls[1][0].data_ptr() == out.data_ptr() and calls[1][2:] == (0.125,)
     assert len(calls[1]) == 3
+
+
+def test_the_backward_launches_longest_first_only_when_not_deterministic(monkeypatch):
+    """`longest_first`: the main kernel gets the CTA order (a permutation of its CTAs) unless
+    `deterministic=True`, whose key tiles wait for the ones before them in grid order."""
+    import torch
+    from flashmask3.optimized import BwdConfig, interface
+    from flashmask3.reference import masks
+
+    launched = {}
+    monkeypatch.setattr(interface, "_launch", lambda direction, *args: launched.setdefault(direction, []).append(args))
+    q = torch.randn(1, 512, 4, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, 512, 2, 64, dtype=torch.bfloat16)
+    mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
+    config = BwdConfig(lse_ahead=True, dq_first=True, longest_first=True)
+    for deterministic in (False, True):
+        interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
+    orders = [args[5][13] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
+    assert sorted(orders[0].tolist()) == list(range(1 * 2 * 4)) and orders[1] is None
 
 
 _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
@@ -134,6 +158,14 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         summaries[name] = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())))
     for summary in summaries.values():  # a loop of WGMMAs was found, and they stay in flight
         assert " 0 HGMMA" not in summary and "serialized" not in summary, summaries
+
+
+def test_backward_longest_first_build_compiles():
+    """The 1-D grid that reads each CTA's work from the host's longest-first order."""
+    from flashmask3.optimized import BwdConfig, compile_check
+
+    config = BwdConfig(lse_ahead=True, dq_first=True, longest_first=True)
+    assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
 
 
 def test_backward_profiled_build_compiles():

@@ -1,9 +1,10 @@
 """What the kernels take of the mask: key-block min/max (the mask role's input), the tile classes
-the mask role computes, and the deterministic backward's dQ ranks (CPU check)."""
+the mask role computes, the deterministic backward's dQ ranks and the backward's longest-first
+launch order (CPU check)."""
 
 import pytest
 import torch
-from flashmask3.optimized.tile_plan import block_minmax, dq_ranks, full_mask, tile_classes
+from flashmask3.optimized.tile_plan import block_minmax, dq_ranks, full_mask, longest_first, tile_classes
 from flashmask3.reference import PARTIAL, SKIP, UNMASKED, masks
 
 
@@ -51,3 +52,33 @@ def test_dq_rank_counts_the_earlier_key_tiles_a_query_tile_sees(name, seqlen):
         for m in range(tm):
             for n in range(tn):
                 assert int(ranks[0, h, n, m]) == int(seen[0, h, m, :n].sum())
+
+
+@pytest.mark.parametrize("name, mask_batch", [("random_eviction", 2), ("causal_document", 2), ("document", 1)])
+def test_longest_first_orders_the_backward_ctas_by_their_steps(name, mask_batch):
+    """Batch 2, 4 query heads on 2 KV heads, 1000 keys (8 key tiles, the last ragged), masks per
+    head (random_eviction) or shared, per batch element or broadcast: each CTA's steps (non-SKIP
+    query tiles of 64 rows, summed over its KV head's query heads, each reading its mask head)
+    counted tile by tile; the order is a permutation, most steps first, ties in grid order."""
+    mask = masks.build(name, 1000, batch=mask_batch, heads=4, seed=3)
+    order = longest_first(mask, 2, 4, 2, 64, 128)
+    classes = tile_classes(mask, 64, 128)
+    tiles_n = classes.shape[-1]
+    steps = []
+    for b in range(2):
+        for kv_head in range(2):
+            for n in range(tiles_n):
+                heads = [(2 * kv_head + g) // (4 // mask.heads) for g in range(2)]
+                steps.append(sum(int((classes[b % mask.batch, h, :, n] != SKIP).sum()) for h in heads))
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(2 * 2 * tiles_n))
+    expected = sorted(range(len(steps)), key=lambda cta: (-steps[cta], cta))
+    assert order.tolist() == expected
+    assert len(set(steps)) > 3  # the masks make the CTAs' work differ
+
+
+def test_the_schedule_model_puts_a_long_cta_last_in_grid_order_and_first_longest_first():
+    """tools/bwd_schedule.py: four 1-step CTAs then a 4-step one on 2 SMs (no fixed cost): in grid
+    order the long one starts at 2 and ends at 6, longest first it ends at 4 = the ideal."""
+    import bwd_schedule
+
+    assert bwd_schedule.wasted(torch.tensor([1, 1, 1, 1, 4]), sms=2, fixed_us=0.0, step_us=1.0) == (1.5, 1.0)
