@@ -34,6 +34,9 @@ class FwdConfig:
     # PARTIAL key tiles whose keys all share one set of bounds (a document's interior, a question's
     # answers) masked from one key's bounds, per row, instead of every key's.
     uniform_tiles: bool
+    # Work tiles drawn in order of their key-tile steps, most first (through a host permutation),
+    # so the last ones drawn are short.
+    longest_tiles_first: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -61,7 +64,7 @@ class BwdConfig:
     # The CTAs launched in order of their query-tile steps, most first (a 1-D grid through a host
     # permutation), so few long CTAs are left for the last wave; not in deterministic mode, whose
     # key tiles wait for the ones before them.
-    longest_first: bool
+    longest_ctas_first: bool
 
 
 def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
@@ -71,14 +74,20 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     persistent grid (up to +21% over one CTA per work tile on the short-list masks, even on the
     dense ones); uniform partial tiles masked per row (+1-4% on the document-like masks at 8K, 0 on
     full). The mask variant changes none of these today."""
-    return FwdConfig(tile_m=192 if head_dim == 64 else 128, num_stages=2, persistent=True, uniform_tiles=True)
+    return FwdConfig(
+        tile_m=192 if head_dim == 64 else 128,
+        num_stages=2,
+        persistent=True,
+        uniform_tiles=True,
+        longest_tiles_first=False,
+    )
 
 
 def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     """The backward's configuration for this head dim and mask variant: the LSE ahead of the S GEMM
     (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
     spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
-    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, longest_first=False)
+    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, longest_ctas_first=False)
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)

@@ -84,6 +84,7 @@ class FlashMaskForwardSm90:
         mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
         mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
         mTileCounter: cute.Tensor,  # [1] int32, zero: the work tiles drawn so far beyond the first per CTA
+        mTileOrder: cute.Tensor | None,  # [work tiles] int32 with longest_tiles_first: the n-th to draw
         mTimeline: cute.Tensor | None,  # [CTAs, work tiles, len(Event)] int64 in a timeline build, else None
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
@@ -144,7 +145,7 @@ class FlashMaskForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sBounds: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(bounds_layout)], 16]
 
-        num_ctas = cutlass.min(self.work_tiles(mQ).total, max_ctas)
+        num_ctas = cutlass.min(self.work_tiles(mQ, None).total, max_ctas)
         self.kernel(
             tma_mQ,
             tma_mK,
@@ -154,6 +155,7 @@ class FlashMaskForwardSm90:
             mRowIndices,
             mBlockBounds,
             mTileCounter,
+            mTileOrder,
             mTimeline,
             tma_q,
             tma_k,
@@ -184,6 +186,7 @@ class FlashMaskForwardSm90:
         mRowIndices: cute.Tensor,
         mBlockBounds: cute.Tensor,
         mTileCounter: cute.Tensor,
+        mTileOrder: cute.Tensor | None,
         mTimeline: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -205,7 +208,7 @@ class FlashMaskForwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        work_tiles = self.work_tiles(mQ)
+        work_tiles = self.work_tiles(mQ, mTileOrder)
         timeline = Timeline(mTimeline)
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -296,11 +299,12 @@ class FlashMaskForwardSm90:
                 timeline,
             )
 
-    def work_tiles(self, mQ: cute.Tensor) -> WorkTiles:
-        """The work tiles of Q, (Sq, D, Hq, B): query tiles x query heads x batch."""
+    def work_tiles(self, mQ: cute.Tensor, order: cute.Tensor | None) -> WorkTiles:
+        """The work tiles of Q, (Sq, D, Hq, B): query tiles x query heads x batch, drawn in `order`."""
         num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
         num_heads = cute.size(mQ.shape[2])
-        return WorkTiles(num_m_blocks, num_heads, num_m_blocks * num_heads * cute.size(mQ.shape[3]), self.causal)
+        total = num_m_blocks * num_heads * cute.size(mQ.shape[3])
+        return WorkTiles(num_m_blocks, num_heads, total, self.causal, order)
 
     @cute.jit
     def load(

@@ -22,7 +22,7 @@ import torch
 
 from ..reference import ColumnMask
 from .config import BwdConfig, FwdConfig, bwd_config, fwd_config
-from .tile_plan import block_minmax, dq_ranks, full_mask, longest_first
+from .tile_plan import backward_cta_steps, block_minmax, dq_ranks, forward_tile_steps, full_mask, longest_first
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128)
@@ -157,6 +157,9 @@ def forward(
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    order = None
+    if config.longest_tiles_first:
+        order = longest_first(forward_tile_steps(mask, b, hq, config.tile_m, Kernel.tile_n))
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
     _launch(
@@ -166,7 +169,7 @@ def forward(
         mask.causal,
         width,
         config,
-        [q, k, v, out, lse, row_indices, bounds, tile_counter, timeline],
+        [q, k, v, out, lse, row_indices, bounds, tile_counter, order, timeline],
         scalars,
     )
     return out, lse
@@ -239,10 +242,9 @@ def backward(
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
-    # Deterministic mode keeps the grid order: its key tiles wait for the ones launched before them.
-    order = (
-        longest_first(mask, b, hq, hkv, tile_m, Kernel.tile_n) if config.longest_first and not deterministic else None
-    )
+    order = None
+    if config.longest_ctas_first and not deterministic:  # deterministic: key tiles wait for earlier ones
+        order = longest_first(backward_cta_steps(mask, b, hq, hkv, tile_m, Kernel.tile_n))
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, timeline]
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic)
@@ -324,7 +326,7 @@ def compile_check(
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
-            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_first and not deterministic else None,
+            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_ctas_first and not deterministic else None,
             fake(cutlass.Int64, (cute.sym_int32(), len(BwdEvent))) if timeline else None,
         ]
     else:
@@ -338,6 +340,7 @@ def compile_check(
             row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (1,)),
+            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_tiles_first else None,
             fake(cutlass.Int64, (cute.sym_int32(), cute.sym_int32(), len(Event))) if timeline else None,
         ]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

@@ -6,8 +6,8 @@
   `ColumnMask.block_classes` defines it, plus the ragged last key tile), O(B * Hm * Tm * Tn).
 - `dq_ranks`: for the deterministic backward, each key tile's place among the key tiles a query
   tile sees (the order of its dQ sum).
-- `backward_cta_steps` / `longest_first`: the backward's CTAs' steps, and the CTAs ordered by them,
-  most first.
+- `forward_tile_steps` / `backward_cta_steps` / `longest_first`: the steps of the forward's work
+  tiles and of the backward's CTAs, and either ordered by them, most first.
 """
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ def dq_ranks(mask: ColumnMask, tile_m: int, tile_n: int) -> torch.Tensor:
     return (torch.cumsum(seen, dim=-1, dtype=torch.int32) - seen.int()).transpose(-1, -2).contiguous()
 
 
+def forward_tile_steps(mask: ColumnMask, batch: int, q_heads: int, tile_m: int, tile_n: int) -> torch.Tensor:
+    """int32 [batch * q_heads * Tm]: each forward work tile's key-tile steps (its query tile's
+    non-SKIP key tiles), in work-tile order: query tile + Tm * (query head + q_heads * batch)."""
+    steps = (tile_classes(mask, tile_m, tile_n) != SKIP).sum(dim=3, dtype=torch.int32)  # [Bm, Hm, Tm]
+    return steps.expand(batch, -1, -1).repeat_interleave(q_heads // mask.heads, dim=1).flatten()
+
+
 def backward_cta_steps(
     mask: ColumnMask, batch: int, q_heads: int, kv_heads: int, tile_m: int, tile_n: int
 ) -> torch.Tensor:
@@ -73,9 +80,8 @@ def backward_cta_steps(
     return steps.reshape(batch, kv_heads, q_heads // kv_heads, -1).sum(dim=2, dtype=torch.int32).flatten()
 
 
-def longest_first(mask: ColumnMask, batch: int, q_heads: int, kv_heads: int, tile_m: int, tile_n: int) -> torch.Tensor:
-    """int32 [batch * kv_heads * Tn]: the backward's CTAs (numbered in grid order) sorted by their
-    steps, most first (ties in grid order). Launched in this order, the long CTAs start in the first
-    wave and the last one holds short ones (longest-processing-time-first list scheduling)."""
-    steps = backward_cta_steps(mask, batch, q_heads, kv_heads, tile_m, tile_n)
+def longest_first(steps: torch.Tensor) -> torch.Tensor:
+    """int32: the indices of `steps` (a kernel's work units in its own order) sorted by steps, most
+    first, ties in that order. Launched or drawn in this order, the long units start first and the
+    last ones are short (longest-processing-time-first list scheduling)."""
     return torch.sort(steps, descending=True, stable=True).indices.to(torch.int32)

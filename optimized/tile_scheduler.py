@@ -9,7 +9,8 @@ reader has taken the header of the current one, so no CTA holds more than one wo
 reserve. With a grid of one CTA per work tile the same code runs each CTA once.
 
 Order: the query tiles of one (head, batch) are consecutive, so the CTAs running at a time share a
-few heads' K/V in L2; under a causal mask they go last-first, the longest lists first.
+few heads' K/V in L2; under a causal mask they go last-first, the longest lists first. With an
+`order` (the host's longest-first permutation of the work tiles) the n-th drawn is `order[n]`.
 """
 
 from dataclasses import dataclass
@@ -29,14 +30,17 @@ class WorkTiles:
     num_m_blocks: Int32
     num_heads: Int32
     total: Int32
-    last_first: bool  # causal: query tiles in reverse order
+    last_first: bool  # causal: query tiles in reverse order (without an order)
+    order: cute.Tensor | None  # int32 [total]: the work tile to draw n-th
 
     @cute.jit
     def decode(self, work: Int32):
-        """(query tile, query head, batch) of work tile `work`."""
+        """(query tile, query head, batch) of the `work`-th work tile drawn."""
+        if cutlass.const_expr(self.order is not None):
+            work = self.order[work]
         m_block = work % self.num_m_blocks
         head_batch = work // self.num_m_blocks
-        if cutlass.const_expr(self.last_first):
+        if cutlass.const_expr(self.last_first and self.order is None):
             m_block = self.num_m_blocks - 1 - m_block
         return m_block, head_batch % self.num_heads, head_batch // self.num_heads
 

@@ -68,7 +68,7 @@ def test_backward_without_lse_ahead_compiles():
 
     assert (
         compile_check(
-            "bf16", 128, True, 1, BwdConfig(lse_ahead=False, dq_first=True, longest_first=False), direction="bwd"
+            "bf16", 128, True, 1, BwdConfig(lse_ahead=False, dq_first=True, longest_ctas_first=False), direction="bwd"
         )
         > 0
     )
@@ -112,11 +112,31 @@ def test_the_backward_launches_longest_first_only_when_not_deterministic(monkeyp
     q = torch.randn(1, 512, 4, 64, dtype=torch.bfloat16)
     k, v = torch.randn(2, 1, 512, 2, 64, dtype=torch.bfloat16)
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
-    config = BwdConfig(lse_ahead=True, dq_first=True, longest_first=True)
+    config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first=True)
     for deterministic in (False, True):
         interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
     orders = [args[5][13] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
     assert sorted(orders[0].tolist()) == list(range(1 * 2 * 4)) and orders[1] is None
+
+
+def test_the_forward_draws_longest_first_when_configured(monkeypatch):
+    """`longest_tiles_first`: the forward kernel gets the work tiles' draw order (a permutation)."""
+    import dataclasses
+
+    import torch
+    from flashmask3.optimized import fwd_config, interface
+    from flashmask3.reference import masks
+
+    launched = []
+    monkeypatch.setattr(interface, "_launch", lambda direction, *args: launched.append(args))
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 132)
+    q, k, v = torch.randn(3, 1, 512, 2, 128, dtype=torch.bfloat16)
+    mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
+    for on in (True, False):
+        config = dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first=on)
+        interface.forward(q, k, v, mask, 0.125, config=config)
+    orders = [args[5][8] for args in launched]  # (dtype, d, causal, width, config, tensors, ...)
+    assert sorted(orders[0].tolist()) == list(range(2 * 4)) and orders[1] is None
 
 
 _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
@@ -164,8 +184,18 @@ def test_backward_longest_first_build_compiles():
     """The 1-D grid that reads each CTA's work from the host's longest-first order."""
     from flashmask3.optimized import BwdConfig, compile_check
 
-    config = BwdConfig(lse_ahead=True, dq_first=True, longest_first=True)
+    config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first=True)
     assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
+
+
+def test_forward_longest_first_build_compiles():
+    """The forward that draws its work tiles through the host's longest-first order."""
+    import dataclasses
+
+    from flashmask3.optimized import compile_check, fwd_config
+
+    config = dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first=True)
+    assert compile_check("bf16", 128, True, 1, config) > 0
 
 
 def test_backward_profiled_build_compiles():

@@ -4,7 +4,15 @@ launch order (CPU check)."""
 
 import pytest
 import torch
-from flashmask3.optimized.tile_plan import block_minmax, dq_ranks, full_mask, longest_first, tile_classes
+from flashmask3.optimized.tile_plan import (
+    backward_cta_steps,
+    block_minmax,
+    dq_ranks,
+    forward_tile_steps,
+    full_mask,
+    longest_first,
+    tile_classes,
+)
 from flashmask3.reference import PARTIAL, SKIP, UNMASKED, masks
 
 
@@ -61,7 +69,7 @@ def test_longest_first_orders_the_backward_ctas_by_their_steps(name, mask_batch)
     query tiles of 64 rows, summed over its KV head's query heads, each reading its mask head)
     counted tile by tile; the order is a permutation, most steps first, ties in grid order."""
     mask = masks.build(name, 1000, batch=mask_batch, heads=4, seed=3)
-    order = longest_first(mask, 2, 4, 2, 64, 128)
+    order = longest_first(backward_cta_steps(mask, 2, 4, 2, 64, 128))
     classes = tile_classes(mask, 64, 128)
     tiles_n = classes.shape[-1]
     steps = []
@@ -76,9 +84,30 @@ def test_longest_first_orders_the_backward_ctas_by_their_steps(name, mask_batch)
     assert len(set(steps)) > 3  # the masks make the CTAs' work differ
 
 
-def test_the_schedule_model_puts_a_long_cta_last_in_grid_order_and_first_longest_first():
-    """tools/bwd_schedule.py: four 1-step CTAs then a 4-step one on 2 SMs (no fixed cost): in grid
-    order the long one starts at 2 and ends at 6, longest first it ends at 4 = the ideal."""
-    import bwd_schedule
+@pytest.mark.parametrize("name, mask_batch", [("random_eviction", 2), ("share_question", 1)])
+def test_longest_first_orders_the_forward_work_tiles_by_their_steps(name, mask_batch):
+    """Batch 2, 4 query heads, 1000 queries in tiles of 192 (6, the last ragged): each work tile's
+    steps (its non-SKIP key tiles, its head reading its mask head), in work-tile order (query tile
+    fastest, then head, then batch); the order is a permutation, most steps first, ties in order."""
+    mask = masks.build(name, 1000, batch=mask_batch, heads=4, seed=5)
+    classes = tile_classes(mask, 192, 128)
+    tiles_m = classes.shape[2]
+    steps = [
+        int((classes[b % mask.batch, h // (4 // mask.heads), m] != SKIP).sum())
+        for b in range(2)
+        for h in range(4)
+        for m in range(tiles_m)
+    ]
+    assert forward_tile_steps(mask, 2, 4, 192, 128).tolist() == steps
+    order = longest_first(forward_tile_steps(mask, 2, 4, 192, 128))
+    assert order.dtype == torch.int32
+    assert order.tolist() == sorted(range(len(steps)), key=lambda tile: (-steps[tile], tile))
+    assert len(set(steps)) > 2
 
-    assert bwd_schedule.wasted(torch.tensor([1, 1, 1, 1, 4]), sms=2, fixed_us=0.0, step_us=1.0) == (1.5, 1.0)
+
+def test_the_schedule_model_puts_a_long_cta_last_in_grid_order_and_first_longest_first():
+    """tools/tail_model.py: four 1-step CTAs then a 4-step one on 2 SMs (no fixed cost): in grid
+    order the long one starts at 2 and ends at 6, longest first it ends at 4 = the ideal."""
+    import tail_model
+
+    assert tail_model.wasted(torch.tensor([1, 1, 1, 1, 4]), sms=2, fixed_us=0.0, step_us=1.0) == (1.5, 1.0)
