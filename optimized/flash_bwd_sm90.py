@@ -106,7 +106,6 @@ class FlashMaskBackwardSm90:
         self.mask_width = mask_width
         self.lse_ahead = config.lse_ahead
         self.dq_first = config.dq_first
-        self.longest_ctas_first = config.longest_ctas_first
         self.deterministic = deterministic
 
     @classmethod

@@ -7,8 +7,9 @@ per-key-block min/max of the boundary vectors (`block_minmax`, computed once per
 FlashMask's rule, exactly `ColumnMask.block_classes`): SKIP tiles are left out, the others are
 published in order as `tile << 2 | flags` (PARTIAL, UNIFORM) into a small smem ring (`TileList`),
 then -1. The TMA
-producer and the consumer warps read the same ring, so skipped tiles cost neither loads nor MMAs and
-UNMASKED tiles cost no mask arithmetic.
+producer reads the ring (and in the forward the consumer warps too; the backward's producer hands
+each entry on with its Q stage), so skipped tiles cost neither loads nor MMAs and UNMASKED tiles
+cost no mask arithmetic.
 """
 
 from dataclasses import dataclass

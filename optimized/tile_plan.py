@@ -65,7 +65,7 @@ def dq_ranks(mask: ColumnMask, tile_m: int, tile_n: int) -> torch.Tensor:
 def forward_tile_steps(mask: ColumnMask, batch: int, q_heads: int, tile_m: int, tile_n: int) -> torch.Tensor:
     """int32 [batch * q_heads * Tm]: each forward work tile's key-tile steps (its query tile's
     non-SKIP key tiles), in work-tile order: query tile + Tm * (query head + q_heads * batch)."""
-    steps = (tile_classes(mask, tile_m, tile_n) != SKIP).sum(dim=3, dtype=torch.int32)  # [Bm, Hm, Tm]
+    steps = (~mask.block_skip(tile_m, tile_n)).sum(dim=3, dtype=torch.int32)  # [Bm, Hm, Tm]
     return steps.expand(batch, -1, -1).repeat_interleave(q_heads // mask.heads, dim=1).flatten()
 
 
@@ -75,7 +75,7 @@ def backward_cta_steps(
     """int32 [batch * kv_heads * Tn]: each backward CTA's query-tile steps (its key tile's non-SKIP
     query tiles, summed over its KV head's query heads), in grid order: key tile + Tn * (KV head +
     kv_heads * batch)."""
-    steps = (tile_classes(mask, tile_m, tile_n) != SKIP).sum(dim=2, dtype=torch.int32)  # [Bm, Hm, Tn]
+    steps = (~mask.block_skip(tile_m, tile_n)).sum(dim=2, dtype=torch.int32)  # [Bm, Hm, Tn]
     steps = steps.expand(batch, -1, -1).repeat_interleave(q_heads // mask.heads, dim=1)  # [B, Hq, Tn]
     return steps.reshape(batch, kv_heads, q_heads // kv_heads, -1).sum(dim=2, dtype=torch.int32).flatten()
 

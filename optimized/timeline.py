@@ -21,7 +21,7 @@ from cutlass import Int32, Int64
 
 
 class Event(IntEnum):
-    WORK_TILE = 0  # the work tile's index (not a time)
+    WORK_TILE = 0  # the work tile's draw index (not a time)
     LISTED = 1  # mask warp: the header is out (the tile is drawn)
     LIST_END = 2  # mask warp: the key tile list is out
     Q_ISSUED = 3  # producer: Q's TMA issued (sQ was free)
@@ -57,7 +57,7 @@ class BwdEvent(IntEnum):
     STORED = 3  # dK and dV's TMA stores issued
     STEPS = 4  # query-tile steps (not a time)
     # Cycles per segment of a step, each from the previous mark to its own:
-    WAIT_Q = 5  # the LSE loads (Q's barrier is in NEXT_ENTRY)
+    WAIT_Q = 5  # the LSE loads (Q's barrier is in NEXT_ENTRY, but a head's first step's here)
     WAIT_S = 6  # S and dP issued (dO's barrier between), S's wait
     SOFTMAX = 7  # the element mask, the exponentials, P to bf16
     WAIT_DP = 8  # dP's wait

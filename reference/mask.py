@@ -219,6 +219,19 @@ class ColumnMask(MaskConstructors):
         SKIP tiles are fully masked and UNMASKED tiles fully visible (both exact); PARTIAL tiles
         need the element mask (conservative: a PARTIAL tile may turn out full or empty).
         """
+        skip, partial = self._block_skip_partial(block_m, block_n)
+        classes = torch.full(skip.shape, UNMASKED, dtype=torch.int8, device=self.device)
+        classes[partial] = PARTIAL
+        classes[skip] = SKIP
+        counts = torch.bincount(classes.flatten().to(torch.int64), minlength=3).tolist()
+        return BlockClasses(classes, counts[SKIP], counts[PARTIAL], counts[UNMASKED])
+
+    def block_skip(self, block_m: int = 128, block_n: int = 128) -> torch.Tensor:
+        """bool [B, Hm, Tm, Tn]: the SKIP tiles of `block_classes`, on the mask's device without a
+        host sync (no counts)."""
+        return self._block_skip_partial(block_m, block_n)[0]
+
+    def _block_skip_partial(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         bounds = self.block_bounds(block_n)
         tm = -(-self.seqlen_q // block_m)
         r0 = torch.arange(tm, device=self.device) * block_m
@@ -242,11 +255,7 @@ class ColumnMask(MaskConstructors):
             off = self._causal_offset()
             skip = skip | (c0 > r1 - 1 + off)
             partial = partial | (c1 - 1 > r0 + off)
-        classes = torch.full(skip.shape, UNMASKED, dtype=torch.int8, device=self.device)
-        classes[partial] = PARTIAL
-        classes[skip] = SKIP
-        counts = torch.bincount(classes.flatten().to(torch.int64), minlength=3).tolist()
-        return BlockClasses(classes, counts[SKIP], counts[PARTIAL], counts[UNMASKED])
+        return skip, partial
 
     def block_bounds(self, block_n: int) -> torch.Tensor:
         """Per-key-block min/max of each interval bound, int32 [8, B, Hm, Tn].

@@ -43,16 +43,17 @@ def wasted(steps: torch.Tensor, sms: int, fixed_us: float, step_us: float) -> tu
     return makespan(durations, sms) / ideal, makespan(sorted(durations, reverse=True), sms) / ideal
 
 
-def work_steps(mask, batch: int, heads: int, kv_heads: int, forward: bool) -> torch.Tensor:
+def work_steps(mask, batch: int, heads: int, kv_heads: int, head_dim: int, forward: bool) -> torch.Tensor:
     """Steps per unit of work in the order the kernel takes them."""
     from flashmask3.optimized.config import fwd_config
     from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90 as Backward
+    from flashmask3.optimized.flash_fwd_sm90 import FlashMaskForwardSm90 as Forward
     from flashmask3.optimized.tile_plan import backward_cta_steps, forward_tile_steps
 
     if not forward:
         return backward_cta_steps(mask, batch, heads, kv_heads, Backward.tile_m, Backward.tile_n)
-    tile_m = fwd_config(128, mask.causal, mask.startend_row_indices.shape[-1]).tile_m
-    steps = forward_tile_steps(mask, batch, heads, tile_m, 128)
+    tile_m = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]).tile_m
+    steps = forward_tile_steps(mask, batch, heads, tile_m, Forward.tile_n)
     return steps.view(-1, -(-mask.seqlen_q // tile_m)).flip(1).flatten() if mask.causal else steps
 
 
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--forward", action="store_true", help="the forward's work tiles, not the backward's CTAs")
     parser.add_argument("--fixed-us", type=float, help="per CTA (backward, default 3.4) or work tile (forward, 2)")
@@ -81,13 +83,13 @@ def main() -> None:
             data = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "preset" / "h200.yaml").data, {"mask": name})
             for step in range(args.train_batches):
                 mask = train_e2e.column_mask(name, train_e2e.make_batch(data, 32000, 0, step))
-                steps = work_steps(mask, 1, args.heads, args.kv_heads, args.forward)
+                steps = work_steps(mask, 1, args.heads, args.kv_heads, args.head_dim, args.forward)
                 rows.append((name, *wasted(steps, args.sms, fixed_us, step_us)))
     else:
         from flashmask3.reference import masks
 
         mask = masks.build(args.mask, args.seqlen, batch=args.batch, heads=args.heads, seed=0)
-        steps = work_steps(mask, args.batch, args.heads, args.kv_heads, args.forward)
+        steps = work_steps(mask, args.batch, args.heads, args.kv_heads, args.head_dim, args.forward)
         rows.append((args.mask, *wasted(steps, args.sms, fixed_us, step_us)))
     for name in dict.fromkeys(r[0] for r in rows):
         ordered, lpt = zip(*[(r[1], r[2]) for r in rows if r[0] == name])
