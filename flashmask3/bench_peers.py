@@ -1,8 +1,12 @@
 """The peers the benchmark scripts time our kernels against, each on the masks it can express.
 
 Benchmark-only: the library (`flashmask3.api` and its backends) never imports this module. Every
-peer takes q, k, v as [B, S, H, D] and returns the output as [B, S, H, D], differentiable, so the
-same function serves the forward bench and the fwd+bwd bench (autograd):
+peer takes q as [B, S, Hq, D], k and v as [B, S, Hkv, D] (GQA: Hkv divides Hq, K/V head j serving
+the G = Hq / Hkv query heads j * G to j * G + G - 1, as ours) and returns the output as [B, S, Hq,
+D], differentiable, so the same function serves the forward bench and the fwd+bwd bench
+(autograd). Each takes the fewer K/V heads as they are, none repeats them: FA4 (dense, varlen,
+block-sparse), cuDNN frontend and FlashMask V3 by the tensors' shapes, Flex and torch SDPA (cuDNN)
+with `enable_gqa`.
 
 - `flex`: FlexAttention compiled, `kernel_options={"BACKEND": "TRITON"}`, on a BlockMask: every mask.
 - `flex_flash`: the same with `{"BACKEND": "FLASH"}` (FA4's kernels inside Flex): every mask.
@@ -53,7 +57,8 @@ class PeerCase:
         mask_name: the `masks.MASK_NAMES` entry `mask` was built as.
         mask: the mask, on the device the peers run on; batch 1 or `batch`, Sq == Sk.
         batch: batch size of q, k, v.
-        heads: query heads (= kv heads in the benchmarks).
+        heads: query heads (k and v may have fewer: GQA); the masks' heads, the BlockMask's and the
+            block-sparse lists' are query heads.
         softmax_scale: the scale every contender uses.
     """
 
@@ -161,7 +166,9 @@ def fa4_block_sparse_tensors(mask: ColumnMask, heads: int) -> tuple[tuple[torch.
     x tile_n). On SM90 with a mask_mod (not causal, not local) `_tile_size_bwd_sm90` gives tile_n
     128 and tile_m 128 at head dim 64, 64 at head dim 128 (80 does not divide a 128-row block), and
     kv_subtile_factor stays 1: 128 x 128 fits both, a query block being two 64-row tiles at head
-    dim 128.
+    dim 128. `heads` are query heads in both directions, for GQA too: FA4 checks the lists against
+    [B, Hq, ...] (`num_head` = q's heads in `normalize_block_sparse_config` and its `_bwd`; a head dim
+    of 1 is broadcast, and only then does the forward pack the query heads of a K/V head together).
     """
     classes = head_block_classes(mask, heads, mask.device)
     return block_lists(classes), block_lists(classes.transpose(-1, -2))
@@ -265,7 +272,8 @@ def _compiled_flex():
 
 
 def _flex(backend: str) -> Callable[[PeerCase], AttentionFn]:
-    """FlexAttention compiled with `kernel_options={"BACKEND": backend}` on the case's BlockMask."""
+    """FlexAttention compiled with `kernel_options={"BACKEND": backend}` on the case's BlockMask
+    (query heads), with `enable_gqa` where k and v have fewer heads than q."""
 
     def build(case: PeerCase) -> AttentionFn:
         block_mask, scale, options = case.block_mask, case.softmax_scale, {"BACKEND": backend}
@@ -278,6 +286,7 @@ def _flex(backend: str) -> Callable[[PeerCase], AttentionFn]:
                 v.transpose(1, 2),
                 block_mask=block_mask,
                 scale=scale,
+                enable_gqa=k.shape[2] != q.shape[2],
                 kernel_options=options,
             )
             return out.transpose(1, 2)
@@ -288,7 +297,9 @@ def _flex(backend: str) -> Callable[[PeerCase], AttentionFn]:
 
 
 def _cudnn(case: PeerCase) -> AttentionFn | None:
-    """cuDNN's attention through torch SDPA, on the full and causal masks only."""
+    """cuDNN's attention through torch SDPA, on the full and causal masks only; `enable_gqa` where k
+    and v have fewer heads than q, which SDPA's cuDNN backend takes as they are (a torch whose cuDNN
+    backend refuses them raises "No available kernel": the peer's error, not a silent repeat)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if case.mask_name not in ("full", "causal"):
@@ -298,7 +309,12 @@ def _cudnn(case: PeerCase) -> AttentionFn | None:
     def run(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=k.shape[2] != q.shape[2],
             ).transpose(1, 2)
 
     return run
@@ -384,7 +400,8 @@ packs them."""
 def _flashmask_v3(case: PeerCase) -> AttentionFn | None:
     """FlashMask V3's `flashmask_attention` on the case's column mask, q, k, v [B, S, H, D] as
     ours; its autograd Function runs its backward. It takes the mask's batch only equal to q's, and
-    mask heads 1 or one per kv head (the benchmarks' heads are kv heads): None for other masks."""
+    mask heads 1, Hq or Hkv (`interface_torch`'s check): the benchmarks' masks have 1 or Hq (query
+    heads); other ones give None."""
     if case.mask.heads not in (1, case.heads):
         return None
     interface = _import_peer(FLASHMASK_V3_PATH_VARIABLE, "interface_torch")

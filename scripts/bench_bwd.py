@@ -3,6 +3,7 @@
     python scripts/bench_bwd.py check                 # dQ/dK/dV, every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
     python scripts/bench_bwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_bwd.py bench --seqlens 8192 --peers fa4,fa4_sparse   # only these peers
+    python scripts/bench_bwd.py bench --seqlens 32768 --batch 1 --heads 16 --kv-heads 4   # GQA, as in training
     python scripts/bench_bwd.py profile --masks causal,sliding_window   # GPU time per kernel
     python scripts/bench_bwd.py ablate --masks causal --variants lse_ahead=false   # configs vs the chosen ones
 
@@ -16,7 +17,9 @@ TFLOP/s on unmasked work, 3.5x the forward FLOPs. Peers in the same run, fwd+bwd
 TRITON and FLASH, FA4's own API (causal, window, varlen documents), FA4 with mask_mod + block
 sparsity in both directions, cuDNN SDPA. Each row holds per peer its time, TFLOP/s and largest
 absolute differences from our output and gradients, or the error that stopped it (the run goes on).
-Writes JSON to $OUT (or runs/) and prints a table last.
+Shape (`bench`, `profile`, `ablate`), as bench_fwd.py's: --heads (default 4096 / D), --kv-heads (GQA;
+default as many), --batch (default 128K / S), recorded in each row. Writes JSON to $OUT (or runs/)
+and prints a table last.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from bench_fwd import (
     add_peers_argument,
     add_row,
     bench_table,
+    check_common_arguments,
+    head_counts,
     new_record,
     record_times,
     run_ablation,
+    run_batch,
     run_check,
     variant_configs,
     variant_overrides,
@@ -127,30 +133,36 @@ def run_bench(
     deterministic: bool,
     save=lambda rows: None,
     peer_names: tuple[str, ...] = tuple(bench_peers.PEERS),
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    batch: int | None = None,
 ) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
     Per mask, cute and the peers of `peer_names` that take the mask take turns (`interleaved_ms`);
     a peer's entries: `_ms`, `_tflops`, `_max_diff` (output) and `_max_diff_dq/dk/dv` (from ours),
-    or `_error`."""
+    or `_error`. `heads`, `kv_heads`, `batch`: the inputs' shape (`bench_fwd.run_bench`)."""
     rows = []
-    heads = 4096 // head_dim
+    heads, kv_heads = head_counts(head_dim, heads, kv_heads)
     for seqlen in seqlens:
-        batch = max(1, 131072 // seqlen)
+        batch_size = run_batch(seqlen, batch)
         rounds = 5 if seqlen <= 8192 else 3
         inputs = []
         for s in range(2):
-            q, k, v, dout = random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)
+            q, k, v, dout = random_inputs(
+                batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s
+            )
             inputs.append((q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout))
         scale = 1 / math.sqrt(head_dim)
         for name in progress(mask_names, f"bench {seqlen}"):
-            mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
+            mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
             density = mask.density()
-            flops = 3.5 * attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
+            flops = 3.5 * attention_flops(batch_size, heads, seqlen, seqlen, head_dim, density)
             row = {
                 "mask": name,
                 "seqlen": seqlen,
-                "batch": batch,
+                "batch": batch_size,
                 "heads": heads,
+                "kv_heads": kv_heads,
                 "head_dim": head_dim,
                 "density": density,
                 "deterministic": deterministic,
@@ -160,7 +172,7 @@ def run_bench(
                 return fm.attention(q, k, v, mask, backend="cute", deterministic=deterministic)
 
             ours = output_and_gradients(cute, *inputs[0])
-            case = bench_peers.PeerCase(name, mask, batch, heads, scale)
+            case = bench_peers.PeerCase(name, mask, batch_size, heads, scale)
             peers = bench_peers.checked_peers(
                 case, peer_names, lambda fn: differences(ours, output_and_gradients(fn, *inputs[0])), row
             )
@@ -183,12 +195,21 @@ def backward_step(mask: ColumnMask, head_dim: int, overrides: dict):
     return run
 
 
-def run_profile(seqlen: int, head_dim: int, mask_names: list[str]) -> dict:
-    """GPU time per kernel of one fwd+bwd (torch.profiler), to see where the time goes per mask."""
+def run_profile(
+    seqlen: int,
+    head_dim: int,
+    mask_names: list[str],
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    batch: int | None = None,
+) -> dict:
+    """GPU time per kernel of one fwd+bwd (torch.profiler), to see where the time goes per mask;
+    `heads`, `kv_heads`, `batch` as in `run_bench`."""
     from torch.profiler import ProfilerActivity, profile
 
-    heads, batch = 4096 // head_dim, max(1, 131072 // seqlen)
-    q, k, v, dout = random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=0)
+    heads, kv_heads = head_counts(head_dim, heads, kv_heads)
+    batch = run_batch(seqlen, batch)
+    q, k, v, dout = random_inputs(batch, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=0)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     result = {}
     for name in mask_names:
@@ -221,6 +242,7 @@ def main() -> None:
         help="ablate: changes of the chosen kernel configurations to time (fwd+bwd) against them",
     )
     args = parser.parse_args()
+    check_common_arguments(parser, args)
     result, save = new_record(args, "bwd")
     if args.what in ("check", "all"):
         result["check"] = run_check(check_case, first_seed=100)
@@ -254,10 +276,15 @@ def main() -> None:
             args.deterministic,
             save=lambda rows: save({**result, "bench": rows}),
             peer_names=args.peers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            batch=args.batch,
         )
         print(bench_table(result["bench"], args.peers))
     if args.what == "profile":
-        result["profile"] = run_profile(int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","))
+        result["profile"] = run_profile(
+            int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","), args.heads, args.kv_heads, args.batch
+        )
     if args.what == "ablate":
         for variant in args.variants:
             variant_overrides(variant)  # a typo fails before any GPU time is spent
@@ -269,6 +296,9 @@ def main() -> None:
             backward_step,
             3.5,
             save=lambda rows: save({**result, "ablate": rows}),
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            batch=args.batch,
         )
         print(ablation_table(result["ablate"], args.variants))
     save(result)

@@ -3,6 +3,7 @@
     python scripts/bench_fwd.py check                 # every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
     python scripts/bench_fwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_fwd.py bench --seqlens 32768 --peers fa4,flex_flash   # only these peers
+    python scripts/bench_fwd.py bench --seqlens 32768 --batch 1 --heads 16 --kv-heads 4   # GQA, as in training
     python scripts/bench_fwd.py ablate --masks full,causal --variants persistent=false num_stages=3+tile_m=128
 
 Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x the error of the
@@ -17,7 +18,12 @@ chosen configuration's output. Peers in the same run (`--peers`, default all;
 `flashmask3.bench_peers` says which masks each takes): Flex with BACKEND TRITON and FLASH, FA4's own
 API (causal, window, varlen documents), FA4 with mask_mod + block sparsity, cuDNN SDPA. Each row
 holds per peer its time, TFLOP/s and largest absolute difference from our output, or the error
-that stopped it (the run goes on). Writes JSON to $OUT (or runs/) and prints a table last.
+that stopped it (the run goes on). Shape (`bench`, `ablate`; `check` runs its own cases): by default
+hidden 4096, i.e. 4096 / D query heads (`--heads`), as many K/V heads (`--kv-heads`, a divisor of
+the query heads: GQA, which every peer takes as it is, `flashmask3.bench_peers`) and 128K tokens
+per run, i.e. batch 128K / S (`--batch`); masks with one head or one per query head; TFLOP/s count
+the query heads. Each row records its batch, heads and kv_heads. Writes JSON to $OUT (or runs/) and
+prints a table last.
 """
 
 from __future__ import annotations
@@ -87,6 +93,27 @@ def run_check(case=check_case, first_seed: int = 0) -> list[dict]:
     return rows
 
 
+TOKENS_PER_RUN = 131072
+"""The default batch makes this many tokens per run (128K, the paper's setup): B = max(1, 128K / S)."""
+
+
+def head_counts(head_dim: int, heads: int | None = None, kv_heads: int | None = None) -> tuple[int, int]:
+    """(query heads, K/V heads) of the inputs: `heads`, by default 4096 // head_dim (hidden 4096), and
+    `kv_heads`, by default as many (no GQA). A ValueError naming --kv-heads and the accepted values
+    where `kv_heads` does not divide the query heads."""
+    heads = heads or 4096 // head_dim
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+        accepted = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
+        raise ValueError(f"--kv-heads {kv_heads} must divide the query heads ({heads}); accepted: {accepted}")
+    return heads, kv_heads
+
+
+def run_batch(seqlen: int, batch: int | None = None) -> int:
+    """The batch at sequence length `seqlen`: `batch`, by default `TOKENS_PER_RUN` tokens per run."""
+    return batch or max(1, TOKENS_PER_RUN // seqlen)
+
+
 def fa4_fn(causal: bool):
     """FA4's dense `flash_attn_func` on a full or causal mask, q, k, v -> (out, lse), for
     overheads.py; None, with why, where its wheel is missing."""
@@ -142,34 +169,39 @@ def run_bench(
     mask_names: list[str],
     save=lambda rows: None,
     peer_names: tuple[str, ...] = tuple(bench_peers.PEERS),
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    batch: int | None = None,
 ) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
     Per mask, cute and the peers of `peer_names` that take the mask take turns (`interleaved_ms`);
-    a peer's entries: `_ms`, `_tflops` and `_max_diff` (from our output), or `_error`."""
+    a peer's entries: `_ms`, `_tflops` and `_max_diff` (from our output), or `_error`. `heads`,
+    `kv_heads`: `head_counts`' defaults where None; `batch`: `run_batch`'s."""
     rows = []
-    heads = 4096 // head_dim
+    heads, kv_heads = head_counts(head_dim, heads, kv_heads)
     for seqlen in seqlens:
-        batch = max(1, 131072 // seqlen)
+        batch_size = run_batch(seqlen, batch)
         sets, rounds, repeats = (3, 5, 2) if seqlen <= 8192 else (2, 4, 1)  # longer runs: fewer, still >= 8 samples
         inputs = [
-            random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
+            random_inputs(batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
             for s in range(sets)
         ]
         scale = 1 / math.sqrt(head_dim)
         for name in progress(mask_names, f"bench {seqlen}"):
-            mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
+            mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
             density = mask.density()
-            flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, density)
+            flops = attention_flops(batch_size, heads, seqlen, seqlen, head_dim, density)
             row = {
                 "mask": name,
                 "seqlen": seqlen,
-                "batch": batch,
+                "batch": batch_size,
                 "heads": heads,
+                "kv_heads": kv_heads,
                 "head_dim": head_dim,
                 "density": density,
             }
             ours = cute_forward(*inputs[0], mask, scale)[0]
-            case = bench_peers.PeerCase(name, mask, batch, heads, scale)
+            case = bench_peers.PeerCase(name, mask, batch_size, heads, scale)
             peers = bench_peers.checked_peers(
                 case, peer_names, lambda fn: {"max_diff": bench_peers.max_abs_diff(ours, fn(*inputs[0]))}, row
             )
@@ -233,27 +265,31 @@ def run_ablation(
     flops_per_fwd: float = 1.0,
     save=lambda rows: None,
     rounds: int = 5,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    batch: int | None = None,
 ) -> list[dict]:
     """Per mask: the chosen configurations' time ("default"), then each variant's time and largest
     output difference, and each one's host time per call (launch work).
     `step(mask, head_dim, overrides)` gives the timed call under a variant's changes (q, k, v, dout ->
     a tuple of output tensors);
     `flops_per_fwd` its FLOPs in forwards (3.5 for fwd+bwd). The configurations take turns in
-    `rounds` rounds (median over all), so a drift of the GPU's clock over the run hits them alike."""
+    `rounds` rounds (median over all), so a drift of the GPU's clock over the run hits them alike.
+    `heads`, `kv_heads`, `batch`: the inputs' shape, as in `run_bench`."""
     rows = []
-    heads = 4096 // head_dim
+    heads, kv_heads = head_counts(head_dim, heads, kv_heads)
     for seqlen in seqlens:
-        batch = max(1, 131072 // seqlen)
+        batch_size = run_batch(seqlen, batch)
         inputs = [
-            random_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda", seed=s)
+            random_inputs(batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s)
             for s in range(2)
         ]
         for name in progress(mask_names, f"ablate {seqlen}"):
-            mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
-            flops = flops_per_fwd * attention_flops(batch, heads, seqlen, seqlen, head_dim, mask.density())
+            mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
+            flops = flops_per_fwd * attention_flops(batch_size, heads, seqlen, seqlen, head_dim, mask.density())
             run = step(mask, head_dim, {})
             reference = run(*inputs[0])
-            row = {"mask": name, "seqlen": seqlen}
+            row = {"mask": name, "seqlen": seqlen, "batch": batch_size, "heads": heads, "kv_heads": kv_heads}
             contenders = {"default": (run, inputs)}
             for variant in variants:
                 timed = step(mask, head_dim, variant_overrides(variant))
@@ -280,11 +316,42 @@ def ablation_table(rows: list[dict], variants: list[str]) -> str:
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return value
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """--seqlens, --head-dim and --masks, shared with bench_bwd.py and overheads.py."""
+    """--seqlens, --head-dim, --masks and the inputs' shape (--heads, --kv-heads, --batch), shared
+    with bench_bwd.py and overheads.py; `check_common_arguments` completes them after parsing."""
     parser.add_argument("--seqlens", default="8192")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
+    parser.add_argument("--heads", type=positive_int, help="query heads (default 4096 // head dim: hidden 4096)")
+    parser.add_argument(
+        "--kv-heads", type=positive_int, help="K/V heads, a divisor of --heads (GQA; default --heads: none)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        help=f"sequences per call (default {TOKENS_PER_RUN // 1024}K tokens per run: max(1, {TOKENS_PER_RUN} // S))",
+    )
+
+
+def check_common_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Sets args.heads and args.kv_heads (`head_counts`: their defaults filled in, checked; a wrong
+    --kv-heads is the parser's error, naming the accepted values). args.batch stays None for the
+    default, which depends on the sequence length (`run_batch`)."""
+    try:
+        args.heads, args.kv_heads = head_counts(args.head_dim, args.heads, args.kv_heads)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def new_record(args: argparse.Namespace, prefix: str):
@@ -333,6 +400,7 @@ def main() -> None:
         help="ablate: changes of the chosen kernel configurations to time against them",
     )
     args = parser.parse_args()
+    check_common_arguments(parser, args)
     result, save = new_record(args, "fwd")
     if args.what in ("check", "all"):
         result["check"] = run_check()
@@ -356,6 +424,9 @@ def main() -> None:
             args.masks.split(","),
             save=lambda rows: save({**result, "bench": rows}),
             peer_names=args.peers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            batch=args.batch,
         )
         print(bench_table(result["bench"], args.peers))
     if args.what == "ablate":
@@ -367,6 +438,9 @@ def main() -> None:
             args.masks.split(","),
             args.variants,
             save=lambda rows: save({**result, "ablate": rows}),
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            batch=args.batch,
         )
         print(ablation_table(result["ablate"], args.variants))
     save(result)

@@ -10,8 +10,12 @@ of our gap to it is which (--masks is not used: no mask). `--backward` times the
 (autograd on a kept forward graph; the pre/post passes, constant at fixed tokens, land in the fixed
 term), a tile being 128 query rows. `--kernel` changes a field of the forward's chosen configuration
 (`FwdConfig`, e.g. persistent=false; the backward runs through autograd, with the chosen ones).
-`--profile` instead runs each forward once at the first length, for `ncu -k regex:Forward`. Writes
-JSON to $OUT (or runs/) and prints the fit last.
+`--profile` instead runs each forward once at the first length, for `ncu -k regex:Forward`.
+`--heads`, `--kv-heads` and `--batch` change the shape (bench_fwd.py's options; `--batch` fixes B,
+so the CTAs grow with S, which the fit divides out). With GQA the CTAs are counted as our kernels
+launch them: the forward's per query head, the backward's per K/V head, each walking the query
+tiles of its group's heads (a tile of the fit is then one of those); FA4's fit takes the same
+counts, so only its per-tile cost compares. Writes JSON to $OUT (or runs/) and prints the fit last.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import dataclasses
 import math
 
 import torch
-from bench_fwd import add_common_arguments, fa4_fn, kernel_overrides, new_record
+from bench_fwd import add_common_arguments, check_common_arguments, fa4_fn, kernel_overrides, new_record
 from flashmask3.optimized import fwd_config
 from flashmask3.optimized.config import apply_overrides
 from flashmask3.optimized.interface import forward as cute_forward
@@ -34,8 +38,9 @@ TOKENS, TILE_N, SMS = 131072, 128, 132
 
 
 def per_wave_fit(rows: list[dict], key: str) -> dict:
-    """Least squares of (time per wave of CTAs) on (key tiles per CTA): fixed us + us per tile."""
-    xs = [r["seqlen"] / TILE_N for r in rows]
+    """Least squares of (time per wave of CTAs) on (tiles per CTA: a row's `tiles_per_cta`, else
+    S / 128): fixed us + us per tile."""
+    xs = [r.get("tiles_per_cta", r["seqlen"] / TILE_N) for r in rows]
     ys = [r[key] * 1e3 / (r["ctas"] / SMS) for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -62,10 +67,11 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="time the backward alone instead of the forward")
     parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE", help="forward config change")
     args = parser.parse_args()
+    check_common_arguments(parser, args)
     if args.backward and args.kernel:
         parser.error("--kernel changes the forward's configuration; --backward runs the chosen ones")
     args.what = "overheads"
-    heads, scale = 4096 // args.head_dim, args.head_dim**-0.5
+    heads, kv_heads, scale = args.heads, args.kv_heads, args.head_dim**-0.5
     result, save = new_record(args, "bwd" if args.backward else "fwd")
     # The full mask's configuration (non-causal, width 2), with --kernel's changes.
     config = apply_overrides(fwd_config(args.head_dim, False, 2), kernel_overrides(args.kernel))
@@ -78,12 +84,14 @@ def main() -> None:
     if fa4 is not None:
         forwards["fa4"] = fa4
     rows = []
-    # Forward: its query tiles (192 rows at head dim 64, else 128); backward: 128-key tiles.
+    # Forward: a CTA per query head and query tile (192 rows at head dim 64, else 128), walking the
+    # key tiles; backward: a CTA per K/V head and 128-key tile, walking the query tiles of its group.
     tile_m = TILE_N if args.backward else config.tile_m
+    cta_heads, group = (kv_heads, heads // kv_heads) if args.backward else (heads, 1)
     for seqlen in [int(s) for s in args.seqlens.split(",")]:
-        batch = TOKENS // seqlen
+        batch = args.batch or TOKENS // seqlen
         inputs = [
-            random_inputs(batch, seqlen, seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda", seed=s)[:3]
+            random_inputs(batch, seqlen, seqlen, heads, kv_heads, args.head_dim, torch.bfloat16, "cuda", seed=s)[:3]
             for s in range(2)
         ]
         if args.profile:
@@ -92,7 +100,14 @@ def main() -> None:
                 fa4(*inputs[0])
             torch.cuda.synchronize()
             return
-        row = {"seqlen": seqlen, "batch": batch, "ctas": batch * heads * math.ceil(seqlen / tile_m)}
+        row = {
+            "seqlen": seqlen,
+            "batch": batch,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "ctas": batch * cta_heads * math.ceil(seqlen / tile_m),
+            "tiles_per_cta": group * seqlen / TILE_N,
+        }
         if args.backward:
             contenders = {
                 name: (backward_of_kept_graph, [kept_graph(fn, *x) for x in inputs]) for name, fn in forwards.items()

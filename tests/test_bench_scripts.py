@@ -5,6 +5,7 @@ from pathlib import Path
 
 import bench_fwd  # scripts/, on pytest's pythonpath
 import pytest
+from torch.nn.functional import scaled_dot_product_attention as SDPA  # the real one, which a test replaces
 
 from flashmask3 import bench, bench_peers
 
@@ -596,3 +597,346 @@ def test_overheads_fit_and_backward_of_a_kept_graph():
     for a, b, e in zip(first, second, expected):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+# -- GQA: --heads, --kv-heads, --batch through our call and every peer's (CPU stand-ins) ------------
+
+GQA = {"batch": 2, "seqlen": 256, "heads": 4, "kv_heads": 2, "head_dim": 16}
+GQA_MASKS = ("full", "causal_document", "random_eviction")  # dense / varlen / one mask per query head
+
+
+def shape_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_fwd.add_common_arguments(parser)
+    return parser
+
+
+def parsed_shape(argv):
+    parser = shape_parser()
+    args = parser.parse_args(argv)
+    bench_fwd.check_common_arguments(parser, args)
+    return args.heads, args.kv_heads, args.batch
+
+
+def test_shape_options_default_to_hidden_4096_and_128k_tokens_per_run():
+    assert parsed_shape([]) == (32, 32, None) and parsed_shape(["--head-dim", "64"]) == (64, 64, None)
+    assert parsed_shape(["--heads", "16", "--kv-heads", "4", "--batch", "1"]) == (16, 4, 1)
+    assert parsed_shape(["--kv-heads", "8"]) == (32, 8, None)
+    assert [bench_fwd.run_batch(s) for s in (1024, 8192, 32768, 131072, 262144)] == [128, 16, 4, 1, 1]
+    assert bench_fwd.run_batch(32768, 1) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--heads", "16", "--kv-heads", "5"],
+            "--kv-heads 5 must divide the query heads (16); accepted: 1, 2, 4, 8, 16",
+        ),
+        (["--kv-heads", "3"], "--kv-heads 3 must divide the query heads (32); accepted: 1, 2, 4, 8, 16, 32"),
+        (["--kv-heads", "64"], "--kv-heads 64 must divide the query heads (32); accepted: 1, 2, 4, 8, 16, 32"),
+        (["--batch", "0"], "argument --batch: must be a positive int, got '0'"),
+        (["--heads", "x"], "argument --heads: must be a positive int, got 'x'"),
+    ],
+)
+def test_shape_options_name_the_argument_and_the_accepted_values(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parsed_shape(argv)
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+
+
+def gqa_sdpa(q, k, v, causal: bool, scale: float):
+    """Attention over [..., S, H, D] (fewer K/V heads allowed), torch's math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return SDPA(
+            q.transpose(-3, -2),
+            k.transpose(-3, -2),
+            v.transpose(-3, -2),
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(-3, -2)
+
+
+def gqa_peers(monkeypatch) -> dict[str, list]:
+    """The peers' libraries replaced by CPU stand-ins that log what they are given: FA4's
+    `flash_attn.cute` (dense and varlen attention by torch's math kernel, the mask_mod call's output
+    a dense attention: its shapes only count), Flex eager (not compiled), torch SDPA under the cuDNN
+    backend by torch's math kernel, cuDNN frontend's flex_attention (`StandInFlexAttention`) and
+    FlashMask V3 (the reference on its mask). Returns the log, per peer the calls' arguments."""
+    import sys
+    import types
+
+    import torch
+    from flashmask3.reference import ColumnMask, reference_attention
+    from test_bench_peers_cudnn_flex import StandInFlexAttention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+    log: dict[str, list] = {name: [] for name in ("fa4", "fa4_varlen", "fa4_sparse", "flex", "cudnn", "flashmask_v3")}
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, mask_mod=None, **kwargs):
+        log["fa4_sparse" if mask_mod is not None else "fa4"].append({"q": q, "k": k, "v": v, **kwargs})
+        return gqa_sdpa(q, k, v, causal, softmax_scale), None
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        log["fa4_varlen"].append({"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens_q, "longest": max_seqlen_q})
+        assert cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q
+        bounds = cu_seqlens_q.tolist()
+        parts = [gqa_sdpa(*(x[a:b] for x in (q, k, v)), causal, softmax_scale) for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(parts), None
+
+    class BlockSparseTensorsTorch:
+        def __init__(self, *lists, block_size):
+            self.lists, self.block_size = lists, block_size
+
+    fa4 = types.ModuleType("flash_attn.cute")
+    fa4.flash_attn_func, fa4.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    fa4.block_sparsity = types.ModuleType("flash_attn.cute.block_sparsity")
+    fa4.block_sparsity.BlockSparseTensorsTorch = BlockSparseTensorsTorch
+    package = types.ModuleType("flash_attn")
+    package.cute = fa4
+    for name, module in (
+        ("flash_attn", package),
+        ("flash_attn.cute", fa4),
+        ("flash_attn.cute.block_sparsity", fa4.block_sparsity),
+    ):
+        monkeypatch.setitem(sys.modules, name, module)
+
+    def flex(q, k, v, **kwargs):
+        log["flex"].append({"q": q, "k": k, "v": v, **kwargs})
+        if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+            return flex_attention(q, k, v, **kwargs)
+        # Flex has no backward on the CPU: its BlockMask's mask_mod evaluated densely, torch's math kernel.
+        attend = create_mask(kwargs["block_mask"].mask_mod, q.shape[0], q.shape[1], q.shape[2], k.shape[2], "cpu")
+        with sdpa_kernel(SDPBackend.MATH):
+            return SDPA(q, k, v, attn_mask=attend, scale=kwargs["scale"], enable_gqa=kwargs["enable_gqa"])
+
+    monkeypatch.setattr(bench_peers, "_compiled_flex", lambda: flex)
+
+    def sdpa(q, k, v, **kwargs):
+        log["cudnn"].append({"q": q, "k": k, "v": v, **kwargs})
+        with sdpa_kernel(SDPBackend.MATH):  # the peer's cuDNN backend, by torch's math kernel
+            return SDPA(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+
+    cudnn_flex = StandInFlexAttention()
+    cudnn = types.ModuleType("cudnn")
+    cudnn.flex_attention = cudnn_flex
+    monkeypatch.setitem(sys.modules, "cudnn", cudnn)
+    monkeypatch.setitem(sys.modules, "cudnn.flex_attention", cudnn_flex)
+    monkeypatch.delenv(bench_peers.CUDNN_FLEX_PATH_VARIABLE, raising=False)
+    log["cudnn_flex"] = cudnn_flex.plans
+
+    def flashmask_attention(query, key, value, startend_row_indices, *, causal, softmax_scale):
+        log["flashmask_v3"].append({"q": query, "k": key, "v": value, "bounds": startend_row_indices})
+        mask = ColumnMask(startend_row_indices, causal, query.shape[1])
+        return reference_attention(query, key, value, mask, softmax_scale)[0]
+
+    interface = types.ModuleType("interface_torch")
+    interface.flashmask_attention = flashmask_attention
+    monkeypatch.setitem(sys.modules, "interface_torch", interface)
+    monkeypatch.delenv(bench_peers.FLASHMASK_V3_PATH_VARIABLE, raising=False)
+    return log
+
+
+def gqa_bench_on_cpu(monkeypatch, module) -> list:
+    """`module`'s inputs and masks made on the CPU, fp32 (the bench asks for bf16 on CUDA), each
+    input set's shape logged; every contender timed at 1 ms. Returns the log of input shapes."""
+    import torch
+
+    from flashmask3 import verify
+
+    built, shapes = bench_fwd.masks.build, []
+
+    def inputs(b, sq, sk, hq, hkv, d, dtype, device, seed):
+        shapes.append((b, sq, sk, hq, hkv, d))
+        return verify.random_inputs(b, sq, sk, hq, hkv, d, torch.float32, "cpu", seed=seed)
+
+    monkeypatch.setattr(module, "random_inputs", inputs)
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda *args, device, **kwargs: built(*args, device="cpu", **kwargs))
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(
+        bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: [fn(*x) for x in inputs] and [1.0] * len(inputs)
+    )
+    return shapes
+
+
+def assert_gqa_reached_every_peer(log: dict, rows: list[dict]) -> None:
+    """Every peer got q with the query heads and k, v with the K/V heads, as they are (no repeat), on
+    each mask it takes; the per-head lists and masks it got have one head or one per query head."""
+    b, s, hq, hkv, d = (GQA[key] for key in ("batch", "seqlen", "heads", "kv_heads", "head_dim"))
+    assert [row["mask"] for row in rows] == list(GQA_MASKS)
+    for row in rows:
+        assert {key: row[key] for key in ("batch", "seqlen", "heads", "kv_heads", "head_dim")} == GQA
+        assert not [key for key in row if key.endswith("_error")], row
+    # Which peer ran which mask (each peer's first call is its check, on the first input set).
+    assert len(log["flex"]) >= 2 * len(GQA_MASKS) and len(log["fa4_sparse"]) >= len(GQA_MASKS)
+    assert len(log["fa4"]) >= 1 and len(log["fa4_varlen"]) >= 1 and len(log["cudnn"]) >= 1
+    assert len(log["cudnn_flex"]) >= len(GQA_MASKS) and len(log["flashmask_v3"]) >= len(GQA_MASKS)
+    for peer in ("fa4", "fa4_sparse", "flashmask_v3"):  # [B, S, H, D]
+        for call in log[peer]:
+            assert call["q"].shape == (b, s, hq, d) and call["k"].shape == call["v"].shape == (b, s, hkv, d), peer
+    for call in log["fa4_varlen"]:  # the batch's sequences packed: [B * S, H, D]
+        assert call["q"].shape == (b * s, hq, d) and call["k"].shape == call["v"].shape == (b * s, hkv, d)
+        assert int(call["cu_seqlens"][-1]) == b * s
+    for peer in ("flex", "cudnn"):  # [B, H, S, D], with enable_gqa
+        for call in log[peer]:
+            assert call["q"].shape == (b, hq, s, d) and call["k"].shape == call["v"].shape == (b, hkv, s, d), peer
+            assert call["enable_gqa"] is True, peer
+    assert {call["kernel_options"]["BACKEND"] for call in log["flex"]} == {"TRITON", "FLASH"}
+    assert {call["block_mask"].kv_num_blocks.shape[1] for call in log["flex"]} == {1, hq}  # random_eviction: Hq
+    for call in log["fa4_sparse"]:  # FA4 expects [B, Hq, Tm(, Tn)], a 1 broadcast, both directions
+        for lists in (call["block_sparse_tensors"].lists, call["block_sparse_tensors_bwd"].lists):
+            for counts in lists[::2]:
+                assert counts.shape[0] in (1, b) and counts.shape[1:] in ((1, s // 128), (hq, s // 128))
+    assert {call["block_sparse_tensors"].lists[0].shape[1] for call in log["fa4_sparse"]} == {1, hq}
+    for plan in log["cudnn_flex"]:
+        q_shape, k_shape, v_shape = plan.geometry
+        assert q_shape == (b, s, hq, d) and k_shape == v_shape == (b, s, hkv, d)
+        assert plan.attend.shape[1] in (1, hq)
+    assert {call["bounds"].shape[1] for call in log["flashmask_v3"]} == {1, hq}
+
+
+def test_forward_bench_takes_gqa_to_our_kernel_and_every_peer(monkeypatch):
+    """`bench_fwd.py bench --heads 4 --kv-heads 2 --batch 2`: our kernel and each peer get q with 4
+    heads and k, v with 2 (FA4's varlen path packed, Flex and SDPA with enable_gqa), run the same
+    attention as ours (the stand-ins that compute it: within fp32 rounding), and TFLOP/s count the
+    query heads."""
+    from flashmask3.reference import reference_attention
+
+    log = gqa_peers(monkeypatch)
+    inputs = gqa_bench_on_cpu(monkeypatch, bench_fwd)
+    ours = []
+
+    def cute_forward(q, k, v, mask, softmax_scale):
+        ours.append((q.shape, k.shape, v.shape, mask.heads))
+        return reference_attention(q, k, v, mask, softmax_scale)
+
+    monkeypatch.setattr(bench_fwd, "cute_forward", cute_forward)
+    rows = bench_fwd.run_bench(
+        [GQA["seqlen"]],
+        GQA["head_dim"],
+        list(GQA_MASKS),
+        heads=4,
+        kv_heads=2,
+        batch=2,
+        peer_names=tuple(bench_peers.PEERS),
+    )
+    assert set(inputs) == {(2, 256, 256, 4, 2, 16)}
+    assert {shapes[:3] for shapes in ours} == {((2, 256, 4, 16), (2, 256, 2, 16), (2, 256, 2, 16))}
+    assert {shapes[3] for shapes in ours} == {1, 4}  # random_eviction: a mask per query head
+    assert_gqa_reached_every_peer(log, rows)
+    computed = {"flex", "flex_flash", "cudnn", "cudnn_flex", "flashmask_v3"}
+    for row in rows:
+        ran = {key[: -len("_max_diff")] for key in row if key.endswith("_max_diff")}
+        assert computed - {"cudnn"} <= ran and ("cudnn" in ran) == (row["mask"] == "full")
+        assert ("fa4" in ran) == (row["mask"] != "random_eviction") and "fa4_sparse" in ran
+        assert all(row[f"{peer}_max_diff"] < 1e-5 for peer in (ran & computed) | (ran & {"fa4"})), row
+        flops = 4 * 2 * 4 * 256 * 256 * 16 * row["density"]  # query heads
+        assert row["cute_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
+
+
+def test_backward_bench_takes_gqa_to_our_attention_and_every_peer(monkeypatch, cute_on_cpu):
+    """`bench_bwd.py bench` with GQA: our attention (the CPU stand-in of the cute ops) and each
+    peer, forward and backward, get the K/V heads as they are; each peer's dK and dV have our
+    shape (their differences from ours are in the row) and 3.5x the forward's FLOPs count the
+    query heads."""
+    import bench_bwd
+
+    log = gqa_peers(monkeypatch)
+    inputs = gqa_bench_on_cpu(monkeypatch, bench_bwd)
+    attention, ours = bench_bwd.fm.attention, []
+
+    def recorded(q, k, v, mask, **kwargs):
+        ours.append((q.shape, k.shape, v.shape, mask.heads, kwargs["backend"]))
+        return attention(q, k, v, mask, **kwargs)
+
+    monkeypatch.setattr(bench_bwd.fm, "attention", recorded)
+    rows = bench_bwd.run_bench([GQA["seqlen"]], GQA["head_dim"], list(GQA_MASKS), False, heads=4, kv_heads=2, batch=2)
+    assert set(inputs) == {(2, 256, 256, 4, 2, 16)}
+    assert {shapes[:3] for shapes in ours} == {((2, 256, 4, 16), (2, 256, 2, 16), (2, 256, 2, 16))}
+    assert {shapes[3] for shapes in ours} == {1, 4} and {shapes[4] for shapes in ours} == {"cute"}
+    assert_gqa_reached_every_peer(log, rows)
+    computed = {"flex", "flex_flash", "fa4", "cudnn", "cudnn_flex", "flashmask_v3"}  # not fa4_sparse's stand-in
+    for row in rows:
+        ran = {key[: -len("_max_diff_dk")] for key in row if key.endswith("_max_diff_dk")}
+        assert (
+            ran
+            == {"flex", "flex_flash", "fa4_sparse", "cudnn_flex", "flashmask_v3"}
+            | {
+                "full": {"fa4", "cudnn"},
+                "causal_document": {"fa4"},
+                "random_eviction": set(),
+            }[row["mask"]]
+        )
+        for peer in ran & computed:
+            assert max(row[f"{peer}_max_diff{grad}"] for grad in ("", "_dq", "_dk", "_dv")) < 1e-4, (peer, row)
+        flops = 3.5 * 4 * 2 * 4 * 256 * 256 * 16 * row["density"]
+        assert row["cute_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
+
+
+def test_ablation_takes_the_shape_options(monkeypatch):
+    seen = []
+
+    def inputs(*args, **kwargs):
+        seen.append(args[:6])
+        return (1, 2, 3, 4)
+
+    monkeypatch.setattr(bench_fwd, "random_inputs", inputs)
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: seen.append(k["heads"]) or FakeMask(0.5))
+    monkeypatch.setattr(bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: [fn(*x) for x in inputs] and [2.0])
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    step = lambda mask, head_dim, overrides: lambda q, k, v, dout: (bench_fwd.torch.zeros(1),)  # noqa: E731
+    (row,) = bench_fwd.run_ablation([32768], 128, ["full"], [], step, heads=16, kv_heads=4, batch=1)
+    assert seen == [(1, 32768, 32768, 16, 4, 128)] * 2 + [16]
+    assert {key: row[key] for key in ("batch", "heads", "kv_heads")} == {"batch": 1, "heads": 16, "kv_heads": 4}
+    assert row["default_tflops"] == pytest.approx(4 * 1 * 16 * 32768**2 * 128 * 0.5 / 2e-3 / 1e12)
+
+
+def test_overheads_takes_the_shape_options(monkeypatch, tmp_path):
+    """`overheads.py --heads 16 --kv-heads 4 --batch 1`: the inputs have that shape, and the CTAs of
+    the fit are our kernels': the forward's per query head and query tile, walking S / 128 key
+    tiles; the backward's per K/V head and key tile, walking the query tiles of 4 heads."""
+    import json
+    import sys
+
+    import overheads
+    import torch
+
+    from flashmask3 import attention
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_fwd.torch.cuda, "get_device_name", lambda: "test GPU")
+    monkeypatch.setattr(overheads, "fa4_fn", lambda causal: None)
+    seen = []
+
+    def inputs(b, sq, sk, hq, hkv, d, dtype, device, seed):
+        seen.append((b, sq, hq, hkv, d))
+        return tuple(torch.randn(b, sq, h, d) for h in (hq, hkv, hkv, hq))
+
+    monkeypatch.setattr(overheads, "random_inputs", inputs)
+    monkeypatch.setattr(overheads, "cute_forward", lambda q, k, v, mask, scale, config: (q.clone(), None))
+    monkeypatch.setattr(overheads, "attention", lambda q, k, v, backend: attention(q, k, v, backend="reference"))
+    times = iter(range(1, 100))
+    monkeypatch.setattr(overheads, "interleaved_ms", lambda contenders: {"cute": float(next(times))})
+    shape = ["--heads", "16", "--kv-heads", "4", "--batch", "1", "--head-dim", "16", "--seqlens", "256,512"]
+    for backward in (False, True):
+        monkeypatch.setattr(sys, "argv", ["overheads.py", *shape, *(["--backward"] if backward else [])])
+        overheads.main()
+    assert seen == [(1, 256, 16, 4, 16), (1, 256, 16, 4, 16), (1, 512, 16, 4, 16), (1, 512, 16, 4, 16)] * 2
+    forward, backward = (
+        json.loads(path.read_text()) for path in sorted(tmp_path.glob("*_overheads_*.json"), reverse=True)
+    )
+    tile_m = forward["fwd_config"]["tile_m"]
+    assert [(r["ctas"], r["tiles_per_cta"]) for r in forward["rows"]] == [
+        (16 * -(-256 // tile_m), 2),
+        (16 * -(-512 // tile_m), 4),
+    ]
+    assert [(r["ctas"], r["tiles_per_cta"]) for r in backward["rows"]] == [(4 * 2, 8), (4 * 4, 16)]
+    assert {(r["batch"], r["heads"], r["kv_heads"]) for r in forward["rows"] + backward["rows"]} == {(1, 16, 4)}
