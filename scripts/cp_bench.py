@@ -36,12 +36,13 @@ environment sets them): on shared hosts a program that uses it can take the host
 service, and the transfers measured are NCCL's point-to-point and ring collectives anyway.
 
 Rank 0 writes one JSON (commit, command, world size, devices, rows, failures; `--out`, default
-runs/cp_bench_cp<N>.json) and prints a table last. A scheme whose check raises on every rank (a
-kernel that cannot run the inputs, say) records its error, is not timed, and the run goes on; one
-that fails on some ranks only, inside communication, hangs NCCL until its timeout (the emulator
-names the waits). An error while timing ends the run (the emulator: "rank N failed: <its error>").
-The exit code is 1 where any check fails or errs. With `--emulate`, the ranks share one device:
-its times test the harness, they are no multi-GPU measurement.
+cp_bench_cp<N>.json in $OUT where set, which the GPU harness brings back, else in runs/) and prints
+a table last. A scheme whose check raises on every rank (a kernel that cannot run the inputs, say)
+records its error, is not timed, and the run goes on; one that fails on some ranks only, inside
+communication, hangs NCCL until its timeout (the emulator names the waits). An error while timing
+ends the run (the emulator: "rank N failed: <its error>"). The exit code is 1 where any check fails
+or errs. With `--emulate`, the ranks share one device: its times test the harness, they are no
+multi-GPU measurement.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--rounds", type=int)
-    parser.add_argument("--out", type=Path, help="the JSON (default runs/cp_bench_cp<N>.json)")
+    parser.add_argument(
+        "--out", type=Path, help="the JSON (default cp_bench_cp<N>.json in $OUT where set, else in runs/)"
+    )
     args = parser.parse_args(argv)
     for key, value in SIZES["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
@@ -483,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "failures": failures(rows),
         "rows": rows,
     }
-    out = args.out or Path("runs") / f"cp_bench_cp{world}.json"
+    out = args.out or Path(os.environ.get("OUT", "runs")) / f"cp_bench_cp{world}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result_json(record))
     print(f"wrote {out}")

@@ -28,13 +28,15 @@ the backward (the default) and held from the forward (`hold_remote_kv`), after o
   there only the CP layer's K/V bytes are reported.
 
 A configuration that runs out of memory records the error and the run goes on. Writes the rows as
-JSON to `--out` (runs/cp_memory_cp<W>.json) and prints a table.
+JSON to `--out` (default cp_memory_cp<W>.json in $OUT where set, which the GPU harness brings back,
+else in runs/) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -66,7 +68,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
     parser.add_argument("--schemes", default="mask_aware", help=f"comma-separated, of {', '.join(SCHEMES)}")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls after the warm-up (median)")
-    parser.add_argument("--out", type=Path, help="the JSON (default runs/cp_memory_cp<W>.json)")
+    parser.add_argument(
+        "--out", type=Path, help="the JSON (default cp_memory_cp<W>.json in $OUT where set, else in runs/)"
+    )
     args = parser.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if device.type == "cuda" else "; no peak memory on CPU, only the K/V bytes the CP layer holds"),
         "rows": rows,
     }
-    out = args.out or Path("runs") / f"cp_memory_cp{args.world}.json"
+    out = args.out or Path(os.environ.get("OUT", "runs")) / f"cp_memory_cp{args.world}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result_json(record))
     print(

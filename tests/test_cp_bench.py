@@ -190,3 +190,30 @@ def test_one_rank_with_faked_peers_holds_its_own_kv_and_one_stage_unless_holding
     for row in rows.values():
         assert row["kernel_fwd_ms"] > 0 and row["kernel_bwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
         assert "peak_gib" not in row  # no allocator statistics on the CPU
+
+
+@pytest.mark.parametrize("script", ["cp_bench", "cp_memory"])
+def test_the_json_goes_to_out_where_set_else_under_runs(script, tmp_path, monkeypatch):
+    """Without --out the JSON goes to $OUT where it is set (the GPU harness brings back only what is
+    there), else under runs/; --out goes first."""
+    module, argv, name = {
+        "cp_bench": (
+            cp_bench,
+            [*ARGV, "--masks", "causal_document", "--schemes", "mask_aware", "--rounds", "1"],
+            "cp_bench_cp4.json",
+        ),
+        "cp_memory": (
+            cp_memory,
+            ["--world", "8", "--tokens", "1024", "--chunks-per-rank", "2", "--heads", "4", "--kv-heads", "2"]
+            + ["--head-dim", "16", "--device", "cpu", "--masks", "causal_document"],
+            "cp_memory_cp8.json",
+        ),
+    }[script]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    assert module.main(argv) == 0
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert module.main(argv) == 0
+    assert module.main([*argv, "--out", "chosen.json"]) == 0
+    written = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*.json"))
+    assert written == ["chosen.json", f"out/{name}", f"runs/{name}"]
