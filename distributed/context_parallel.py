@@ -25,8 +25,13 @@ over key blocks given the final LSE).
 Memory: by default a rank keeps only its own K/V for the backward and fetches the remote K/V
 again along the same routes (the ring passes KV around again, as Megatron's does);
 `CPConfig(hold_remote_kv=True)` keeps the remote chunks instead, trading memory per layer for one
-fewer K/V exchange. `rank_stats()` (one rank per process: `last_forward_stats` /
-`last_backward_stats`) reports the bytes held, sent and the times.
+fewer K/V exchange. mask_aware otherwise receives every remote chunk at once; with
+`CPConfig(stage_chunks=k)` it receives them in stages of at most k chunks per rank, in both
+directions, the next stage posted before the current one is computed and each stage's buffers
+let go after it (ring-flash-attention's loop; the backward sends each stage's dK/dV home while
+the next computes): a rank holds its own K/V plus at most 2k remote chunks. `rank_stats()` (one
+rank per process: `last_forward_stats` / `last_backward_stats`) reports the bytes held, sent and
+the times.
 """
 
 from __future__ import annotations
@@ -72,6 +77,12 @@ class CPConfig:
             error where they cannot run), "reference" (PyTorch) or "auto" (cute where supported).
         hold_remote_kv: keep the remote K/V chunks from the forward for the backward instead of
             fetching them again (more memory per layer, one fewer K/V exchange).
+        stage_chunks: mask_aware only: receive the remote K/V chunks in stages of at most this
+            many per rank, forward and backward (the next stage travels while one is computed,
+            then its buffers go), so a rank holds its own K/V plus at most two stages' chunks
+            instead of every remote chunk at once. None: one stage. Not with `ranks_per_node`
+            (its relays would need staging across two phases) nor with `hold_remote_kv` (holding
+            every remote chunk is what staging avoids).
     """
 
     scheme: str = "mask_aware"
@@ -80,6 +91,7 @@ class CPConfig:
     ranks_per_node: int | None = None
     backend: str = "auto"
     hold_remote_kv: bool = False
+    stage_chunks: int | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -88,6 +100,16 @@ class CPConfig:
             raise ValueError(f"unknown CP backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be a positive int or None, got {self.ranks_per_node!r}")
+        if self.stage_chunks is not None:
+            if not isinstance(self.stage_chunks, int) or isinstance(self.stage_chunks, bool) or self.stage_chunks < 1:
+                raise ValueError(f"stage_chunks must be a positive int or None, got {self.stage_chunks!r}")
+            for clash, why in (
+                (self.scheme != "mask_aware", f"scheme={self.scheme!r}: only mask_aware fetches in stages"),
+                (self.ranks_per_node is not None, "ranks_per_node: hierarchical routing's relays are not staged"),
+                (self.hold_remote_kv, "hold_remote_kv=True: holding every remote chunk is what staging avoids"),
+            ):
+                if clash:
+                    raise ValueError(f"CPConfig(stage_chunks={self.stage_chunks}) does not go with {why}")
 
 
 @dataclass
@@ -195,7 +217,9 @@ class _Layout:
 
     `needs` is bool [ranks, chunks]: whether a rank's queries see any key of a chunk. `phases` are
     the routing phases, each (src, dst) -> chunk ids in increasing order, the messages in the order
-    they are posted (by receiver, then chunk; hierarchical: by chunk, then receiver)."""
+    they are posted (by receiver, then chunk; hierarchical: by chunk, then receiver). `stages`
+    (with `stage_chunks`, else None) split the one-level route into stages, each (src, dst) ->
+    chunk ids of that stage."""
 
     def __init__(self, mask: ColumnMask, plan: CPPlan, config: CPConfig):
         self.mask, self.plan, self.config = mask, plan, config
@@ -205,6 +229,7 @@ class _Layout:
         else:
             self.needs = np.ones((plan.world_size, plan.num_chunks), dtype=bool)
         self.phases = self._routes()
+        self.stages = self._stages(config.stage_chunks) if config.stage_chunks is not None else None
 
     def needed(self, rank: int, chunks) -> list[int]:
         """The chunks among `chunks` that rank's queries need, sorted."""
@@ -240,6 +265,18 @@ class _Layout:
         chunk, dst = np.nonzero(relayed.T)  # by chunk, then receiver
         intra = _messages(holder[dst // rpn, chunk], dst, chunk, world)
         return [inter, intra]
+
+    def _stages(self, k: int) -> list[dict[tuple[int, int], list[int]]]:
+        """Messages per stage: stage s carries to each rank its needed remote chunks number
+        [s*k, (s+1)*k) in chunk order (k: `stage_chunks`). Every rank derives the same list, so
+        senders post exactly what receivers expect; there are as many stages as the rank needing
+        the most chunks has, on every rank, and a rank with nothing in a stage posts nothing."""
+        world, owner = self.plan.world_size, self.plan.chunk_owners
+        wanted = self.needs & (owner != np.arange(world)[:, None])
+        dst, chunk = np.nonzero(wanted)  # by receiver, then chunk
+        stage = (np.arange(len(dst)) - np.searchsorted(dst, dst)) // k  # place among the receiver's chunks
+        count = int(stage.max()) + 1 if len(stage) else 0
+        return [_messages(owner[chunk[stage == s]], dst[stage == s], chunk[stage == s], world) for s in range(count)]
 
 
 def _messages(src: np.ndarray, dst: np.ndarray, chunks: np.ndarray, world: int) -> dict[tuple[int, int], list[int]]:
@@ -572,6 +609,39 @@ def _fetch_remote_kv(attn: _LocalAttention, comm: _Comm, local_kv: dict, while_t
     return {c: t for c, t in held.items() if c not in local_kv and layout.needs[comm.rank][c]}
 
 
+def _kv_stages(attn: _LocalAttention, comm: _Comm, local_kv: dict, before_first_wait):
+    """Yield (stage, {chunk: block}) for each of the layout's stages (`stage_chunks`), the blocks
+    this rank receives in it. With `overlap`, stage s+1 is posted before stage s is waited for and
+    yielded (ring-flash-attention's loop) and `before_first_wait()` runs while stage 0 travels;
+    without, one stage at a time, `before_first_wait()` first. Stage s's buffers are let go when the
+    caller asks for the next one (the yielded dict is emptied): at most two stages are held."""
+    layout, stats = attn.layout, comm.stats
+    stages, overlap = layout.stages or [], layout.config.overlap
+    template = next(iter(local_kv.values()))
+
+    def post(s: int) -> _Pending:
+        pending = _post_phase(comm, stages[s], local_kv, tuple(template.shape), template.dtype, "kv")
+        stats.hold_kv(*pending.received.values())
+        return pending
+
+    if not overlap:
+        before_first_wait()
+    ahead = post(0) if overlap and stages else None  # the stage posted one step early
+    if overlap:
+        before_first_wait()
+    for s, messages in enumerate(stages):
+        pending = ahead if ahead is not None else post(s)
+        ahead = post(s + 1) if overlap and s + 1 < len(stages) else None
+        received = comm.wait(pending)
+        blocks = dict(_arrivals(messages, received, comm.rank, attn.plan.chunk_size))
+        stats.chunks_received += len(blocks)
+        yield s, blocks
+        stats.drop_kv(*received.values())
+        blocks.clear()  # the caller's reference to the dict no longer pins the buffers
+        received.clear()
+        pending.sends.clear()
+
+
 def _forward_mask_aware(attn, comm, q, local):
     local_kv, acc = attn.own_chunks(local), None
 
@@ -579,6 +649,10 @@ def _forward_mask_aware(attn, comm, q, local):
         nonlocal acc
         acc = attn.forward(q, local_kv, acc, "compute_local")
 
+    if attn.layout.stages is not None:
+        for _, blocks in _kv_stages(attn, comm, local_kv, attend_local):
+            acc = attn.forward(q, blocks, acc, "compute_remote")
+        return attn.finish(acc, q), {}
     remote_kv = _fetch_remote_kv(attn, comm, local_kv, attend_local)
     acc = attn.forward(q, remote_kv, acc, "compute_remote")
     return attn.finish(acc, q), remote_kv
@@ -590,6 +664,8 @@ def _backward_mask_aware(attn, comm, dout, q, out, lse, local, remote_kv):
     accumulator dtype, twice the bytes of a bf16 K/V fetch, so hiding the return rather than the
     K/V fetch (as the forward hides it) hides the larger transfer."""
     local_kv = attn.own_chunks(local)
+    if attn.layout.stages is not None:
+        return _backward_mask_aware_staged(attn, comm, dout, q, out, lse, local_kv)
     grads: dict[int, torch.Tensor] = {}
     if remote_kv is None:
         remote_kv = _fetch_remote_kv(attn, comm, local_kv, lambda: None)
@@ -612,6 +688,38 @@ def _backward_mask_aware(attn, comm, dout, q, out, lse, local, remote_kv):
             own_grads()
         for c, g in _arrivals(back, comm.wait(pending), comm.rank, attn.plan.chunk_size):
             grads[c] = grads[c] + g if c in grads else g
+    return dq, grads
+
+
+def _backward_mask_aware_staged(attn, comm, dout, q, out, lse, local_kv):
+    """The backward in stages (`stage_chunks`): each stage's remote K/V is fetched again, its
+    backward computed, and its chunks' dK/dV sent home at once, travelling while the next stage
+    computes (the last stage's while the own chunks do); owners add what arrives. K/V held: the
+    own plus at most two stages'; dK/dV: at most two stages' in flight."""
+    grads: dict[int, torch.Tensor] = {}  # the own chunks' dK/dV: their own part plus what came home
+    shape, dtype = tuple(local_kv[attn.own[0]].shape), _compute_dtype(q)
+    overlap, dq, returning = attn.layout.config.overlap, None, None
+
+    def home(posted: tuple[dict, _Pending] | None) -> None:
+        """Wait for one stage's dK/dV messages and add what arrives to the own chunks' grads."""
+        if posted is not None:
+            messages, pending = posted
+            for c, g in _arrivals(messages, comm.wait(pending), comm.rank, attn.plan.chunk_size):
+                grads[c] = grads[c] + g if c in grads else g
+
+    for s, blocks in _kv_stages(attn, comm, local_kv, lambda: None):
+        stage_grads: dict[int, torch.Tensor] = {}
+        dq = attn.backward(dout, q, out, lse, blocks, stage_grads, dq, "compute_remote")
+        back = {(dst, src): chunks for (src, dst), chunks in attn.layout.stages[s].items()}
+        posted = (back, _post_phase(comm, back, stage_grads, shape, dtype, "dkv"))
+        del stage_grads  # the posted sends are copies
+        if overlap:  # the previous stage's dK/dV arrived while this stage computed
+            home(returning)
+            returning = posted
+        else:
+            home(posted)
+    dq = attn.backward(dout, q, out, lse, local_kv, grads, dq, "compute_local")
+    home(returning)
     return dq, grads
 
 

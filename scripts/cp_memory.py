@@ -3,6 +3,7 @@
     python scripts/cp_memory.py --world 64 --tokens 1048576              # one H200: CP 64 at 1M tokens
     python scripts/cp_memory.py --world 64 --tokens 1048576 --kv-heads 8 --masks causal_document,full
     python scripts/cp_memory.py --world 8 --tokens 1024 --heads 4 --kv-heads 2 --head-dim 16  # CPU
+    python scripts/cp_memory.py --world 64 --tokens 1048576 --kv-heads 8 --stage-chunks 4  # staged fetch
 
 Rank r (`--rank`; default, per mask, the rank whose queries need the most remote K/V chunks: the
 largest receive buffers) of a world of `--world` ranks runs CP attention forward + backward on its
@@ -16,7 +17,9 @@ communication in it.
 
 For each mask and scheme (mask_aware, ring, allgather; hierarchical routing is left out: its node
 check gathers the hosts' names, which the fake group cannot), with the remote K/V fetched again for
-the backward (the default) and held from the forward (`hold_remote_kv`), after one warm-up call:
+the backward (the default) and held from the forward (`hold_remote_kv`), after one warm-up call.
+`--stage-chunks N` fetches mask_aware's remote K/V in stages of N chunks (`CPConfig.stage_chunks`;
+not with `hold_remote_kv`, so only fetched again):
 
 - the whole call's time (forward + backward, median of `--repeats`; CUDA events, host clock on
   CPU) and the local kernel time, forward and backward (the CP layer's compute spans: its calls on
@@ -68,6 +71,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
     parser.add_argument("--schemes", default="mask_aware", help=f"comma-separated, of {', '.join(SCHEMES)}")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls after the warm-up (median)")
+    parser.add_argument("--stage-chunks", type=int, help="mask_aware: remote K/V chunks per stage (default: one stage)")
     parser.add_argument(
         "--out", type=Path, help="the JSON (default cp_memory_cp<W>.json in $OUT where set, else in runs/)"
     )
@@ -86,6 +90,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.rank is not None and not 0 <= args.rank < args.world:
         parser.error(f"--rank must be in 0..{args.world - 1} (--world {args.world}), got {args.rank}")
+    if args.stage_chunks is not None and args.stage_chunks < 1:
+        parser.error(f"--stage-chunks must be >= 1, got {args.stage_chunks}")
     if args.repeats < 1 or args.heads % args.kv_heads:
         parser.error(f"--repeats must be >= 1 and --heads ({args.heads}) a multiple of --kv-heads ({args.kv_heads})")
     return args
@@ -153,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         rank = int(needed.argmax()) if args.rank is None else args.rank
         with fake_world(rank, args.world):
             for scheme in args.schemes:
-                for hold in (False, True):
-                    config = CPConfig(scheme=scheme, backend=args.backend, hold_remote_kv=hold)
-                    row = {"mask": name, "scheme": scheme, "hold_remote_kv": hold, "rank": rank}
+                stage = args.stage_chunks if scheme == "mask_aware" else None
+                for hold in (False,) if stage else (False, True):
+                    config = CPConfig(scheme=scheme, backend=args.backend, hold_remote_kv=hold, stage_chunks=stage)
+                    row = {"mask": name, "scheme": scheme, "hold_remote_kv": hold, "stage_chunks": stage, "rank": rank}
                     try:
                         row |= measure(mask, plan, rank, config, args)
                     except torch.OutOfMemoryError as exc:  # a finding at this scale: recorded, the run goes on
@@ -175,16 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result_json(record))
     print(
-        f"{'mask':22s} {'scheme':10s} {'hold':>5s} {'rank':>4s} {'f+b ms':>9s} {'kern f':>8s} {'kern b':>8s} "
-        f"{'saved MiB':>9s} {'fwd pk':>8s} {'bwd pk':>8s} {'peak GiB':>8s}"
+        f"{'mask':22s} {'scheme':10s} {'hold':>5s} {'stage':>5s} {'rank':>4s} {'f+b ms':>9s} {'kern f':>8s} "
+        f"{'kern b':>8s} {'saved MiB':>9s} {'fwd pk':>8s} {'bwd pk':>8s} {'peak GiB':>8s}"
     )
     for r in rows:
+        head = f"{r['mask']:22s} {r['scheme']:10s} {str(r['hold_remote_kv']):>5s} {str(r['stage_chunks'] or '-'):>5s}"
         if "error" in r:
-            print(f"{r['mask']:22s} {r['scheme']:10s} {str(r['hold_remote_kv']):>5s} {r['rank']:4d} {r['error'][:70]}")
+            print(f"{head} {r['rank']:4d} {r['error'][:70]}")
             continue
         peak = f"{r['peak_gib']:8.2f}" if "peak_gib" in r else f"{'-':>8s}"
         print(
-            f"{r['mask']:22s} {r['scheme']:10s} {str(r['hold_remote_kv']):>5s} {r['rank']:4d} {r['fwd_bwd_ms']:9.2f} "
+            f"{head} {r['rank']:4d} {r['fwd_bwd_ms']:9.2f} "
             f"{r['kernel_fwd_ms']:8.2f} {r['kernel_bwd_ms']:8.2f} {r['saved_kv_bytes'] / 2**20:9.2f} "
             f"{r['fwd_peak_kv_bytes'] / 2**20:8.2f} {r['bwd_peak_kv_bytes'] / 2**20:8.2f} {peak}"
         )

@@ -217,3 +217,24 @@ def test_the_json_goes_to_out_where_set_else_under_runs(script, tmp_path, monkey
     assert module.main([*argv, "--out", "chosen.json"]) == 0
     written = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*.json"))
     assert written == ["chosen.json", f"out/{name}", f"runs/{name}"]
+
+
+def test_staged_fetch_holds_its_own_kv_and_two_stages(tmp_path):
+    """`--stage-chunks 2` on the full mask (14 remote chunks per rank at CP 8 x 2 chunks): the K/V
+    held at peak, both directions, is the own K/V plus two stages of 2 chunks, not all 14; the
+    ring's rows are as without it."""
+    out = tmp_path / "cp_memory.json"
+    argv = ["--world", "8", "--tokens", "1024", "--chunks-per-rank", "2", "--heads", "4", "--kv-heads", "2"]
+    argv += ["--head-dim", "16", "--device", "cpu", "--masks", "full", "--schemes", "mask_aware,ring"]
+    assert cp_memory.main([*argv, "--stage-chunks", "2", "--out", str(out)]) == 0
+    rows = {(r["scheme"], r["hold_remote_kv"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("mask_aware", False), ("ring", False), ("ring", True)}
+    local, chunk = 2 * 128 * 2 * 16 * 4, 2 * 64 * 2 * 16 * 4  # bytes of k and v, fp32
+    staged = rows["mask_aware", False]
+    assert staged["stage_chunks"] == 2 and staged["remote_chunks"] == 14
+    assert (staged["saved_kv_bytes"], staged["fwd_peak_kv_bytes"], staged["bwd_peak_kv_bytes"]) == (
+        local,
+        local + 4 * chunk,
+        local + 4 * chunk,
+    )
+    assert rows["ring", False]["stage_chunks"] is None and rows["ring", False]["fwd_peak_kv_bytes"] == 3 * local

@@ -3,6 +3,7 @@
 import importlib
 import itertools
 import os
+import re
 import socket
 
 import numpy as np
@@ -191,6 +192,42 @@ def test_layouts_are_their_definition_on_random_masks_and_plans():
                 assert np.array_equal(layout.needs, expected)
                 routes = plain_routes(expected, plan, ranks_per_node)
                 assert [list(phase.items()) for phase in layout.phases] == [list(p.items()) for p in routes]
+
+
+def test_stages_split_each_ranks_route_in_chunk_order():
+    """Stage s carries to each rank its needed remote chunks number [s*k, (s+1)*k), and the stages
+    together are the one-level route, message by message."""
+    rng = np.random.default_rng(2)
+    for mask, chunk in random_masks(20, seed=2, chunk_sizes=(2, 4)):
+        chunks = mask.seqlen_q // chunk
+        world = int(rng.choice([w for w in (1, 2, 4, 8) if chunks % w == 0]))
+        plan = CPPlan(mask.seqlen_q, chunk, tuple(map(tuple, np.sort(rng.permutation(chunks).reshape(world, -1)))))
+        [route] = context_parallel._Layout(mask, plan, CPConfig()).phases
+        for k in (1, 2, 3):
+            stages = context_parallel._Layout(mask, plan, CPConfig(stage_chunks=k)).stages
+            for dst in range(world):
+                wanted = sorted(c for (_, d), cs in route.items() if d == dst for c in cs)
+                staged = [sorted(c for (_, d), cs in stage.items() if d == dst for c in cs) for stage in stages]
+                assert staged == [wanted[s * k : (s + 1) * k] for s in range(len(stages))]
+            longest = max((sum(len(cs) for (_, d), cs in route.items() if d == r) for r in range(world)), default=0)
+            assert len(stages) == -(-longest // k)
+            for pair in route:
+                assert sorted(c for stage in stages for c in stage.get(pair, [])) == route[pair]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(stage_chunks=0), "stage_chunks must be a positive int or None, got 0"),
+        (dict(stage_chunks=True), "stage_chunks must be a positive int or None, got True"),
+        (dict(stage_chunks=2, scheme="ring"), "does not go with scheme='ring'"),
+        (dict(stage_chunks=2, ranks_per_node=2), "stage_chunks=2) does not go with ranks_per_node"),
+        (dict(stage_chunks=1, hold_remote_kv=True), "stage_chunks=1) does not go with hold_remote_kv=True"),
+    ],
+)
+def test_stage_chunks_rejects_what_it_does_not_stage(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CPConfig(**options)
 
 
 def test_chunk_loads_count_the_block_classes():
@@ -729,6 +766,109 @@ def test_backward_fetches_remote_kv_again_unless_held(tmp_path):
         # all-gather: own K/V plus the gathered buffers (its own copy among them)
         assert by["allgather", False][:3] == (local, 5 * local, 5 * local)
         assert by["allgather", True][:3] == (4 * local, 5 * local, 4 * local)
+
+
+STAGED_MASKS = ("causal_document", "document", "share_question", "full", "sliding_window")
+
+
+def _staged(rank, world):
+    """Per mask and stage size: errors against single-device attention and the single-stage run,
+    the K/V held at peak in each direction (staged, single-stage) and the bytes sent."""
+    cp = context_parallel
+    rows = []
+    for i, name in enumerate(STAGED_MASKS):
+        mask, inputs, expected = single_device(name, 512, seed=i)
+        plan = make_plan(512, world, 4, "zigzag")
+        single = run_cp(rank, plan, mask, inputs, CPConfig())
+        single_stats = cp.rank_stats()
+        for k in (1, 2):
+            got = run_cp(rank, plan, mask, inputs, CPConfig(stage_chunks=k))
+            fwd, bwd = cp.rank_stats()
+            rows.append(
+                {
+                    "case": (name, k),
+                    "error": max_error(rank, plan, got, expected),
+                    "vs_single": max((a - b).abs().max().item() for a, b in zip(got, single)),
+                    "peaks": (fwd.peak_kv_bytes, bwd.peak_kv_bytes),
+                    "single_peaks": tuple(s.peak_kv_bytes for s in single_stats),
+                    "received": (fwd.chunks_received, bwd.chunks_received),
+                    "single_received": tuple(s.chunks_received for s in single_stats),
+                    "sent": (fwd.bytes_sent, bwd.bytes_sent),
+                    "single_sent": tuple(s.bytes_sent for s in single_stats),
+                }
+            )
+    return rows
+
+
+@pytest.mark.slow  # 2 and 4 gloo processes
+@pytest.mark.parametrize("world", [2, 4])
+def test_staged_fetch_equals_single_device_and_bounds_the_kv_held(tmp_path, world):
+    """mask_aware with `stage_chunks` in {1, 2}, forward and dQ/dK/dV in fp64: single-device
+    attention, and the single-stage run up to rounding (merges in another order); the same
+    chunks and bytes travel. The K/V held at peak, each direction: the own chunks plus at most
+    two stages (the one computed, the next arriving), below the single stage where a rank needs
+    more than two stages' chunks."""
+    chunk = 2 * (512 // (4 * world)) * 2 * 16 * 8  # k and v of one chunk, 2 kv heads x 16, fp64
+    local = 4 * chunk
+    rows = [row for rank_rows in run_ranks(tmp_path, world, _staged) for row in rank_rows]
+    assert len(rows) == world * len(STAGED_MASKS) * 2
+    for row in rows:
+        (_, k), (fwd_peak, bwd_peak) = row["case"], row["peaks"]
+        assert row["error"] < 1e-10 and row["vs_single"] < 1e-12, row
+        assert row["received"] == row["single_received"] and row["sent"] == row["single_sent"], row
+        remote = row["received"][0]
+        assert fwd_peak == bwd_peak == local + min(remote, 2 * k) * chunk, row
+        assert row["single_peaks"] == (local + remote * chunk,) * 2, row
+    # Full mask: every rank needs all 4 * (world - 1) remote chunks, more than two stages' worth.
+    below = {row["case"] for row in rows if max(row["peaks"]) < min(row["single_peaks"])}
+    assert below >= {("full", 1)} | ({("full", 2)} if world == 4 else set())
+
+
+def _staged_order(rank, world):
+    cp = context_parallel
+    log = []
+    cp._Comm.post = _recorded(log, lambda comm, sends, recvs, what: f"post {what}", cp._Comm.post)
+    cp._Comm.wait = _recorded(log, lambda comm, pending: f"wait {pending.what}", cp._Comm.wait)
+    cp._LocalAttention.forward = _recorded(log, lambda *args: args[-1], cp._LocalAttention.forward)
+    cp._LocalAttention.backward = _recorded(log, lambda *args: args[-1], cp._LocalAttention.backward)
+    mask, inputs, expected = single_device("full", 256)
+    plan = make_plan(256, world, 2, "zigzag")
+    logs, err = {}, 0.0
+    for overlap in (True, False):
+        q, k, v, dout = inputs
+        local = [plan.shard(x, rank).clone().requires_grad_() for x in (q, k, v)]
+        out = cp_attention(*local, mask, plan, config=CPConfig(stage_chunks=2, overlap=overlap))
+        logs[overlap, "forward"], log[:] = log[:], []
+        grads = torch.autograd.grad(out, local, plan.shard(dout, rank))
+        logs[overlap, "backward"], log[:] = log[:], []
+        err = max(err, max_error(rank, plan, (out, *grads), expected))
+    return logs, err
+
+
+def test_staged_fetch_posts_the_next_stage_before_computing_one(tmp_path):
+    """Full mask, 4 ranks: 6 remote chunks each, 3 stages of 2. Each stage is posted before the
+    previous one is waited for and computed; in the backward each stage's dK/dV go home while the
+    next stage computes, the last stage's while the own chunks do."""
+    fetch = ["post kv", "wait kv", "compute_remote"]
+    for logs, err in run_ranks(tmp_path, 4, _staged_order):
+        assert err < 1e-10
+        assert logs[True, "forward"] == ["post kv", "compute_local", "post kv", "wait kv", "compute_remote"] + [
+            "post kv",
+            "wait kv",
+            "compute_remote",
+            "wait kv",
+            "compute_remote",
+        ]
+        assert logs[True, "backward"] == ["post kv"] + fetch + ["post dkv"] + fetch + ["post dkv", "wait dkv"] + [
+            "wait kv",
+            "compute_remote",
+            "post dkv",
+            "wait dkv",
+            "compute_local",
+            "wait dkv",
+        ]
+        assert logs[False, "forward"] == ["compute_local"] + fetch * 3
+        assert logs[False, "backward"] == (fetch + ["post dkv", "wait dkv"]) * 3 + ["compute_local"]
 
 
 def _one_rank(rank, world):
