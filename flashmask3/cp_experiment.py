@@ -4,7 +4,8 @@ Spawns `cp.world_size` gloo processes on this machine, runs CP attention forward
 each rank's chunks, and checks the reassembled output and gradients against single-device
 reference attention. Reports per-rank times, bytes sent, the K/V bytes held (peak per direction,
 and what the forward keeps for the backward), load imbalance and the max error.
-`+cp.hold_remote_kv=true` keeps the remote K/V from the forward instead of fetching it again.
+`+cp.hold_remote_kv=true` keeps the remote K/V from the forward instead of fetching it again;
+`+cp.stage_chunks=2` receives the remote K/V two chunks per stage (mask_aware, flat routing).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
         overlap=cfg["overlap"],
         ranks_per_node=cfg["ranks_per_node"],
         hold_remote_kv=cfg["hold_remote_kv"],
+        stage_chunks=cfg["stage_chunks"],
     )
     local = [plan.shard(x, rank).requires_grad_() for x in (q, k, v)]
     # Warm-up: the first call opens the point-to-point connections.
@@ -105,6 +107,7 @@ def run_cp(cfg) -> dict:
         "overlap": cfg.cp.overlap,
         "ranks_per_node": cfg.cp.ranks_per_node,
         "hold_remote_kv": bool(cfg.cp.get("hold_remote_kv", False)),
+        "stage_chunks": cfg.cp.get("stage_chunks"),
     }
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(plain, _free_port(), tmp), nprocs=plain["world_size"], join=True)
@@ -129,6 +132,7 @@ def run_cp(cfg) -> dict:
                 "overlap",
                 "ranks_per_node",
                 "hold_remote_kv",
+                "stage_chunks",
             )
         },
         "imbalance": imbalance(loads, plan.assignment),

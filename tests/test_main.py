@@ -91,7 +91,8 @@ def test_command_line_entry_point(tmp_path):
     assert re.search(r"fwd [\d.]+ ms \([\d.]+ [GT]FLOP/s\)", result.stdout) and "0.000" not in result.stdout
 
 
-def test_cp_job_matches_single_device(tmp_path):
+@pytest.mark.parametrize("staging", [[], ["+cp.stage_chunks=1"]])
+def test_cp_job_matches_single_device(tmp_path, staging):
     cfg = config(
         [
             f"logging.out_dir={tmp_path}",
@@ -102,10 +103,12 @@ def test_cp_job_matches_single_device(tmp_path):
             "heads=2",
             "kv_heads=1",
             "head_dim=16",
+            *staging,
         ]
     )
     record = run_experiment(cfg)
     assert record["cp"]["scheme"] == "mask_aware" and len(record["per_rank"]) == 2
+    assert record["cp"]["stage_chunks"] == (1 if staging else None)
     assert max(record["max_abs_err_vs_single_device"].values()) < 1e-5
     assert 1.0 <= record["imbalance"] < 1.5
     assert all(r["bytes_sent"] > 0 for r in record["per_rank"])
