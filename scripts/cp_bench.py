@@ -7,11 +7,14 @@ threads on one device (`--emulate N`, distributed/emulator.py):
     torchrun --nproc-per-node 8 scripts/cp_bench.py --kv-heads 8   # GQA, 8 KV heads
     python scripts/cp_bench.py --emulate 4 --rounds 3              # one H200: 4 ranks as threads, 32K tokens
     python scripts/cp_bench.py --emulate 4 --quick                 # CPU: fp64, small, 3 masks (seconds)
+    python scripts/cp_bench.py --emulate 4 --quick --stage-chunks 1  # + mask_aware fetching in stages
     torchrun --nproc-per-node 4 scripts/cp_bench.py --quick --dist-backend gloo  # CPU processes
 
 Per mask (the 12 benchmark masks by default) and scheme (mask_aware on the balanced plan;
 mask_aware routed hierarchically with ranks_per_node = N/2, the two halves of the GPUs taken for two
-nodes; ring and allgather on the zigzag plan):
+nodes; ring and allgather on the zigzag plan; with `--stage-chunks N`, also "mask_aware_staged":
+mask_aware on the balanced plan, flat routing, its remote K/V fetched in stages of at most N chunks
+per rank, `CPConfig(stage_chunks=N)`, right after mask_aware; every row carries its stage_chunks):
 
 1. Check: one CP forward + backward against single-device attention (fp64, computed on rank 0,
    which gathers every rank's out/dQ/dK/dV point to point), by verify's rule: relative L2 error at
@@ -26,8 +29,8 @@ nodes; ring and allgather on the zigzag plan):
    messages, in its order, on the same routes) gives the communication time; hidden = that minus
    the wait, and overlap efficiency = hidden / communication time, summed over ranks. The wait also
    holds waiting for a slower peer, so the hidden part is a lower bound; allgather's collectives
-   block, so its overlap, by construction 0, shows the method's noise. mask_aware's speedups over
-   ring and allgather are their times over its time.
+   block, so its overlap, by construction 0, shows the method's noise. The mask-aware schemes'
+   speedups over ring and allgather are their times over theirs.
 
 Defaults: 8192 tokens per GPU in 4 chunks, 32 heads x 128 (`--kv-heads` for GQA), bf16 on CUDA
 (fp64 on CPU), the CuTe kernels where they run, else the reference (`--backend`). NVLink multicast
@@ -67,7 +70,17 @@ from flashmask3.verify.suite import DTYPES
 from flashmask3.bench import attention_flops, error_string, git_commit, result_json
 
 SCHEMES = ("mask_aware", "hierarchical", "ring", "allgather")
-ASSIGNMENTS = {"mask_aware": "balanced", "hierarchical": "balanced", "ring": "zigzag", "allgather": "zigzag"}
+STAGED = "mask_aware_staged"
+"""The scheme row `--stage-chunks N` adds: mask_aware, flat routing, `CPConfig(stage_chunks=N)`."""
+MASK_AWARE = ("mask_aware", STAGED, "hierarchical")
+"""The schemes whose speedups over ring and allgather the rows carry."""
+ASSIGNMENTS = {
+    "mask_aware": "balanced",
+    STAGED: "balanced",
+    "hierarchical": "balanced",
+    "ring": "zigzag",
+    "allgather": "zigzag",
+}
 """The plan each scheme runs on: the balancer's for the mask-aware schemes, Megatron's zigzag else."""
 FWD_BWD_FLOPS = 3.5
 """Forward + backward FLOPs per forward FLOP."""
@@ -96,6 +109,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int)
     parser.add_argument("--masks", help=f"comma-separated (default: all 12; --quick: {','.join(QUICK_MASKS)})")
     parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument(
+        "--stage-chunks",
+        type=int,
+        metavar="N",
+        help=f"add the scheme {STAGED}: mask_aware fetching its remote K/V in stages of at most N chunks per rank",
+    )
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument(
@@ -115,6 +134,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for option in ("tokens_per_gpu", "chunks_per_rank", "heads", "kv_heads", "head_dim", "rounds"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be a positive int, got {getattr(args, option)}")
+    if args.stage_chunks is not None and args.stage_chunks < 1:
+        parser.error(f"--stage-chunks must be a positive int, got {args.stage_chunks}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.tokens_per_gpu % args.chunks_per_rank or args.heads % args.kv_heads:
@@ -320,7 +341,7 @@ def speedups(rows: list[dict]) -> None:
     """Add to the mask-aware rows of one mask their speedups over ring and allgather (the other's
     time over theirs), where both were timed."""
     timed = {row["scheme"]: row for row in rows if "fwd_bwd_ms" in row}
-    for scheme in ("mask_aware", "hierarchical"):
+    for scheme in MASK_AWARE:
         for other in ("ring", "allgather"):
             if scheme in timed and other in timed:
                 for what in ("fwd", "fwd_bwd"):
@@ -329,11 +350,20 @@ def speedups(rows: list[dict]) -> None:
                     )
 
 
-def scheme_configs(schemes: list[str], world: int, backend: str) -> tuple[dict[str, CPConfig], list[str]]:
-    """The CPConfig of each scheme at this world size, and notes on those left out (hierarchical
-    needs two equal halves)."""
+def scheme_configs(
+    schemes: list[str], world: int, backend: str, stage_chunks: int | None = None
+) -> tuple[dict[str, CPConfig], list[str]]:
+    """The CPConfig of each scheme at this world size, in the order the ranks run them (the same on
+    every rank), and notes on those left out (hierarchical needs two equal halves). With
+    `stage_chunks`, STAGED follows mask_aware (first where mask_aware is not asked for)."""
     configs, notes = {}, []
+    if stage_chunks is not None:
+        schemes = list(schemes)
+        schemes.insert(schemes.index("mask_aware") + 1 if "mask_aware" in schemes else 0, STAGED)
     for scheme in schemes:
+        if scheme == STAGED:
+            configs[scheme] = CPConfig(backend=backend, stage_chunks=stage_chunks)
+            continue
         if scheme == "hierarchical":
             if world % 2:
                 notes.append(f"hierarchical left out: ranks_per_node = N/2 needs an even world size, got {world}")
@@ -356,7 +386,7 @@ def bench_rank(rank: int, world: int, args: argparse.Namespace, device: torch.de
     )
     reason = cute_kernels.unsupported_reason(inputs[0], inputs[1])
     kernels = "cute" if args.backend != "reference" and reason is None else "reference"
-    configs, notes = scheme_configs(args.schemes, world, args.backend)
+    configs, notes = scheme_configs(args.schemes, world, args.backend, args.stage_chunks)
     devices = all_ranks(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     rows: list[dict] = []
     for i, name in enumerate(args.masks):
@@ -373,6 +403,7 @@ def bench_rank(rank: int, world: int, args: argparse.Namespace, device: torch.de
             zero_grad = torch.zeros(chunk_shape, dtype=context_parallel._compute_dtype(q), device=device)
             case = Case(config, plan, [x.clone().requires_grad_() for x in (q, k, v)], dout, zero_grad)
             row = {"mask": name, "scheme": scheme, "assignment": ASSIGNMENTS[scheme]}
+            row["stage_chunks"] = config.stage_chunks
             row |= check(case, mask, inputs, reference, kernels, rank, world)
             if "error" not in row:
                 cases[scheme] = case
@@ -402,22 +433,22 @@ def failures(rows: list[dict]) -> list[dict]:
 
 def print_table(record: dict) -> None:
     """One line per mask and scheme: the check (worst error over its tolerance), times, TFLOP/s per
-    GPU, overlap efficiency and mask-aware's speedups; the failures after it."""
+    GPU, overlap efficiency and the mask-aware schemes' speedups; the failures after it."""
 
     def number(value, spec: str) -> str:
         return format(value, spec) if isinstance(value, float) else "-"
 
     print(
-        f"{'mask':22s} {'scheme':12s} {'check':>5s} {'err/tol':>7s} {'fwd ms':>8s} {'f+b ms':>8s} "
+        f"{'mask':22s} {'scheme':17s} {'check':>5s} {'err/tol':>7s} {'fwd ms':>8s} {'f+b ms':>8s} "
         f"{'TF/s f+b':>8s} {'overlap':>7s} {'vs ring':>7s} {'vs AG':>7s}"
     )
     for row in record["rows"]:
         if "error" in row:
-            print(f"{row['mask']:22s} {row['scheme']:12s} {'ERROR':>5s} {row['error'][:60]}")
+            print(f"{row['mask']:22s} {row['scheme']:17s} {'ERROR':>5s} {row['error'][:60]}")
             continue
         worst = max(row["rel_errors"][n] / row["tolerance"][n] for n in NAMES)
         print(
-            f"{row['mask']:22s} {row['scheme']:12s} {'ok' if row['passed'] else 'FAIL':>5s} {worst:7.3f} "
+            f"{row['mask']:22s} {row['scheme']:17s} {'ok' if row['passed'] else 'FAIL':>5s} {worst:7.3f} "
             f"{number(row.get('fwd_ms'), '8.3f')} {number(row.get('fwd_bwd_ms'), '8.3f')} "
             f"{number(row.get('tflops_fwd_bwd'), '8.1f')} {number(row.get('overlap_efficiency'), '7.2f')} "
             f"{number(row.get('fwd_bwd_speedup_vs_ring'), '7.2f')} "

@@ -54,6 +54,31 @@ def test_every_scheme_matches_single_device_and_is_timed(tmp_path, capsys):
     assert table[-1].startswith("share_question") and "allgather" in table[-1]
 
 
+def test_stage_chunks_adds_the_staged_scheme_checked_and_timed(tmp_path, capsys):
+    """`--stage-chunks 1`: a mask_aware_staged row after each mask_aware one (up to 6 stages of one
+    chunk per rank at CP 4 x 2 chunks), checked against single-device attention and timed like
+    mask_aware, sending the same bytes (the same chunks, in stages); every row names its
+    stage_chunks. The emulator checks that every rank makes the same collectives in the same order."""
+    code, record = run_bench(tmp_path, "--schemes", "mask_aware,ring,allgather", "--stage-chunks", "1")
+    assert code == 0 and record["failures"] == [] and record["args"]["stage_chunks"] == 1
+    rows = {(row["mask"], row["scheme"]): row for row in record["rows"]}
+    schemes = ("mask_aware", cp_bench.STAGED, "ring", "allgather")
+    assert list(rows) == [(m, s) for m in MASKS for s in schemes]
+    for (mask, scheme), row in rows.items():
+        assert row["stage_chunks"] == (1 if scheme == cp_bench.STAGED else None)
+        assert row["passed"] and max(row["rel_errors"].values()) < 1e-10 and row["max_abs_error"] < 1e-10, row
+        assert row["fwd_bwd_ms"] > row["fwd_ms"] > 0 and row["tflops_fwd_bwd"] > 0
+        assert 0 <= row["overlap_efficiency"] <= 1 and row["fwd_comm_ms"] > 0 and row["bwd_comm_ms"] > 0
+    for mask in MASKS:
+        staged = rows[mask, cp_bench.STAGED]
+        assert staged["assignment"] == "balanced" and staged["sent_mib"] == rows[mask, "mask_aware"]["sent_mib"]
+        for other in ("ring", "allgather"):
+            ratio = rows[mask, other]["fwd_bwd_ms"] / staged["fwd_bwd_ms"]
+            assert math.isclose(staged[f"fwd_bwd_speedup_vs_{other}"], ratio, rel_tol=2e-3)
+    table = capsys.readouterr().out
+    assert re.search(r"^share_question +mask_aware_staged +ok ", table, re.MULTILINE)
+
+
 def test_a_broken_scheme_is_a_failure_and_the_run_goes_on(tmp_path, monkeypatch):
     """ring's output off by 0.1% fails its check (and is still timed); an all-gather that raises on
     every rank records its error, is not timed, and the other schemes go on; the exit code is 1."""
@@ -146,6 +171,7 @@ def test_an_error_while_timing_on_one_rank_ends_the_run_with_that_error(tmp_path
         (["--emulate", "2", "--masks", "causal,diagonal"], r"--masks: unknown \['diagonal'\]; accepted: full, causal"),
         (["--emulate", "2", "--schemes", "tree"], r"--schemes: unknown \['tree'\]; accepted: mask_aware, hierarchical"),
         (["--emulate", "2", "--heads", "6", "--kv-heads", "4"], r"--heads \(6\) of --kv-heads \(4\)"),
+        (["--emulate", "2", "--stage-chunks", "0"], "--stage-chunks must be a positive int, got 0"),
     ],
 )
 def test_bad_arguments_name_the_option_and_the_accepted_values(argv, message, capsys, monkeypatch):
