@@ -26,6 +26,17 @@ ring's step s, X one K/V block and Y one dK/dV block to the next rank:
   (the next K/V block and the previous step's dK/dV accumulator share the link; X = 0 when held).
 - allgather: forward all-gather, then one call; backward the all-gather again (unless held), one
   call, the reduce-scatter of dK/dV.
+- mask_aware with `stage_chunks=k` (`CPConfig.stage_chunks`: flat routing, the remote K/V in n
+  stages of at most k chunks per rank, n the same on every rank), with S_s / E_s the K/V / dK/dV
+  messages of stage s, F_s / B_s one call on the rank's chunks of stage s (none where it receives
+  nothing in it; every call pays its fixed cost): forward max(F_o, S_0) + sum over s < n-1 of
+  max(F_s, S_{s+1}) + F_{n-1} (stage 0 travels under the own chunks, stage s+1 under stage s);
+  backward S_0 + sum over s of max(B_s, S_{s+1} + E_{s-1}) + max(B_o, E_{n-1}) (the next stage's
+  K/V and the previous stage's dK/dV share the link under stage s; the last stage's dK/dV go home
+  under the own chunks; S_n = E_{-1} = 0). A stage's transfer starts only under the compute before
+  it (a pipeline of one step, as the ring's). K/V held at peak per rank: the own plus the two
+  largest consecutive stages' receive buffers (stage s+1 is posted before stage s is let go),
+  against the own plus every remote chunk in one stage.
 Overlap efficiency = the part of the transfer time hidden under compute, both directions.
 
 `RankTimeFit`: the mask-aware rank's measured compute time is not tiles / rate alone. Fitted on the
@@ -109,6 +120,7 @@ def predict(
     bytes_per_elem: int = 2,
     fit: RankTimeFit | None = None,
     hold_remote_kv: bool = False,
+    stage_chunks: int | None = None,
 ) -> dict:
     """Modeled per-rank seconds, forward and backward, the slowest rank and the overlap efficiency.
 
@@ -116,11 +128,21 @@ def predict(
     "slowest_backward_s", "overlap_efficiency", "per_rank": [{"forward_s", "backward_s", "total_s",
     "compute_s", "comm_s", "hidden_s"}]}. With `fit`, each kernel call costs `fit.seconds` of its
     load and chunks instead of its tiles at the kernel rate.
+
+    With `stage_chunks` (mask_aware only, flat routing whatever `hw.ranks_per_node`; not with
+    `hold_remote_kv`), the staged fetch; the result and each per_rank entry also carry
+    "stages", "peak_kv_bytes" (own K/V + at most two stages' receive buffers; the result's: the
+    largest rank's) and "single_stage_peak_kv_bytes" (own + every remote chunk the rank needs).
     """
+    if stage_chunks is not None:
+        CPConfig(scheme=scheme, hold_remote_kv=hold_remote_kv, stage_chunks=stage_chunks)  # its checks
     world, chunk = plan.world_size, plan.chunk_size
     kv_bytes = 2 * chunk * kv_heads * head_dim * bytes_per_elem
     grad_bytes = kv_bytes // bytes_per_elem * _GRAD_BYTES
     layout = _Layout(mask, plan, CPConfig(scheme="mask_aware", ranks_per_node=hw.ranks_per_node))
+    stages: list[dict[tuple[int, int], list[int]]] = []  # the staged fetch's (flat routing)
+    if stage_chunks is not None:
+        stages = _Layout(mask, plan, CPConfig(stage_chunks=stage_chunks)).stages or []
     flops_per_weight = 4 * 128 * 128 * head_dim * heads / mask.heads
 
     def call_s(weight: float, chunks: int, backward: bool) -> float:
@@ -155,7 +177,10 @@ def predict(
 
         own = plan.assignment[r]
         remote = [c for c in weights if c not in own]
-        if scheme == "mask_aware":
+        if stage_chunks is not None:
+            staged = _staged(r, own, remote, calls, batch_s, stages, kv_bytes, grad_bytes)
+            forward, backward, compute, comm, hidden, held = staged
+        elif scheme == "mask_aware":
             fetch = [batch_s(phase, r, kv_bytes) for phase in layout.phases]
             back = [batch_s(phase, r, grad_bytes, back=True) for phase in layout.phases]
             f_own, f_remote = calls(own, False), calls(remote, False)
@@ -205,8 +230,14 @@ def predict(
                 "hidden_s": hidden,
             }
         )
+        if stage_chunks is not None:
+            per_rank[-1] |= {
+                "stages": len(stages),
+                "peak_kv_bytes": (len(own) + held) * kv_bytes,
+                "single_stage_peak_kv_bytes": (len(own) + len(remote)) * kv_bytes,
+            }
     comm_total = sum(p["comm_s"] for p in per_rank)
-    return {
+    result = {
         "scheme": scheme,
         "slowest_rank_s": max(p["total_s"] for p in per_rank),
         "slowest_forward_s": max(p["forward_s"] for p in per_rank),
@@ -214,3 +245,42 @@ def predict(
         "overlap_efficiency": (sum(p["hidden_s"] for p in per_rank) / comm_total) if comm_total else 1.0,
         "per_rank": per_rank,
     }
+    if stage_chunks is not None:
+        result["stage_chunks"] = stage_chunks
+        result["stages"] = len(stages)
+        for key in ("peak_kv_bytes", "single_stage_peak_kv_bytes"):
+            result[key] = max(p[key] for p in per_rank)
+    return result
+
+
+def _staged(rank: int, own, remote, calls, batch_s, stages, kv_bytes: int, grad_bytes: int) -> tuple:
+    """mask_aware with `stage_chunks`, one rank, in the code's order (`_kv_stages`,
+    `_backward_mask_aware_staged`): (forward, backward, compute, comm, hidden seconds, the most
+    remote chunks it holds at once). `calls(chunks, backward)` is one kernel call's seconds,
+    `batch_s(messages, rank, chunk_bytes, back)` one batch of messages'."""
+    n = len(stages)
+    mine = [[c for (src, dst), chunks in stage.items() if dst == rank for c in chunks] for stage in stages]
+    assert sorted(c for m in mine for c in m) == sorted(remote), "stages carry the remote chunks the rank needs"
+    fetch = [batch_s(stage, rank, kv_bytes) for stage in stages] + [0.0]  # S_s, S_n = 0
+    back = [0.0] + [batch_s(stage, rank, grad_bytes, back=True) for stage in stages]  # E_{s-1} at s: E_{-1} = 0
+    f_own, b_own = calls(own, False), calls(own, True)
+    f_stage, b_stage = [calls(m, False) for m in mine], [calls(m, True) for m in mine]
+    if not n:  # nothing remote anywhere: the own chunks only
+        return f_own, b_own, f_own + b_own, 0.0, 0.0, 0
+    # Forward: stage 0 under the own chunks, stage s+1 under stage s, the last stage alone.
+    f_under = [fetch[s + 1] for s in range(n)]
+    forward = max(f_own, fetch[0]) + sum(max(f, c) for f, c in zip(f_stage, f_under))
+    # Backward: stage 0's K/V alone, then under stage s the next stage's K/V and the previous
+    # stage's dK/dV, under the own chunks the last stage's dK/dV.
+    b_under = [fetch[s + 1] + back[s] for s in range(n)]
+    backward = fetch[0] + sum(max(b, c) for b, c in zip(b_stage, b_under)) + max(b_own, back[n])
+    compute = f_own + sum(f_stage) + b_own + sum(b_stage)
+    comm = 2 * sum(fetch) + sum(back)
+    hidden = (
+        min(f_own, fetch[0])
+        + sum(min(f, c) for f, c in zip(f_stage, f_under))
+        + sum(min(b, c) for b, c in zip(b_stage, b_under))
+        + min(b_own, back[n])
+    )
+    held = max((len(mine[s]) + (len(mine[s + 1]) if s + 1 < n else 0) for s in range(n)), default=0)
+    return forward, backward, compute, comm, hidden, held

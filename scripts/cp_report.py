@@ -9,7 +9,11 @@ layer (bf16, 8 KV heads x 128 = one GQA layer of hidden 4096), counted from the 
 plain all-gather and ring send every chunk to every other rank, the mask-aware all-gather only
 the chunks a receiver's queries can see. With --model, also the cost model's predicted forward +
 backward TFLOP/s per GPU of each scheme (distributed/cost_model.py: a model, not a measurement; 32
-query heads, 3.5x the forward FLOPs, balanced plan for mask_aware, zigzag for ring and all-gather). Writes JSON to
+query heads, 3.5x the forward FLOPs, balanced plan for mask_aware, zigzag for ring and all-gather);
+with --stage-chunks N too, mask_aware fetching its remote K/V in stages of at most N chunks per
+rank (`CPConfig(stage_chunks=N)`, flat routing, balanced plan): its TFLOP/s per GPU, overlap and
+the K/V MB a rank holds at peak (own + two stages), next to one stage's (own + every remote chunk),
+the largest rank's each. Writes JSON to
 runs/cp_report_<K>k_per_rank.json (or --out; the committed one is bench/results/), prints a table.
 """
 
@@ -31,8 +35,9 @@ from flashmask3.bench import git_commit, progress, result_json
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
 
 
-def modeled(mask, seqlen: int, world: int, per_rank: int, loads) -> dict:
-    """Cost-model forward + backward TFLOP/s per GPU (unmasked work) and overlap efficiency of each scheme."""
+def modeled(mask, seqlen: int, world: int, per_rank: int, loads, stage_chunks: int | None = None) -> dict:
+    """Cost-model forward + backward TFLOP/s per GPU (unmasked work) and overlap efficiency of each
+    scheme; with `stage_chunks`, also mask_aware's staged fetch and its peak K/V MB per rank."""
     heads, kv_heads, head_dim = 32, 8, 128
     flops = 3.5 * 4.0 * seqlen * seqlen * mask.density() * heads * head_dim
     out = {}
@@ -41,6 +46,23 @@ def modeled(mask, seqlen: int, world: int, per_rank: int, loads) -> dict:
         pred = predict(mask, plan, scheme, heads, kv_heads, head_dim, Hardware(), fit=RankTimeFit())
         out[f"{scheme}_tflops_per_gpu"] = flops / world / pred["slowest_rank_s"] / 1e12
         out[f"{scheme}_overlap"] = pred["overlap_efficiency"]
+    if stage_chunks is not None:
+        plan = make_plan(seqlen, world, per_rank, "balanced", loads)
+        pred = predict(
+            mask,
+            plan,
+            "mask_aware",
+            heads,
+            kv_heads,
+            head_dim,
+            Hardware(),
+            fit=RankTimeFit(),
+            stage_chunks=stage_chunks,
+        )
+        out["mask_aware_staged_tflops_per_gpu"] = flops / world / pred["slowest_rank_s"] / 1e12
+        out["mask_aware_staged_overlap"] = pred["overlap_efficiency"]
+        out["mask_aware_staged_peak_kv_mb"] = pred["peak_kv_bytes"] / 2**20
+        out["mask_aware_single_stage_peak_kv_mb"] = pred["single_stage_peak_kv_bytes"] / 2**20
     return out
 
 
@@ -51,8 +73,16 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--masks", default=",".join(masks.MASK_NAMES))
     parser.add_argument("--model", action="store_true", help="add the cost model's predictions")
+    parser.add_argument(
+        "--stage-chunks",
+        type=int,
+        metavar="N",
+        help="with --model: add mask_aware fetching its remote K/V in stages of at most N chunks per rank",
+    )
     parser.add_argument("--out", type=Path, help="the JSON file (default runs/cp_report_<K>k_per_rank.json)")
     args = parser.parse_args()
+    if args.stage_chunks is not None and (args.stage_chunks < 1 or not args.model):
+        parser.error(f"--stage-chunks takes a positive int and goes with --model, got {args.stage_chunks}")
     out = args.out or Path("runs") / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json"
     rows = []
     for world in (int(r) for r in args.ranks.split(",")):
@@ -74,7 +104,7 @@ def main() -> None:
             row["kv_mb_allgather"] = full_chunks * args.chunk * KV_BYTES_PER_TOKEN / 2**20
             row["kv_mb_mask_aware"] = sent_chunks * args.chunk * KV_BYTES_PER_TOKEN / 2**20
             if args.model:
-                row.update(modeled(mask, seqlen, world, per_rank, loads))
+                row.update(modeled(mask, seqlen, world, per_rank, loads, args.stage_chunks))
             rows.append(row)
             print(json.dumps(row), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -85,8 +115,12 @@ def main() -> None:
             "hardware": Hardware().__dict__,
             "mask_aware_rank_time": RankTimeFit().__dict__,
         }
+        if args.stage_chunks is not None:
+            result["model"]["stage_chunks"] = args.stage_chunks
     out.write_text(result_json(result))
     model = " model fwd+bwd TFLOP/s/GPU: mask-aware ring allgather" if args.model else ""
+    if args.stage_chunks is not None:
+        model += f" staged(k={args.stage_chunks}); peak KV MB staged, one stage"
     print(
         f"{'mask':24s} {'R':>3s} {'contig':>7s} {'zigzag':>7s} {'balanced':>8s} {'bal ms':>7s} {'AG MB':>8s} "
         f"{'MA MB':>8s}{model}"
@@ -99,6 +133,11 @@ def main() -> None:
         )
         if args.model:
             line += "".join(f" {r[f'{s}_tflops_per_gpu']:6.0f}" for s in ("mask_aware", "ring", "allgather"))
+        if args.stage_chunks is not None:
+            line += (
+                f" {r['mask_aware_staged_tflops_per_gpu']:6.0f} {r['mask_aware_staged_peak_kv_mb']:8.0f}"
+                f" {r['mask_aware_single_stage_peak_kv_mb']:8.0f}"
+            )
         print(line)
     print(f"wrote {out}")
 

@@ -1020,6 +1020,127 @@ def test_cost_model_charges_the_fit_per_kernel_call():
         assert per_rank["compute_s"] == pytest.approx(load * (1 + BACKWARD_FLOPS * 577 / 533), rel=1e-3)
 
 
+def test_cost_model_stages_the_fetch_as_the_code_does():
+    """2 ranks x 4 chunks, full mask: each rank needs the other's 4 chunks. Times by hand, in ms:
+    a chunk's K/V takes 2 ms, its dK/dV 4 ms, each kernel call 3 ms (fixed cost only)."""
+    from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
+
+    chunk_bytes = 2 * 128 * 64 * 2
+    fit = RankTimeFit(fixed_s=3e-3, per_load_s=0.0, per_needed_chunk_s=0.0)
+    hw = Hardware(ranks_per_node=8, nvlink_bps=chunk_bytes * 500, inter_node_bps=chunk_bytes * 50)
+    mask, plan = masks.build("full", 1024), make_plan(1024, 2, 4, "contiguous")
+    keys = ("forward_s", "backward_s", "total_s", "compute_s", "comm_s", "hidden_s")
+
+    def modeled(stage_chunks):
+        result = predict(mask, plan, "mask_aware", 1, 1, 64, hw, fit=fit, stage_chunks=stage_chunks)
+        (times,) = {tuple(round(r[k] * 1e3, 9) for k in keys) for r in result["per_rank"]}  # same on both
+        return dict(zip(keys, times)), result
+
+    # One stage (today's model): forward max(3, 8) + 3; backward 8 + 3 + max(3, 16).
+    single, _ = modeled(None)
+    assert single == dict(forward_s=11, backward_s=27, total_s=38, compute_s=12, comm_s=32, hidden_s=6)
+    # Stages of one chunk, 4 of them, each one call of 3 ms (5 calls per direction with the own).
+    # Forward: stage 0 under the own chunks, stage s+1 under stage s, the last stage alone:
+    # max(3, 2) + 3 x max(3, 2) + 3. Backward: stage 0's K/V alone (2), then under stage s the
+    # next stage's K/V and stage s-1's dK/dV: max(3, 2), max(3, 2 + 4) twice, max(3, 4); the last
+    # stage's dK/dV under the own chunks: max(3, 4). Hidden: forward 2 + 3 x 2, backward 2 + 3 x 3 + 3.
+    staged, result = modeled(1)
+    assert staged == dict(
+        forward_s=3 + 3 * 3 + 3,
+        backward_s=2 + 3 + 6 + 6 + 4 + 4,
+        total_s=40,
+        compute_s=10 * 3,
+        comm_s=2 * 4 * 2 + 4 * 4,
+        hidden_s=8 + 14,
+    )
+    # K/V held at peak: the own 4 chunks plus two stages of one, against all 4 remote at once.
+    assert result["stages"] == 4 and result["stage_chunks"] == 1
+    assert (result["peak_kv_bytes"], result["single_stage_peak_kv_bytes"]) == (6 * chunk_bytes, 8 * chunk_bytes)
+    # Stages of 2: 2 stages of 4 ms K/V, 8 ms dK/dV: forward max(3, 4) + max(3, 4) + 3, backward
+    # 4 + max(3, 4) + max(3, 8) + max(3, 8); the peak: every remote chunk (two stages of 2).
+    staged, result = modeled(2)
+    assert (staged["forward_s"], staged["backward_s"]) == (11, 24)
+    assert result["peak_kv_bytes"] == result["single_stage_peak_kv_bytes"] == 8 * chunk_bytes
+    # A stage holding every remote chunk is today's model.
+    for k in (4, 100):
+        assert modeled(k)[0] == single
+
+
+def test_cost_model_one_stage_is_the_single_stage_model_and_stages_hold_less():
+    """On a document mask at CP 4 (one node: flat routing either way), with the fitted rank time:
+    stages as large as the most remote chunks a rank needs give today's numbers on every rank;
+    stages of one chunk hold, per rank, the own K/V plus the two largest consecutive stages."""
+    from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
+
+    mask = masks.build("causal_document", 16384, num_docs=6, seed=1)
+    plan = make_plan(16384, 4, 4, "balanced", chunk_loads(mask, 1024))
+    layout = context_parallel._Layout(mask, plan, CPConfig())
+    remote = [len([c for c in layout.needed(r, range(16)) if plan.owner(c) != r]) for r in range(4)]
+    assert max(remote) > 2
+    args = (mask, plan, "mask_aware", 32, 8, 128, Hardware(), 2, RankTimeFit())
+    single = predict(*args)
+    for k in (max(remote), 16):
+        staged = predict(*args, stage_chunks=k)
+        assert staged["stages"] == 1
+        for before, after in zip(single["per_rank"], staged["per_rank"]):
+            assert {key: after[key] for key in before} == pytest.approx(before, rel=1e-12)
+            assert after["peak_kv_bytes"] == after["single_stage_peak_kv_bytes"]
+    staged = predict(*args, stage_chunks=1)
+    chunk_bytes = 2 * 1024 * 8 * 128 * 2
+    stages = context_parallel._Layout(mask, plan, CPConfig(stage_chunks=1)).stages
+    assert staged["stages"] == len(stages) == max(remote)
+    for r, per_rank in enumerate(staged["per_rank"]):
+        got = [sum(len(chunks) for (_, dst), chunks in stage.items() if dst == r) for stage in stages]
+        pairs = max(a + b for a, b in zip(got, got[1:] + [0]))
+        assert per_rank["peak_kv_bytes"] == (4 + pairs) * chunk_bytes <= (4 + min(2, remote[r])) * chunk_bytes
+        assert per_rank["single_stage_peak_kv_bytes"] == (4 + remote[r]) * chunk_bytes
+    assert staged["peak_kv_bytes"] == 6 * chunk_bytes < staged["single_stage_peak_kv_bytes"]
+    # What the code does not stage, the model does not either.
+    with pytest.raises(ValueError, match="does not go with scheme='ring'"):
+        predict(mask, plan, "ring", 32, 8, 128, stage_chunks=1)
+    with pytest.raises(ValueError, match="does not go with hold_remote_kv=True"):
+        predict(*args, hold_remote_kv=True, stage_chunks=1)
+
+
+def test_cp_report_adds_the_staged_model_only_when_asked(tmp_path, monkeypatch, capsys):
+    """scripts/cp_report.py --model: no staged columns unless --stage-chunks (the committed JSON
+    stays as it is); with it, the staged TFLOP/s, overlap and peak K/V MB, the one-stage model's
+    columns unchanged."""
+    import json
+    import sys
+
+    import cp_report
+    from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
+
+    argv = ["cp_report.py", "--tokens-per-rank", "1024", "--ranks", "4", "--chunk", "256", "--masks", "full"]
+    argv += ["--model"]
+    rows = {}
+    for extra in ([], ["--stage-chunks", "2"]):
+        out = tmp_path / f"report{len(extra)}.json"
+        monkeypatch.setattr(sys, "argv", [*argv, *extra, "--out", str(out)])
+        cp_report.main()
+        record = json.loads(out.read_text())
+        (rows[bool(extra)],) = record["rows"]
+        assert record["model"].get("stage_chunks") == (2 if extra else None)
+    assert not any(key.startswith("mask_aware_staged") for key in rows[False])
+    staged = {k: v for k, v in rows[True].items() if k not in rows[False]}
+    assert {k: rows[True][k] for k in rows[False] if k != "balance_s"} == pytest.approx(
+        {k: v for k, v in rows[False].items() if k != "balance_s"}
+    )
+    # 4 ranks x 4 chunks of 256 tokens, full mask: 12 remote chunks per rank, 8 KV heads x 128, bf16.
+    chunk_mb = 2 * 256 * 8 * 128 * 2 / 2**20
+    assert staged["mask_aware_staged_peak_kv_mb"] == pytest.approx((4 + 2 * 2) * chunk_mb)
+    assert staged["mask_aware_single_stage_peak_kv_mb"] == pytest.approx((4 + 12) * chunk_mb)
+    mask = masks.build("full", 4096, seed=0)
+    plan = make_plan(4096, 4, 4, "balanced", chunk_loads(mask, 256))
+    pred = predict(mask, plan, "mask_aware", 32, 8, 128, Hardware(), fit=RankTimeFit(), stage_chunks=2)
+    assert staged["mask_aware_staged_overlap"] == pytest.approx(pred["overlap_efficiency"], rel=1e-3)
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], "--stage-chunks", "2"])
+    with pytest.raises(SystemExit):
+        cp_report.main()
+    assert "--stage-chunks takes a positive int and goes with --model" in capsys.readouterr().err
+
+
 def test_layout_is_reused_and_rebuilt_after_an_in_place_mask_edit():
     mask = masks.build("document", 512, num_docs=4, seed=0)
     plan = make_plan(512, 4, 2, "contiguous")
