@@ -517,6 +517,22 @@ def _recorded(log, label, fn):
     return wrapper
 
 
+def _logged_calls(rank, plan, mask, inputs, expected, log: list, configs: dict) -> tuple[dict, float]:
+    """One CP forward + backward per config: {(key, "forward" / "backward"): what `log` recorded in
+    each direction}, and the largest error against single-device attention."""
+    logs, err = {}, 0.0
+    q, k, v, dout = inputs
+    for key, config in configs.items():
+        local = [plan.shard(x, rank).clone().requires_grad_() for x in (q, k, v)]
+        log[:] = []
+        out = cp_attention(*local, mask, plan, config=config)
+        logs[key, "forward"], log[:] = log[:], []
+        grads = torch.autograd.grad(out, local, plan.shard(dout, rank))
+        logs[key, "backward"], log[:] = log[:], []
+        err = max(err, max_error(rank, plan, (out, *grads), expected))
+    return logs, err
+
+
 def _ring_order(rank, world):
     cp = context_parallel
     log = []
@@ -526,16 +542,8 @@ def _ring_order(rank, world):
     cp._local_backward = _recorded(log, "backward", cp._local_backward)
     mask, inputs, expected = single_device("full", 192)
     plan = make_plan(192, world, 2, "zigzag")
-    logs, err = {}, 0.0
-    for hold in (False, True):
-        q, k, v, dout = inputs
-        local = [plan.shard(x, rank).clone().requires_grad_() for x in (q, k, v)]
-        out = cp_attention(*local, mask, plan, config=CPConfig(scheme="ring", hold_remote_kv=hold))
-        logs[hold, "forward"], log[:] = log[:], []
-        grads = torch.autograd.grad(out, local, plan.shard(dout, rank))
-        logs[hold, "backward"], log[:] = log[:], []
-        err = max(err, max_error(rank, plan, (out, *grads), expected))
-    return logs, err
+    configs = {hold: CPConfig(scheme="ring", hold_remote_kv=hold) for hold in (False, True)}
+    return _logged_calls(rank, plan, mask, inputs, expected, log, configs)
 
 
 def test_ring_posts_the_next_block_before_computing(tmp_path):
@@ -562,21 +570,14 @@ def _mask_aware_backward_order(rank, world):
     cp._LocalAttention.backward = _recorded(log, lambda *args: args[-1], cp._LocalAttention.backward)
     mask, inputs, expected = single_device("full", 256)
     plan = make_plan(256, world, 2, "zigzag")
-    logs, err = {}, 0.0
-    for name, config in (
-        ("fetched again", CPConfig()),
-        ("held", CPConfig(hold_remote_kv=True)),
-        ("hierarchical", CPConfig(ranks_per_node=2)),
-        ("no overlap", CPConfig(overlap=False)),
-    ):
-        q, k, v, dout = inputs
-        local = [plan.shard(x, rank).clone().requires_grad_() for x in (q, k, v)]
-        out = cp_attention(*local, mask, plan, config=config)
-        log[:] = []
-        grads = torch.autograd.grad(out, local, plan.shard(dout, rank))
-        logs[name] = log[:]
-        err = max(err, max_error(rank, plan, (out, *grads), expected))
-    return logs, err
+    configs = {
+        "fetched again": CPConfig(),
+        "held": CPConfig(hold_remote_kv=True),
+        "hierarchical": CPConfig(ranks_per_node=2),
+        "no overlap": CPConfig(overlap=False),
+    }
+    logs, err = _logged_calls(rank, plan, mask, inputs, expected, log, configs)
+    return {name: logs[name, "backward"] for name in configs}, err
 
 
 def test_mask_aware_backward_computes_the_own_chunks_while_dkdv_travel_home(tmp_path):
@@ -833,16 +834,8 @@ def _staged_order(rank, world):
     cp._LocalAttention.backward = _recorded(log, lambda *args: args[-1], cp._LocalAttention.backward)
     mask, inputs, expected = single_device("full", 256)
     plan = make_plan(256, world, 2, "zigzag")
-    logs, err = {}, 0.0
-    for overlap in (True, False):
-        q, k, v, dout = inputs
-        local = [plan.shard(x, rank).clone().requires_grad_() for x in (q, k, v)]
-        out = cp_attention(*local, mask, plan, config=CPConfig(stage_chunks=2, overlap=overlap))
-        logs[overlap, "forward"], log[:] = log[:], []
-        grads = torch.autograd.grad(out, local, plan.shard(dout, rank))
-        logs[overlap, "backward"], log[:] = log[:], []
-        err = max(err, max_error(rank, plan, (out, *grads), expected))
-    return logs, err
+    configs = {overlap: CPConfig(stage_chunks=2, overlap=overlap) for overlap in (True, False)}
+    return _logged_calls(rank, plan, mask, inputs, expected, log, configs)
 
 
 def test_staged_fetch_posts_the_next_stage_before_computing_one(tmp_path):
