@@ -108,8 +108,8 @@ class StandInFlexAttention(types.ModuleType):
         return torch.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
+def install_stand_in(monkeypatch) -> StandInFlexAttention:
+    """`cudnn.flex_attention` replaced by the stand-in (and no wheel path set), for this test."""
     module = StandInFlexAttention()
     package = types.ModuleType("cudnn")
     package.flex_attention = module
@@ -117,6 +117,11 @@ def stand_in(monkeypatch):
     monkeypatch.setitem(sys.modules, "cudnn.flex_attention", module)
     monkeypatch.delenv(bench_peers.CUDNN_FLEX_PATH_VARIABLE, raising=False)
     return module
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    return install_stand_in(monkeypatch)
 
 
 @pytest.mark.parametrize("name, mask_heads", [("share_question", 1), ("random_eviction", 2), ("document", 1)])

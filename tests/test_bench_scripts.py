@@ -673,7 +673,7 @@ def gqa_peers(monkeypatch) -> dict[str, list]:
 
     import torch
     from flashmask3.reference import ColumnMask, reference_attention
-    from test_bench_peers_cudnn_flex import StandInFlexAttention
+    from test_bench_peers_cudnn_flex import install_stand_in
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_mask, flex_attention
 
@@ -725,13 +725,7 @@ def gqa_peers(monkeypatch) -> dict[str, list]:
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
 
-    cudnn_flex = StandInFlexAttention()
-    cudnn = types.ModuleType("cudnn")
-    cudnn.flex_attention = cudnn_flex
-    monkeypatch.setitem(sys.modules, "cudnn", cudnn)
-    monkeypatch.setitem(sys.modules, "cudnn.flex_attention", cudnn_flex)
-    monkeypatch.delenv(bench_peers.CUDNN_FLEX_PATH_VARIABLE, raising=False)
-    log["cudnn_flex"] = cudnn_flex.plans
+    log["cudnn_flex"] = install_stand_in(monkeypatch).plans
 
     def flashmask_attention(query, key, value, startend_row_indices, *, causal, softmax_scale):
         log["flashmask_v3"].append({"q": query, "k": key, "v": value, "bounds": startend_row_indices})
