@@ -62,9 +62,19 @@ class BwdConfig:
     # soon as P and dS exist and one wait covers all three GEMMs before the dQ add.
     dq_first: bool
     # The CTAs launched in order of their query-tile steps, most first (a 1-D grid through a host
-    # permutation), so few long CTAs are left for the last wave; not in deterministic mode, whose
-    # key tiles wait for the ones before them.
-    longest_ctas_first: bool
+    # permutation), so few long CTAs are left for the last wave, when the grid is at most this many
+    # waves of one CTA per SM (0: never). In a longer grid the tail is a small share and the grid
+    # order's L2 reuse (consecutive CTAs read one head's Q and dO) is worth more. Not in
+    # deterministic mode, whose key tiles wait for the ones before them.
+    longest_first_waves: int
+
+    def __post_init__(self) -> None:
+        if self.longest_first_waves < 0:
+            raise ValueError(f"longest_first_waves must be >= 0, got {self.longest_first_waves}")
+
+
+LONGEST_FIRST_WAVES = 16
+"""The backward's CTAs go longest first in grids of at most this many waves."""
 
 
 def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
@@ -87,7 +97,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     """The backward's configuration for this head dim and mask variant: the LSE ahead of the S GEMM
     (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
     spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
-    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, longest_ctas_first=False)
+    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, longest_first_waves=LONGEST_FIRST_WAVES)
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)

@@ -146,7 +146,7 @@ class FlashMaskBackwardSm90:
         mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
         mDqRanks: cute.Tensor,  # [Bm, Hm, Tn, Tm] int32, deterministic mode: the key tile's place in dQ's sum
         mSemaphore: cute.Tensor,  # [B, Hq, Tm] int32, zeroed (used in deterministic mode)
-        mCtaOrder: cute.Tensor | None,  # [Tn * Hkv * B] int32 with longest_ctas_first: the CTAs in launch order
+        mCtaOrder: cute.Tensor | None,  # [Tn * Hkv * B] int32 in short grids: the CTAs in launch order
         mTimeline: cute.Tensor | None,  # [CTAs, len(BwdEvent)] int64 in a profiled build, else None
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,

@@ -22,7 +22,7 @@ import torch
 
 from ..reference import ColumnMask
 from .config import BwdConfig, FwdConfig, bwd_config, fwd_config
-from .tile_plan import backward_cta_steps, block_minmax, dq_ranks, forward_tile_steps, full_mask, longest_first
+from .tile_plan import backward_cta_steps, block_minmax, cached_longest_first, dq_ranks, forward_tile_steps, full_mask
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128)
@@ -159,7 +159,8 @@ def forward(
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     order = None
     if config.longest_tiles_first:
-        order = longest_first(forward_tile_steps(mask, b, hq, config.tile_m, Kernel.tile_n))
+        key = ("fwd", b, hq, config.tile_m, Kernel.tile_n)
+        order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, Kernel.tile_n))
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
     _launch(
@@ -243,8 +244,10 @@ def backward(
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     order = None
-    if config.longest_ctas_first and not deterministic:  # deterministic: key tiles wait for earlier ones
-        order = longest_first(backward_cta_steps(mask, b, hq, hkv, tile_m, Kernel.tile_n))
+    # Deterministic mode keeps the grid order: its key tiles wait for the ones before them.
+    if not deterministic and backward_ctas(k) <= config.longest_first_waves * _sm_count(q.device):
+        key = ("bwd", b, hq, hkv, tile_m, Kernel.tile_n)
+        order = cached_longest_first(mask, key, lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, Kernel.tile_n))
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, timeline]
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic)
@@ -326,7 +329,7 @@ def compile_check(
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
-            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_ctas_first and not deterministic else None,
+            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_first_waves and not deterministic else None,
             fake(cutlass.Int64, (cute.sym_int32(), len(BwdEvent))) if timeline else None,
         ]
     else:

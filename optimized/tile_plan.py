@@ -7,10 +7,14 @@
 - `dq_ranks`: for the deterministic backward, each key tile's place among the key tiles a query
   tile sees (the order of its dQ sum).
 - `forward_tile_steps` / `backward_cta_steps` / `longest_first`: the steps of the forward's work
-  tiles and of the backward's CTAs, and either ordered by them, most first.
+  tiles and of the backward's CTAs, and either ordered by them, most first; `cached_longest_first`
+  computes such an order once per mask (the layers of a training step share their mask).
 """
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -85,3 +89,22 @@ def longest_first(steps: torch.Tensor) -> torch.Tensor:
     first, ties in that order. Launched or drawn in this order, the long units start first and the
     last ones are short (longest-processing-time-first list scheduling)."""
     return torch.sort(steps, descending=True, stable=True).indices.to(torch.int32)
+
+
+# Per live mask, by identity (equal masks compare their boundaries, a host sync on a GPU).
+_orders: dict[int, dict[Hashable, tuple[int, torch.Tensor]]] = {}
+
+
+def cached_longest_first(mask: ColumnMask, key: Hashable, steps: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`longest_first(steps())`, computed on the first call per `mask` and `key` and kept while the
+    mask lives and its boundaries are not changed in place (their tensor's version): the sort's few
+    dozen small kernels then run once per mask, not once per layer. An order only permutes the
+    kernel's work, so even a stale one would give the same numbers."""
+    kept = _orders.get(id(mask))
+    if kept is None:
+        kept = _orders[id(mask)] = {}
+        weakref.finalize(mask, _orders.pop, id(mask), None)
+    version = mask.startend_row_indices._version
+    if key not in kept or kept[key][0] != version:
+        kept[key] = (version, longest_first(steps()))
+    return kept[key][1]

@@ -68,7 +68,7 @@ def test_backward_without_lse_ahead_compiles():
 
     assert (
         compile_check(
-            "bf16", 128, True, 1, BwdConfig(lse_ahead=False, dq_first=True, longest_ctas_first=False), direction="bwd"
+            "bf16", 128, True, 1, BwdConfig(lse_ahead=False, dq_first=True, longest_first_waves=0), direction="bwd"
         )
         > 0
     )
@@ -100,23 +100,27 @@ def test_launch_compiles_once_per_configuration_and_passes_torch_tensors(monkeyp
     assert len(calls[1]) == 3
 
 
-def test_the_backward_launches_longest_first_only_when_not_deterministic(monkeypatch):
-    """`longest_first`: the main kernel gets the CTA order (a permutation of its CTAs) unless
-    `deterministic=True`, whose key tiles wait for the ones before them in grid order."""
+def test_the_backward_launches_longest_first_in_short_grids_when_not_deterministic(monkeypatch):
+    """`longest_first_waves`: the main kernel gets the CTA order (a permutation of its CTAs) when
+    its grid is at most that many waves and not `deterministic=True` (whose key tiles wait for the
+    ones before them in grid order); the order is sorted once per mask."""
     import torch
     from flashmask3.optimized import BwdConfig, interface
     from flashmask3.reference import masks
 
     launched = {}
     monkeypatch.setattr(interface, "_launch", lambda direction, *args: launched.setdefault(direction, []).append(args))
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 2)  # 8 CTAs: 4 waves
     q = torch.randn(1, 512, 4, 64, dtype=torch.bfloat16)
     k, v = torch.randn(2, 1, 512, 2, 64, dtype=torch.bfloat16)
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
-    config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first=True)
-    for deterministic in (False, True):
+    runs = [(4, False), (4, False), (3, False), (4, True)]  # (longest_first_waves, deterministic)
+    for waves, deterministic in runs:
+        config = BwdConfig(lse_ahead=True, dq_first=True, longest_first_waves=waves)
         interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
     orders = [args[5][13] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
-    assert sorted(orders[0].tolist()) == list(range(1 * 2 * 4)) and orders[1] is None
+    assert sorted(orders[0].tolist()) == list(range(1 * 2 * 4))
+    assert orders[1] is orders[0] and orders[2] is None and orders[3] is None
 
 
 def test_the_forward_draws_longest_first_when_configured(monkeypatch):
@@ -184,7 +188,7 @@ def test_backward_longest_first_build_compiles():
     """The 1-D grid that reads each CTA's work from the host's longest-first order."""
     from flashmask3.optimized import BwdConfig, compile_check
 
-    config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first=True)
+    config = BwdConfig(lse_ahead=True, dq_first=True, longest_first_waves=16)
     assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
 
 

@@ -4,9 +4,11 @@ launch order (CPU check)."""
 
 import pytest
 import torch
+from flashmask3.optimized import tile_plan
 from flashmask3.optimized.tile_plan import (
     backward_cta_steps,
     block_minmax,
+    cached_longest_first,
     dq_ranks,
     forward_tile_steps,
     full_mask,
@@ -103,6 +105,30 @@ def test_longest_first_orders_the_forward_work_tiles_by_their_steps(name, mask_b
     assert order.dtype == torch.int32
     assert order.tolist() == sorted(range(len(steps)), key=lambda tile: (-steps[tile], tile))
     assert len(set(steps)) > 2
+
+
+def test_an_order_is_sorted_once_per_mask_until_its_boundaries_change():
+    """`cached_longest_first`: the second call with the same mask and key returns the kept order
+    without computing the steps; another key, another (even equal) mask or an in-place change of the boundaries
+    sorts again, and the new order follows the new boundaries."""
+    mask = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
+    calls = []
+
+    def steps():
+        calls.append(1)
+        return backward_cta_steps(mask, 1, 2, 2, 64, 128)
+
+    first = cached_longest_first(mask, "bwd", steps)
+    assert cached_longest_first(mask, "bwd", steps) is first and len(calls) == 1
+    cached_longest_first(mask, "other", steps)
+    other_mask = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
+    cached_longest_first(other_mask, "bwd", steps)
+    assert len(calls) == 3
+    del other_mask  # its orders go with it
+    assert len(tile_plan._orders) == 1
+    mask.startend_row_indices[..., 0] = 0  # every key masked from row 0 on: no steps anywhere
+    changed = cached_longest_first(mask, "bwd", lambda: backward_cta_steps(mask, 1, 2, 2, 64, 128))
+    assert changed is not first and changed.tolist() == list(range(len(first)))
 
 
 def test_the_schedule_model_puts_a_long_cta_last_in_grid_order_and_first_longest_first():
