@@ -35,14 +35,18 @@ class FwdConfig:
     # answers) masked from one key's bounds, per row, instead of every key's.
     uniform_tiles: bool
     # Work tiles drawn in order of their key-tile steps, most first (through a host permutation),
-    # so the last ones drawn are short.
-    longest_tiles_first: bool
+    # so the last ones drawn are short, when there are at most this many per SM (0: never). With
+    # more, the tail is a small share and the draw order's L2 reuse (consecutive work tiles read
+    # one head's K/V) is worth more.
+    longest_tiles_first_waves: int
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
             raise ValueError(f"tile_m must be 128 or 192, got {self.tile_m}")
         if self.num_stages not in (2, 3):
             raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
+        if self.longest_tiles_first_waves < 0:
+            raise ValueError(f"longest_tiles_first_waves must be >= 0, got {self.longest_tiles_first_waves}")
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -66,14 +70,16 @@ class BwdConfig:
     # waves of one CTA per SM (0: never). In a longer grid the tail is a small share and the grid
     # order's L2 reuse (consecutive CTAs read one head's Q and dO) is worth more. Not in
     # deterministic mode, whose key tiles wait for the ones before them.
-    longest_first_waves: int
+    longest_ctas_first_waves: int
 
     def __post_init__(self) -> None:
-        if self.longest_first_waves < 0:
-            raise ValueError(f"longest_first_waves must be >= 0, got {self.longest_first_waves}")
+        if self.longest_ctas_first_waves < 0:
+            raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
 
 
-LONGEST_FIRST_WAVES = 16
+LONGEST_TILES_FIRST_WAVES = 32
+"""The forward draws its work tiles longest first when there are at most this many per SM."""
+LONGEST_CTAS_FIRST_WAVES = 16
 """The backward's CTAs go longest first in grids of at most this many waves."""
 
 
@@ -89,7 +95,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         num_stages=2,
         persistent=True,
         uniform_tiles=True,
-        longest_tiles_first=False,
+        longest_tiles_first_waves=LONGEST_TILES_FIRST_WAVES,
     )
 
 
@@ -97,7 +103,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     """The backward's configuration for this head dim and mask variant: the LSE ahead of the S GEMM
     (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
     spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
-    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, longest_first_waves=LONGEST_FIRST_WAVES)
+    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES)
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)

@@ -84,7 +84,7 @@ class FlashMaskForwardSm90:
         mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
         mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
         mTileCounter: cute.Tensor,  # [1] int32, zero: the work tiles drawn so far beyond the first per CTA
-        mTileOrder: cute.Tensor | None,  # [work tiles] int32 with longest_tiles_first: the n-th to draw
+        mTileOrder: cute.Tensor | None,  # [work tiles] int32 when few per SM: the n-th to draw
         mTimeline: cute.Tensor | None,  # [CTAs, work tiles, len(Event)] int64 in a timeline build, else None
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,

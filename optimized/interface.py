@@ -158,7 +158,7 @@ def forward(
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     order = None
-    if config.longest_tiles_first:
+    if b * hq * -(-sq // config.tile_m) <= config.longest_tiles_first_waves * _sm_count(q.device):
         key = ("fwd", b, hq, config.tile_m, Kernel.tile_n)
         order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, Kernel.tile_n))
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
@@ -245,7 +245,7 @@ def backward(
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     order = None
     # Deterministic mode keeps the grid order: its key tiles wait for the ones before them.
-    if not deterministic and backward_ctas(k) <= config.longest_first_waves * _sm_count(q.device):
+    if not deterministic and backward_ctas(k) <= config.longest_ctas_first_waves * _sm_count(q.device):
         key = ("bwd", b, hq, hkv, tile_m, Kernel.tile_n)
         order = cached_longest_first(mask, key, lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, Kernel.tile_n))
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, timeline]
@@ -329,7 +329,7 @@ def compile_check(
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
-            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_first_waves and not deterministic else None,
+            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_ctas_first_waves and not deterministic else None,
             fake(cutlass.Int64, (cute.sym_int32(), len(BwdEvent))) if timeline else None,
         ]
     else:
@@ -343,7 +343,7 @@ def compile_check(
             row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (1,)),
-            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_tiles_first else None,
+            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_tiles_first_waves else None,
             fake(cutlass.Int64, (cute.sym_int32(), cute.sym_int32(), len(Event))) if timeline else None,
         ]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

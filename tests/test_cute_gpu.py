@@ -29,7 +29,7 @@ def test_cute_forward_and_gradients_match_the_reference(name, seqlen, head_dim, 
 
 @pytest.mark.parametrize("name, mask_batch", [("causal_document", 2), ("share_question", 1), ("random_eviction", 2)])
 def test_longest_first_orders_give_the_default_orders_numbers(name, mask_batch):
-    """`longest_tiles_first` / `longest_first_waves`: the same work in another order, so the same
+    """`longest_tiles_first_waves` / `longest_ctas_first_waves`: the same work in another order, so the same
     outputs and gradients bit for bit (each work tile and each CTA computes alone; dQ's atomic adds
     are compared with the deterministic order's tolerance), GQA 4 on 2, a ragged length."""
     import dataclasses
@@ -42,10 +42,10 @@ def test_longest_first_orders_give_the_default_orders_numbers(name, mask_batch):
     q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=11)
     variant = (mask.causal, mask.startend_row_indices.shape[-1])
     fwd_default, bwd_default = fwd_config(128, *variant), bwd_config(128, *variant)
-    fwd_lpt = dataclasses.replace(fwd_default, longest_tiles_first=True)
-    bwd_grid = dataclasses.replace(bwd_default, longest_first_waves=0)
-    out, lse = forward(q, k, v, mask, scale, config=fwd_default)
-    out_lpt, lse_lpt = forward(q, k, v, mask, scale, config=fwd_lpt)
+    fwd_grid = dataclasses.replace(fwd_default, longest_tiles_first_waves=0)
+    bwd_grid = dataclasses.replace(bwd_default, longest_ctas_first_waves=0)
+    out, lse = forward(q, k, v, mask, scale, config=fwd_grid)
+    out_lpt, lse_lpt = forward(q, k, v, mask, scale, config=fwd_default)
     assert torch.equal(out, out_lpt) and torch.equal(lse, lse_lpt)
     dq, dk, dv = backward(dout, q, k, v, out, lse, mask, scale, config=bwd_grid)
     dq_lpt, dk_lpt, dv_lpt = backward(dout, q, k, v, out, lse, mask, scale, config=bwd_default)

@@ -68,7 +68,7 @@ def test_backward_without_lse_ahead_compiles():
 
     assert (
         compile_check(
-            "bf16", 128, True, 1, BwdConfig(lse_ahead=False, dq_first=True, longest_first_waves=0), direction="bwd"
+            "bf16", 128, True, 1, BwdConfig(lse_ahead=False, dq_first=True, longest_ctas_first_waves=0), direction="bwd"
         )
         > 0
     )
@@ -101,7 +101,7 @@ def test_launch_compiles_once_per_configuration_and_passes_torch_tensors(monkeyp
 
 
 def test_the_backward_launches_longest_first_in_short_grids_when_not_deterministic(monkeypatch):
-    """`longest_first_waves`: the main kernel gets the CTA order (a permutation of its CTAs) when
+    """`longest_ctas_first_waves`: the main kernel gets the CTA order (a permutation of its CTAs) when
     its grid is at most that many waves and not `deterministic=True` (whose key tiles wait for the
     ones before them in grid order); the order is sorted once per mask."""
     import torch
@@ -114,17 +114,18 @@ def test_the_backward_launches_longest_first_in_short_grids_when_not_determinist
     q = torch.randn(1, 512, 4, 64, dtype=torch.bfloat16)
     k, v = torch.randn(2, 1, 512, 2, 64, dtype=torch.bfloat16)
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
-    runs = [(4, False), (4, False), (3, False), (4, True)]  # (longest_first_waves, deterministic)
+    runs = [(4, False), (4, False), (3, False), (4, True)]  # (longest_ctas_first_waves, deterministic)
     for waves, deterministic in runs:
-        config = BwdConfig(lse_ahead=True, dq_first=True, longest_first_waves=waves)
+        config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=waves)
         interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
     orders = [args[5][13] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
     assert sorted(orders[0].tolist()) == list(range(1 * 2 * 4))
     assert orders[1] is orders[0] and orders[2] is None and orders[3] is None
 
 
-def test_the_forward_draws_longest_first_when_configured(monkeypatch):
-    """`longest_tiles_first`: the forward kernel gets the work tiles' draw order (a permutation)."""
+def test_the_forward_draws_longest_first_when_few_per_sm(monkeypatch):
+    """`longest_tiles_first_waves`: the forward kernel gets the work tiles' draw order (a
+    permutation) when there are at most that many work tiles per SM."""
     import dataclasses
 
     import torch
@@ -133,14 +134,14 @@ def test_the_forward_draws_longest_first_when_configured(monkeypatch):
 
     launched = []
     monkeypatch.setattr(interface, "_launch", lambda direction, *args: launched.append(args))
-    monkeypatch.setattr(interface, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 2)  # 8 work tiles: 4 per SM
     q, k, v = torch.randn(3, 1, 512, 2, 128, dtype=torch.bfloat16)
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
-    for on in (True, False):
-        config = dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first=on)
+    for waves in (4, 3, 0):
+        config = dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first_waves=waves)
         interface.forward(q, k, v, mask, 0.125, config=config)
     orders = [args[5][8] for args in launched]  # (dtype, d, causal, width, config, tensors, ...)
-    assert sorted(orders[0].tolist()) == list(range(2 * 4)) and orders[1] is None
+    assert sorted(orders[0].tolist()) == list(range(2 * 4)) and orders[1] is None and orders[2] is None
 
 
 _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
@@ -184,21 +185,23 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         assert " 0 HGMMA" not in summary and "serialized" not in summary, summaries
 
 
-def test_backward_longest_first_build_compiles():
-    """The 1-D grid that reads each CTA's work from the host's longest-first order."""
+def test_backward_grid_order_build_compiles():
+    """The build long grids run (the default compile is the longest-first one): key tile, KV head
+    and batch from the 3-D grid."""
     from flashmask3.optimized import BwdConfig, compile_check
 
-    config = BwdConfig(lse_ahead=True, dq_first=True, longest_first_waves=16)
+    config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=0)
     assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
 
 
-def test_forward_longest_first_build_compiles():
-    """The forward that draws its work tiles through the host's longest-first order."""
+def test_forward_draw_order_build_compiles():
+    """The build many work tiles per SM run (the default compile is the longest-first one): the
+    work tiles drawn in index order."""
     import dataclasses
 
     from flashmask3.optimized import compile_check, fwd_config
 
-    config = dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first=True)
+    config = dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first_waves=0)
     assert compile_check("bf16", 128, True, 1, config) > 0
 
 

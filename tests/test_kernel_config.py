@@ -10,10 +10,10 @@ from flashmask3.optimized.config import apply_overrides, config_fields
 def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         assert fwd_config(64, causal, width) == FwdConfig(
-            tile_m=192, num_stages=2, persistent=True, uniform_tiles=True, longest_tiles_first=False
+            tile_m=192, num_stages=2, persistent=True, uniform_tiles=True, longest_tiles_first_waves=32
         )
         assert fwd_config(128, causal, width) == FwdConfig(
-            tile_m=128, num_stages=2, persistent=True, uniform_tiles=True, longest_tiles_first=False
+            tile_m=128, num_stages=2, persistent=True, uniform_tiles=True, longest_tiles_first_waves=32
         )
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
@@ -21,7 +21,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
 def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
     for head_dim in (64, 128):
         assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
-        assert bwd_config(head_dim, False, 4) == BwdConfig(lse_ahead=False, dq_first=True, longest_first_waves=16)
+        assert bwd_config(head_dim, False, 4) == BwdConfig(lse_ahead=False, dq_first=True, longest_ctas_first_waves=16)
 
 
 def test_configs_are_frozen_validated_and_hashable():
@@ -42,17 +42,17 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "num_stages": int,
         "persistent": bool,
         "uniform_tiles": bool,
-        "longest_tiles_first": bool,
+        "longest_tiles_first_waves": int,
         "lse_ahead": bool,
         "dq_first": bool,
-        "longest_first_waves": int,
+        "longest_ctas_first_waves": int,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
-        192, 2, persistent=False, uniform_tiles=True, longest_tiles_first=False
+        192, 2, persistent=False, uniform_tiles=True, longest_tiles_first_waves=32
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(
-        lse_ahead=False, dq_first=True, longest_first_waves=16
+        lse_ahead=False, dq_first=True, longest_ctas_first_waves=16
     )
     assert apply_overrides(fwd_config(64, True, 1), {}) == fwd_config(64, True, 1)
     with pytest.raises(ValueError, match="no kernel config field skip_tiles; the fields: tile_m, num_stages"):

@@ -9,8 +9,8 @@ Backward: one CTA per SM (its shared memory allows no second), each CTA taking `
 heads), CTAs starting in launch order on the first free SM. Forward (`--forward`): one persistent
 CTA per SM drawing work tiles (a query tile of a head, one step per non-SKIP key tile) in the order
 it draws them (causal: a head's query tiles last-first). Prints the makespan over the ideal (every
-SM busy to the end) in the kernel's order and longest first (`BwdConfig.longest_first_waves`,
-`FwdConfig.longest_tiles_first`). Default costs: the backward's profiled build at 8K (2.5 us per
+SM busy to the end) in the kernel's order and longest first (`BwdConfig.longest_ctas_first_waves`,
+`FwdConfig.longest_tiles_first_waves`). Default costs: the backward's profiled build at 8K (2.5 us per
 step, ~1 us until K/V land plus ~2.4 us of epilogue per CTA); the forward's per-tile fit (1.7 us per
 key tile, 2 us per work tile).
 """
