@@ -77,7 +77,7 @@ class BwdConfig:
             raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
 
 
-LONGEST_TILES_FIRST_WAVES = 32
+LONGEST_TILES_FIRST_WAVES = 128
 """The forward draws its work tiles longest first when there are at most this many per SM."""
 LONGEST_CTAS_FIRST_WAVES = 16
 """The backward's CTAs go longest first in grids of at most this many waves."""

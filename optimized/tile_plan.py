@@ -91,20 +91,23 @@ def longest_first(steps: torch.Tensor) -> torch.Tensor:
     return torch.sort(steps, descending=True, stable=True).indices.to(torch.int32)
 
 
-# Per live mask, by identity (equal masks compare their boundaries, a host sync on a GPU).
+# Per live boundaries tensor, by identity: the custom ops rebuild the ColumnMask around the same
+# tensor at each call, and comparing masks by value would read the boundaries (a host sync).
 _orders: dict[int, dict[Hashable, tuple[int, torch.Tensor]]] = {}
 
 
 def cached_longest_first(mask: ColumnMask, key: Hashable, steps: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`longest_first(steps())`, computed on the first call per `mask` and `key` and kept while the
-    mask lives and its boundaries are not changed in place (their tensor's version): the sort's few
-    dozen small kernels then run once per mask, not once per layer. An order only permutes the
-    kernel's work, so even a stale one would give the same numbers."""
-    kept = _orders.get(id(mask))
+    """`longest_first(steps())`, computed on the first call per `mask` (its boundaries tensor,
+    variant and seqlen_q) and `key`, and kept while that tensor lives unchanged (its version): the
+    sort's few dozen small kernels then run once per mask, not once per layer. An order only
+    permutes the kernel's work, so even a stale one would give the same numbers."""
+    boundaries = mask.startend_row_indices
+    kept = _orders.get(id(boundaries))
     if kept is None:
-        kept = _orders[id(mask)] = {}
-        weakref.finalize(mask, _orders.pop, id(mask), None)
-    version = mask.startend_row_indices._version
+        kept = _orders[id(boundaries)] = {}
+        weakref.finalize(boundaries, _orders.pop, id(boundaries), None)
+    key = (mask.causal, mask.seqlen_q, key)
+    version = boundaries._version
     if key not in kept or kept[key][0] != version:
         kept[key] = (version, longest_first(steps()))
     return kept[key][1]

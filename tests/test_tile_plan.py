@@ -15,7 +15,7 @@ from flashmask3.optimized.tile_plan import (
     longest_first,
     tile_classes,
 )
-from flashmask3.reference import PARTIAL, SKIP, UNMASKED, masks
+from flashmask3.reference import PARTIAL, SKIP, UNMASKED, ColumnMask, masks
 
 
 @pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "random_eviction"])
@@ -109,8 +109,9 @@ def test_longest_first_orders_the_forward_work_tiles_by_their_steps(name, mask_b
 
 def test_an_order_is_sorted_once_per_mask_until_its_boundaries_change():
     """`cached_longest_first`: the second call with the same mask and key returns the kept order
-    without computing the steps; another key, another (even equal) mask or an in-place change of the boundaries
-    sorts again, and the new order follows the new boundaries."""
+        without computing the steps, also through another ColumnMask on the same boundaries tensor (as
+    the custom ops pass it); another key, another (even equal) mask or an in-place change of the boundaries
+        sorts again, and the new order follows the new boundaries."""
     mask = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
     calls = []
 
@@ -120,6 +121,8 @@ def test_an_order_is_sorted_once_per_mask_until_its_boundaries_change():
 
     first = cached_longest_first(mask, "bwd", steps)
     assert cached_longest_first(mask, "bwd", steps) is first and len(calls) == 1
+    rewrapped = ColumnMask._unchecked(mask.startend_row_indices, mask.causal, mask.seqlen_q)
+    assert cached_longest_first(rewrapped, "bwd", steps) is first and len(calls) == 1
     cached_longest_first(mask, "other", steps)
     other_mask = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
     cached_longest_first(other_mask, "bwd", steps)
