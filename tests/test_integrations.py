@@ -489,3 +489,31 @@ def test_compiled_model_with_a_column_mask_has_no_graph_break(llama, packed, cut
     finally:
         hf.register(backend="reference")
     assert abs(compiled.item() - eager.item()) < 1e-6 and eager.item() > 0
+
+
+def test_the_layers_of_one_forward_share_one_built_mask(llama, packed, monkeypatch):
+    """The mask is built from the spec and the packing metadata once per forward (both layers get
+    the same ColumnMask object, so the kernels' tile orders are sorted once); new metadata tensors
+    or an in-place change of them build it again, and the logits follow the new documents."""
+    from flashmask3.integrations import hf
+
+    model, sdpa = llama
+    built, seen = [], []
+    build, attend = hf._build, hf.attention
+    monkeypatch.setattr(hf, "_build", lambda *args: built.append(1) or build(*args))
+    monkeypatch.setattr(
+        hf, "attention", lambda q, k, v, mask, **kwargs: seen.append(mask) or attend(q, k, v, mask, **kwargs)
+    )
+    ids, positions = packed["input_ids"], packed["position_ids"].clone()
+    first = model(input_ids=ids, position_ids=positions).logits
+    assert len(built) == 1 and len(seen) == 2 and seen[0] is seen[1]
+    model(input_ids=ids, position_ids=positions)
+    assert len(built) == 1  # the same spec values and metadata tensor: reused across forwards too
+    model(input_ids=ids, position_ids=positions.clone())
+    assert len(built) == 2
+    positions[:, 5:] = torch.arange(positions.shape[1] - 5)  # documents [0, 5) and [5, S)
+    again = model(input_ids=ids, position_ids=positions).logits
+    assert len(built) == 3
+    two_documents = document_mask([5, len(positions[0]) - 5])
+    assert (again - sdpa(input_ids=ids, attention_mask=two_documents).logits).abs().max() < 1e-6
+    assert (again - first).abs().max() > 1e-3

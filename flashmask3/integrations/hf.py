@@ -9,9 +9,10 @@ The name has no "flash" in it: transformers takes every implementation whose nam
 
 `register()` adds an attention function (`AttentionInterface`) and a mask function
 (`AttentionMaskInterface`). The mask function describes the model's mask (causal or bidirectional,
-a sliding window, the 2-D padding mask, cache offsets) without building anything; each attention
-call builds the `ColumnMask` from that description and its own arguments in O(S), on the device,
-with no host sync, then runs `flashmask3.attention` (GQA included).
+a sliding window, the 2-D padding mask, cache offsets) without building anything; the first
+attention call of a forward builds the `ColumnMask` from that description and its own arguments in
+O(S), on the device, with no host sync (the other layers reuse it), and each call runs
+`flashmask3.attention` (GQA included).
 
 Packed batches (`DataCollatorWithFlattening`): the documents come from `cu_seq_lens_q` /
 `cu_seq_lens_k` when the call has them, else from `position_ids`, a new document wherever the
@@ -242,10 +243,7 @@ def _attention_forward(
             f"sliding_window={sliding_window}, but the model's mask function has no window (the mask decides)"
         )
     if isinstance(attention_mask, _MaskSpec):
-        documents = None
-        if sq == sk and _is_zero(attention_mask.q_offset) and _is_zero(attention_mask.kv_offset):
-            documents = _documents(sq, position_ids, cu_seq_lens_q, cu_seq_lens_k)
-        mask = _build(attention_mask, sq, sk, documents, q.device)
+        mask = _mask_of(attention_mask, sq, sk, q.device, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     elif isinstance(attention_mask, ColumnMask):
         mask = attention_mask
     elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
@@ -318,6 +316,46 @@ def _build(
     if right == 0 and isinstance(shift, int) and shift == sq - sk:
         return ColumnMask._from_vectors([hi], causal=True, seqlen_q=sq)
     return ColumnMask._from_vectors([hi, lo], causal=False, seqlen_q=sq)
+
+
+_built: tuple[tuple, list[weakref.ref], ColumnMask] | None = None
+"""The last mask built from a spec and its packing metadata: the layers of one forward pass the same
+spec and metadata tensors, so the mask is built once per forward and the kernels' tile orders,
+kept per mask, are sorted once."""
+
+
+def _mask_of(
+    spec: _MaskSpec,
+    sq: int,
+    sk: int,
+    device: torch.device,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    cu_seq_lens_k: torch.Tensor | None,
+) -> ColumnMask:
+    """The ColumnMask of `spec` and the call's packing metadata, reused while the spec's values and
+    the very tensors it was built from (unchanged in place: their versions) come back. Under
+    torch.compile it is built in the graph each time (the reuse test would break the graph)."""
+    global _built
+    if torch.compiler.is_compiling():
+        return _build(spec, sq, sk, _documents_of(spec, sq, sk, position_ids, cu_seq_lens_q, cu_seq_lens_k), device)
+    sources = (spec.q_offset, spec.keep, position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    tensors = [t for t in sources if isinstance(t, torch.Tensor)]
+    values = tuple(("tensor", t._version) if isinstance(t, torch.Tensor) else t for t in sources)
+    key = (spec.window, spec.shape, spec.kv_offset, sq, sk, str(device), values)
+    if _built is not None and _built[0] == key and all(r() is t for r, t in zip(_built[1], tensors, strict=True)):
+        return _built[2]
+    mask = _build(spec, sq, sk, _documents_of(spec, sq, sk, position_ids, cu_seq_lens_q, cu_seq_lens_k), device)
+    _built = (key, [weakref.ref(t) for t in tensors], mask)
+    return mask
+
+
+def _documents_of(spec: _MaskSpec, sq: int, sk: int, position_ids, cu_seq_lens_q, cu_seq_lens_k):
+    """The packed documents, read (as HF's FlashAttention integration does) when the queries are the
+    whole sequence: no cached keys."""
+    if sq == sk and _is_zero(spec.q_offset) and _is_zero(spec.kv_offset):
+        return _documents(sq, position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    return None
 
 
 _converted: tuple[weakref.ref, int, ColumnMask] | None = None
