@@ -54,12 +54,26 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+def shape_of(row: dict) -> tuple:
+    """(batch, query heads, KV heads, head dim) of a bench row, None where it does not say."""
+    heads = row.get("heads")
+    return row.get("batch"), heads, row.get("kv_heads") or heads, row.get("head_dim")
+
+
 def merged_rows(records: list[dict]) -> list[dict]:
-    """The records' bench rows, one per (mask, seqlen), later records winning, in first-seen order."""
+    """The records' bench rows, one per (mask, seqlen), later records winning, in first-seen order.
+    A table has one shape: a later row of another shape (batch, heads, KV heads, head dim) for the
+    same mask and length is a ValueError, not a replacement."""
     rows: dict[tuple, dict] = {}
     for record in records:
         for row in record["bench"]:
-            rows[(row["mask"], row["seqlen"])] = {**row, "commit": record.get("commit", "?")}
+            key = (row["mask"], row["seqlen"])
+            if key in rows and shape_of(rows[key]) != shape_of(row):
+                raise ValueError(
+                    f"{row['mask']} at S={row['seqlen']}: a row of shape {shape_of(row)} would replace one of "
+                    f"{shape_of(rows[key])} (batch, heads, KV heads, head dim); put each shape in its own table"
+                )
+            rows[key] = {**row, "commit": record.get("commit", "?")}
     return list(rows.values())
 
 

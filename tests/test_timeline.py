@@ -88,6 +88,9 @@ def test_results_table_merges_runs_and_compares_with_the_fastest_peer():
         ("full", 620.0, "b"),
         ("share_question", 370.0, "a"),
     ]
+    gqa = {"commit": "c", "bench": [{**newer["bench"][0], "batch": 1, "heads": 16, "kv_heads": 4, "head_dim": 128}]}
+    with pytest.raises(ValueError, match=r"full at S=8192: a row of shape \(1, 16, 4, 128\) would replace one of"):
+        results_table.merged_rows([older, gqa])
     lines = results_table.table(rows).splitlines()
     assert lines[0] == "| mask | S | ours | FA4 native | FA4 block-sparse | Flex FLASH | cuDNN | ours / best peer |"
     assert lines[2] == "| full | 8K | 620 | 640 | – | – | 610 | 0.97 |"
