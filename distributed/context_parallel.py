@@ -29,7 +29,9 @@ fewer K/V exchange. mask_aware otherwise receives every remote chunk at once; wi
 `CPConfig(stage_chunks=k)` it receives them in stages of at most k chunks per rank, in both
 directions, the next stage posted before the current one is computed and each stage's buffers
 let go after it (ring-flash-attention's loop; the backward sends each stage's dK/dV home while
-the next computes): a rank holds its own K/V plus at most 2k remote chunks. `rank_stats()` (one
+the next computes): a rank holds its own K/V plus at most 2k remote chunks. Stages take a rank's
+chunks in ring order, the next ranks' first, so that a stage's receivers mostly ask different
+senders. `rank_stats()` (one
 rank per process: `last_forward_stats` / `last_backward_stats`) reports the bytes held, sent and
 the times.
 """
@@ -218,8 +220,8 @@ class _Layout:
     `needs` is bool [ranks, chunks]: whether a rank's queries see any key of a chunk. `phases` are
     the routing phases, each (src, dst) -> chunk ids in increasing order, the messages in the order
     they are posted (by receiver, then chunk; hierarchical: by chunk, then receiver). `stages`
-    (with `stage_chunks`, else None) split the one-level route into stages, each (src, dst) ->
-    chunk ids of that stage."""
+    (with `stage_chunks`, else None) split the one-level route into stages in ring order (see
+    `_stages`), each (src, dst) -> chunk ids of that stage, increasing."""
 
     def __init__(self, mask: ColumnMask, plan: CPPlan, config: CPConfig):
         self.mask, self.plan, self.config = mask, plan, config
@@ -268,12 +270,17 @@ class _Layout:
 
     def _stages(self, k: int) -> list[dict[tuple[int, int], list[int]]]:
         """Messages per stage: stage s carries to each rank its needed remote chunks number
-        [s*k, (s+1)*k) in chunk order (k: `stage_chunks`). Every rank derives the same list, so
+        [s*k, (s+1)*k) (k: `stage_chunks`) in ring order: by the owner's distance after the rank,
+        (owner - rank) mod world, nearest first, then by chunk. In chunk order every receiver would
+        ask the owners of the lowest chunks in stage 0 and leave the others idle; in ring order the
+        receivers of a stage mostly ask different senders. Every rank derives the same list, so
         senders post exactly what receivers expect; there are as many stages as the rank needing
         the most chunks has, on every rank, and a rank with nothing in a stage posts nothing."""
         world, owner = self.plan.world_size, self.plan.chunk_owners
         wanted = self.needs & (owner != np.arange(world)[:, None])
         dst, chunk = np.nonzero(wanted)  # by receiver, then chunk
+        order = np.lexsort((chunk, (owner[chunk] - dst) % world, dst))  # by receiver, distance, chunk
+        dst, chunk = dst[order], chunk[order]
         stage = (np.arange(len(dst)) - np.searchsorted(dst, dst)) // k  # place among the receiver's chunks
         count = int(stage.max()) + 1 if len(stage) else 0
         return [_messages(owner[chunk[stage == s]], dst[stage == s], chunk[stage == s], world) for s in range(count)]

@@ -194,9 +194,10 @@ def test_layouts_are_their_definition_on_random_masks_and_plans():
                 assert [list(phase.items()) for phase in layout.phases] == [list(p.items()) for p in routes]
 
 
-def test_stages_split_each_ranks_route_in_chunk_order():
-    """Stage s carries to each rank its needed remote chunks number [s*k, (s+1)*k), and the stages
-    together are the one-level route, message by message."""
+def test_stages_split_each_ranks_route_in_ring_order():
+    """Stage s carries to each rank its needed remote chunks number [s*k, (s+1)*k) in ring order
+    (the owner's distance after the rank, then the chunk), and the stages together are the
+    one-level route, message by message."""
     rng = np.random.default_rng(2)
     for mask, chunk in random_masks(20, seed=2, chunk_sizes=(2, 4)):
         chunks = mask.seqlen_q // chunk
@@ -206,13 +207,42 @@ def test_stages_split_each_ranks_route_in_chunk_order():
         for k in (1, 2, 3):
             stages = context_parallel._Layout(mask, plan, CPConfig(stage_chunks=k)).stages
             for dst in range(world):
-                wanted = sorted(c for (_, d), cs in route.items() if d == dst for c in cs)
-                staged = [sorted(c for (_, d), cs in stage.items() if d == dst for c in cs) for stage in stages]
-                assert staged == [wanted[s * k : (s + 1) * k] for s in range(len(stages))]
+                wanted = sorted(
+                    (c for (_, d), cs in route.items() if d == dst for c in cs),
+                    key=lambda c: ((plan.owner(c) - dst) % world, c),
+                )
+                for s, stage in enumerate(stages):
+                    assert sorted(c for (_, d), cs in stage.items() if d == dst for c in cs) == sorted(
+                        wanted[s * k : (s + 1) * k]
+                    )
             longest = max((sum(len(cs) for (_, d), cs in route.items() if d == r) for r in range(world)), default=0)
             assert len(stages) == -(-longest // k)
             for pair in route:
                 assert sorted(c for stage in stages for c in stage.get(pair, [])) == route[pair]
+            for stage in stages:  # one message per pair, its chunks in order
+                assert all(cs == sorted(cs) for cs in stage.values())
+
+
+@pytest.mark.parametrize(
+    "name, world, k, stage0, chunk_order_most",
+    [
+        # Each rank r owns chunks r and 2 * world - 1 - r (zigzag); in ring order rank r asks r + 1.
+        ("causal", 8, 1, {((r + 1) % 8, r): [(r + 1) % 8] for r in range(8)}, 7),
+        ("full", 4, 2, {((r + 1) % 4, r): [(r + 1) % 4, 7 - (r + 1) % 4] for r in range(4)}, 3),
+    ],
+)
+def test_stages_spread_the_receivers_over_the_senders(name, world, k, stage0, chunk_order_most):
+    """In stage 0 each rank is asked by one receiver, the next rank before it; in chunk order the
+    owners of the lowest chunks would be asked by most receivers at once (causal: 7 of the 8 ranks
+    ask rank 0, the owner of chunk 0; full: 3 of 4 ask each of ranks 0 and 1)."""
+    mask, plan = masks.build(name, 64 * world), make_plan(64 * world, world, 2, "zigzag")
+    layout = context_parallel._Layout(mask, plan, CPConfig(stage_chunks=k))
+    assert layout.stages[0] == stage0
+    assert max(np.bincount([src for src, _ in layout.stages[0]])) == 1
+    remote = [[c for c in layout.needed(r, range(plan.num_chunks)) if plan.owner(c) != r] for r in range(world)]
+    chunk_order = [chunks[:k] for chunks in remote]
+    asked = [len({r for r in range(world) for c in chunk_order[r] if plan.owner(c) == src}) for src in range(world)]
+    assert max(asked) == chunk_order_most
 
 
 @pytest.mark.parametrize(
