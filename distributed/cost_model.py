@@ -27,16 +27,19 @@ ring's step s, X one K/V block and Y one dK/dV block to the next rank:
 - allgather: forward all-gather, then one call; backward the all-gather again (unless held), one
   call, the reduce-scatter of dK/dV.
 - mask_aware with `stage_chunks=k` (`CPConfig.stage_chunks`: flat routing, the remote K/V in n
-  stages of at most k chunks per rank, n the same on every rank), with S_s / E_s the K/V / dK/dV
-  messages of stage s, F_s / B_s one call on the rank's chunks of stage s (none where it receives
-  nothing in it; every call pays its fixed cost): forward max(F_o, S_0) + sum over s < n-1 of
-  max(F_s, S_{s+1}) + F_{n-1} (stage 0 travels under the own chunks, stage s+1 under stage s);
+  stages of at most k chunks per rank, n the same on every rank; the code's stages, each rank's
+  chunks in ring order), with S_s / E_s the K/V / dK/dV messages of stage s, F_s / B_s one call
+  on the rank's chunks of stage s (none where it receives nothing in it; every call pays its
+  fixed cost): forward max(F_o, S_0) + sum over s < n-1 of max(F_s, S_{s+1}) + F_{n-1} (stage 0
+  travels under the own chunks, stage s+1 under stage s);
   backward S_0 + sum over s of max(B_s, S_{s+1} + E_{s-1}) + max(B_o, E_{n-1}) (the next stage's
   K/V and the previous stage's dK/dV share the link under stage s; the last stage's dK/dV go home
   under the own chunks; S_n = E_{-1} = 0). A stage's transfer starts only under the compute before
   it (a pipeline of one step, as the ring's). K/V held at peak per rank: the own plus the two
   largest consecutive stages' receive buffers (stage s+1 is posted before stage s is let go),
-  against the own plus every remote chunk in one stage.
+  against the own plus every remote chunk in one stage. As everywhere here, a rank is charged its
+  own messages only (not a wait on a sender busy with other receivers), so the order of the
+  stages shows only in what a rank itself sends and receives in each.
 Overlap efficiency = the part of the transfer time hidden under compute, both directions.
 
 `RankTimeFit`: the mask-aware rank's measured compute time is not tiles / rate alone. Fitted on the

@@ -1089,6 +1089,25 @@ def test_cost_model_stages_the_fetch_as_the_code_does():
         assert modeled(k)[0] == single
 
 
+def test_cost_model_takes_the_stages_in_ring_order():
+    """4 ranks x 1 chunk, full mask, stages of one chunk, times in ms as above (K/V 2 per chunk,
+    dK/dV 4, a call 3). In ring order every rank sends one chunk and receives one in each of the
+    3 stages, so all ranks model alike: forward max(3, 2) x 3 + 3, backward 2 + max(3, 2) +
+    max(3, 2 + 4) + max(3, 4) + max(3, 4). In chunk order rank 0 would send chunk 0 to all three
+    others in stage 0 (6 ms under its own chunk)."""
+    from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
+
+    chunk_bytes = 2 * 128 * 64 * 2
+    fit = RankTimeFit(fixed_s=3e-3, per_load_s=0.0, per_needed_chunk_s=0.0)
+    hw = Hardware(ranks_per_node=8, nvlink_bps=chunk_bytes * 500, inter_node_bps=chunk_bytes * 50)
+    mask, plan = masks.build("full", 512), make_plan(512, 4, 1, "contiguous")
+    result = predict(mask, plan, "mask_aware", 1, 1, 64, hw, fit=fit, stage_chunks=1)
+    assert result["stages"] == 3
+    for per_rank in result["per_rank"]:
+        assert round(per_rank["forward_s"] * 1e3, 9) == 12 and round(per_rank["backward_s"] * 1e3, 9) == 19
+        assert round(per_rank["hidden_s"] * 1e3, 9) == 2 * 3 + 2 + 3 + 3 + 3
+
+
 def test_cost_model_one_stage_is_the_single_stage_model_and_stages_hold_less():
     """On a document mask at CP 4 (one node: flat routing either way), with the fitted rank time:
     stages as large as the most remote chunks a rank needs give today's numbers on every rank;
