@@ -121,15 +121,20 @@ class CPStats:
     Times are seconds on the device's clock: CUDA events on CUDA, read lazily (the first read
     waits for the call's events, the call itself never synchronizes), host time otherwise. K/V bytes
     count the rank's own K/V once plus the remote chunk buffers it holds; not the concatenation
-    made for each kernel call, nor dK/dV.
+    made for each kernel call, nor dK/dV. `peak_grad_bytes` (backward) counts the dK/dV message
+    buffers at once, sends and receives, each from its posting until it is waited for (mask_aware,
+    staged or not, and the ring; not allgather's reduce-scatter, nor the dK/dV a kernel call
+    returns or the own chunks' sums).
     """
 
     bytes_sent: int = 0
     chunks_received: int = 0
     saved_kv_bytes: int = 0  # forward: the K/V kept from the forward for the backward
     peak_kv_bytes: int = 0
+    peak_grad_bytes: int = 0
     _spans: dict[str, list] = field(default_factory=dict, repr=False)
     _live_kv: dict[int, int] = field(default_factory=dict, repr=False)  # storage pointer -> bytes
+    _live_grad: dict[int, int] = field(default_factory=dict, repr=False)  # storage pointer -> bytes
 
     @property
     def compute_local_s(self) -> float:
@@ -189,6 +194,16 @@ class CPStats:
         """The K/V held from now on is exactly `tensors`."""
         self._live_kv.clear()
         self.hold_kv(*tensors)
+
+    def hold_grad(self, *tensors: torch.Tensor) -> None:
+        """Count the storages of dK/dV message buffers now in flight (as `hold_kv`)."""
+        for t in tensors:
+            self._live_grad[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.peak_grad_bytes = max(self.peak_grad_bytes, sum(self._live_grad.values()))
+
+    def drop_grad(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self._live_grad.pop(t.untyped_storage().data_ptr(), None)
 
 
 last_forward_stats = CPStats()
@@ -406,6 +421,8 @@ class _Comm:
         ops = [dist.P2POp(dist.isend, t, _global(dst, self.group), self.group, tag) for dst, t in sends.items()]
         ops += [dist.P2POp(dist.irecv, t, _global(src, self.group), self.group, tag) for src, t in recvs.items()]
         self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
+        if what == "dkv":
+            self.stats.hold_grad(*sends.values(), *recvs.values())
         return _Pending(dist.batch_isend_irecv(ops) if ops else [], recvs, list(sends.values()), what)
 
     def ring_shift(self, block: torch.Tensor, what: str) -> _Pending:
@@ -422,6 +439,8 @@ class _Comm:
         with self.stats.timed("wait", self.device):
             for work in pending.works:
                 work.wait()
+        if pending.what == "dkv":
+            self.stats.drop_grad(*pending.sends, *pending.received.values())
         return pending.received
 
     def all_gather(self, block: torch.Tensor) -> list[torch.Tensor]:
@@ -702,7 +721,7 @@ def _backward_mask_aware_staged(attn, comm, dout, q, out, lse, local_kv):
     """The backward in stages (`stage_chunks`): each stage's remote K/V is fetched again, its
     backward computed, and its chunks' dK/dV sent home at once, travelling while the next stage
     computes (the last stage's while the own chunks do); owners add what arrives. K/V held: the
-    own plus at most two stages'; dK/dV: at most two stages' in flight."""
+    own plus at most two stages'; dK/dV: at most two stages' in flight (`peak_grad_bytes`)."""
     grads: dict[int, torch.Tensor] = {}  # the own chunks' dK/dV: their own part plus what came home
     shape, dtype = tuple(local_kv[attn.own[0]].shape), _compute_dtype(q)
     overlap, dq, returning = attn.layout.config.overlap, None, None

@@ -121,6 +121,42 @@ def test_each_rank_reads_its_own_stats_when_ranks_are_threads(references):
     assert emulate(rank_main, WORLD).results == [(n, n) for n in remote] and len(set(remote)) == 3
 
 
+def test_backward_counts_the_dkv_message_buffers_in_flight(references):
+    """Full mask, 4 ranks x 2 chunks of 32 tokens (zigzag), fp64: one chunk's [dK; dV] is
+    2 x 32 x 2 kv heads x 16 x 8 bytes. `peak_grad_bytes`, backward, every rank: one stage sends
+    the dK/dV of the 6 remote chunks and receives 2 for each own chunk from each of the 3 other
+    ranks (12); stages of 2 (the next rank's both chunks, so 2 sent and 2 received per stage)
+    hold two stages in flight (8), one without `overlap` (4); stages of 1 hold two of 2 (4); the
+    ring one block accumulator sent and one arriving (4); hierarchical with 2 ranks per node the
+    intra-node return (rank 0 sends the chunks of rank 1 and, as relay, of rank 3, and receives
+    its own and the relayed ones of rank 2: 8); allgather's reduce-scatter is not counted. The
+    forward holds none."""
+    mask, inputs, expected = references["full"]
+    plan = make_plan(SEQLEN, WORLD, 2, "zigzag")
+    chunk = 2 * 32 * 2 * 16 * 8
+    cases = {  # name: (config, chunks' dK/dV at peak)
+        "one stage": (CPConfig(), 12),
+        "stages of 2": (CPConfig(stage_chunks=2), 8),
+        "stages of 2, no overlap": (CPConfig(stage_chunks=2, overlap=False), 4),
+        "stages of 1": (CPConfig(stage_chunks=1), 4),
+        "ring": (CPConfig(scheme="ring"), 4),
+        "hierarchical": (CPConfig(ranks_per_node=2), 8),
+        "allgather": (CPConfig(scheme="allgather"), 0),
+    }
+
+    def rank_main(rank, world):
+        peaks = {}
+        for name, (config, _) in cases.items():
+            got = run_cp(rank, plan, mask, inputs, config)
+            assert max_error(rank, plan, got, expected) < 1e-10, name
+            fwd, bwd = context_parallel.rank_stats()
+            peaks[name] = (fwd.peak_grad_bytes, bwd.peak_grad_bytes)
+        return peaks
+
+    for peaks in emulate(rank_main, WORLD).results:
+        assert peaks == {name: (0, chunks * chunk) for name, (_, chunks) in cases.items()}
+
+
 def test_layout_cache_is_safe_across_threads():
     """Threads as ranks share context_parallel's layout cache: a thread must get the layout of its
     own mask even when another replaces the cache between its check and its return."""
