@@ -39,6 +39,11 @@ class FwdConfig:
     # more, the tail is a small share and the draw order's L2 reuse (consecutive work tiles read
     # one head's K/V) is worth more.
     longest_tiles_first_waves: int
+    # In the key-tile loop, the K stage released after the mask of S_j, not as soon as S_j lands:
+    # with the release (an mbarrier arrive) ahead of the PARTIAL branch, ptxas puts the wait for
+    # the warpgroup's own PV GEMM above the whole softmax; after the mask, below most of it. For
+    # 128-row tiles (at 192 rows ptxas does not move the wait and spills).
+    late_k_release: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -96,6 +101,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         persistent=True,
         uniform_tiles=True,
         longest_tiles_first_waves=LONGEST_TILES_FIRST_WAVES,
+        late_k_release=False,
     )
 
 

@@ -66,6 +66,7 @@ class FlashMaskForwardSm90:
         self.tile_m = config.tile_m
         self.num_stages = config.num_stages
         self.uniform_tiles = config.uniform_tiles
+        self.late_k_release = config.late_k_release
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all)
@@ -562,9 +563,13 @@ class FlashMaskForwardSm90:
                 next_entry = tile_list.read(position + 1)
                 self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
-                pipe_k.consumer_release(k_state)
-                k_state.advance()
+                if const_expr(not self.late_k_release):
+                    pipe_k.consumer_release(k_state)
+                    k_state.advance()
                 self.mask_scores(acc_S, entry, position, bounds, *mask_args, newer_groups=1)
+                if const_expr(self.late_k_release):  # keeps the PV's wait below the softmax
+                    pipe_k.consumer_release(k_state)
+                    k_state.advance()
                 correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)

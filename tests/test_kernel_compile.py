@@ -150,14 +150,10 @@ _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
 }
 
 
-@pytest.mark.slow  # compiles and disassembles both kernels, ~12 s
-def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
-    """ptxas serializes every WGMMA when registers run short (its C7512 warning: an arrive and a wait
-    around each HGMMA); a kernel built that way measured 1-9% off while looking correct (the
-    backward's 128-row query steps, `s_ahead`). The default forward and backward main loops must
-    keep theirs in flight (the check itself is tested on a serialized loop in
-    test_bench_scripts.py). SASS from the compiled cubins by nvdisasm (the nvidia-cuda-nvdisasm
-    wheel, a dev extra)."""
+def compiled_sass(tmp_path, name: str, kernel: str, args: str, setup: str = "") -> str:
+    """SASS of one kernel as `compile_check(args)` builds it for sm_90a (after the statements
+    `setup`), disassembled by nvdisasm (the nvidia-cuda-nvdisasm wheel, a dev extra; the test
+    skips without it)."""
     import importlib.util
     import os
     import subprocess
@@ -170,19 +166,51 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
     nvdisasm = next((c for c in candidates if c.exists()), None)
     if nvdisasm is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    (tmp_path / name).mkdir()
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path / name))
+    code = f"{setup}\nfrom flashmask3.optimized.interface import compile_check; compile_check({args})"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=600)
+    (cubin,) = (tmp_path / name).glob(f"*{kernel}Sm90*.cubin")
+    return subprocess.run([str(nvdisasm), "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow  # compiles and disassembles both kernels, ~12 s
+def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
+    """ptxas serializes every WGMMA when registers run short (its C7512 warning: an arrive and a wait
+    around each HGMMA); a kernel built that way measured 1-9% off while looking correct (the
+    backward's 128-row query steps, `s_ahead`). The default forward and backward main loops must
+    keep theirs in flight (the check itself is tested on a serialized loop in
+    test_bench_scripts.py)."""
     import sass_path
 
     summaries = {}
     for name, (kernel, args) in _SERIALIZATION_CASES.items():
-        (tmp_path / name).mkdir()
-        env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path / name))
-        code = f"from flashmask3.optimized.interface import compile_check; compile_check({args})"
-        subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=600)
-        (cubin,) = (tmp_path / name).glob(f"*{kernel}Sm90*.cubin")
-        sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
+        sass = compiled_sass(tmp_path, name, kernel, args)
         summaries[name] = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())))
     for summary in summaries.values():  # a loop of WGMMAs was found, and they stay in flight
         assert " 0 HGMMA" not in summary and "serialized" not in summary, summaries
+
+
+@pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
+def test_late_k_release_puts_the_pv_wait_below_the_softmax(tmp_path):
+    """`late_k_release`: in the forward's key-tile loop (head dim 128, no mask), the exponentials
+    between the wait for S_j (`wait_group 1`) and the wait for the warpgroup's own PV GEMM
+    (`wait_group 0`) run while that GEMM does: none of the 66 per tile in the default build, most
+    with the K stage released after the mask; no local memory either way."""
+    import sass_path
+
+    def exponentials_under_the_pv(late: bool) -> int:
+        config = f"dataclasses.replace(fwd_config(128, False, 2), late_k_release={late})"
+        setup = "import dataclasses; from flashmask3.optimized import fwd_config"
+        sass = compiled_sass(tmp_path, f"late_{late}", "FlashMaskForward", f"'bf16', 128, False, 2, {config}", setup)
+        assert "STL" not in sass and "LDL" not in sass
+        loop = [inst for _, block in sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())) for inst in block]
+        s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
+        pv_wait = next(i for i, inst in enumerate(loop) if i > s_wait and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst)
+        return sum("MUFU.EX2" in inst for inst in loop[s_wait:pv_wait])
+
+    assert exponentials_under_the_pv(False) == 0
+    assert exponentials_under_the_pv(True) >= 40
 
 
 def test_backward_grid_order_build_compiles():

@@ -10,10 +10,20 @@ from flashmask3.optimized.config import apply_overrides, config_fields
 def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         assert fwd_config(64, causal, width) == FwdConfig(
-            tile_m=192, num_stages=2, persistent=True, uniform_tiles=True, longest_tiles_first_waves=128
+            tile_m=192,
+            num_stages=2,
+            persistent=True,
+            uniform_tiles=True,
+            longest_tiles_first_waves=128,
+            late_k_release=False,
         )
         assert fwd_config(128, causal, width) == FwdConfig(
-            tile_m=128, num_stages=2, persistent=True, uniform_tiles=True, longest_tiles_first_waves=128
+            tile_m=128,
+            num_stages=2,
+            persistent=True,
+            uniform_tiles=True,
+            longest_tiles_first_waves=128,
+            late_k_release=False,
         )
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
@@ -43,13 +53,14 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "persistent": bool,
         "uniform_tiles": bool,
         "longest_tiles_first_waves": int,
+        "late_k_release": bool,
         "lse_ahead": bool,
         "dq_first": bool,
         "longest_ctas_first_waves": int,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
-        192, 2, persistent=False, uniform_tiles=True, longest_tiles_first_waves=128
+        192, 2, persistent=False, uniform_tiles=True, longest_tiles_first_waves=128, late_k_release=False
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(
         lse_ahead=False, dq_first=True, longest_ctas_first_waves=16

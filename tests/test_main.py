@@ -154,7 +154,14 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
     monkeypatch.setattr(interface, "backward", fake_backward)
     overrides = ["backend=cute", "device=cpu", "kernel=no_persistent", "seqlen=256", "bench.repeats=1"]
     record = run_experiment(config([f"logging.out_dir={tmp_path}", "bench.warmup=0", *overrides]))
-    fwd = {"tile_m": 192, "num_stages": 2, "persistent": False, "uniform_tiles": True, "longest_tiles_first_waves": 128}
+    fwd = {
+        "tile_m": 192,
+        "num_stages": 2,
+        "persistent": False,
+        "uniform_tiles": True,
+        "longest_tiles_first_waves": 128,
+        "late_k_release": False,
+    }
     assert record["kernel"] == {
         "name": "no_persistent",
         "fwd": fwd,
@@ -165,7 +172,8 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
     assert max(record["max_abs_err_vs_sdpa"].values()) < 1e-4
     printed = capsys.readouterr().out
     chosen = (
-        "fwd tile_m=192 num_stages=2 persistent=False uniform_tiles=True longest_tiles_first_waves=128;"
+        "fwd tile_m=192 num_stages=2 persistent=False uniform_tiles=True longest_tiles_first_waves=128"
+        " late_k_release=False;"
         " bwd lse_ahead=True dq_first=True longest_ctas_first_waves=16"
     )
     assert f"kernel=no_persistent: {chosen}" in printed
