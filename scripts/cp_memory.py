@@ -142,6 +142,7 @@ def measure(mask, plan, rank: int, config: CPConfig, args: argparse.Namespace) -
         "saved_kv_bytes": fwd.saved_kv_bytes,
         "fwd_peak_kv_bytes": fwd.peak_kv_bytes,
         "bwd_peak_kv_bytes": bwd.peak_kv_bytes,
+        "bwd_peak_grad_bytes": bwd.peak_grad_bytes,
     }
     if cuda:
         peak = torch.cuda.max_memory_allocated(device)
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(result_json(record))
     print(
         f"{'mask':22s} {'scheme':10s} {'hold':>5s} {'stage':>5s} {'rank':>4s} {'f+b ms':>9s} {'kern f':>8s} "
-        f"{'kern b':>8s} {'saved MiB':>9s} {'fwd pk':>8s} {'bwd pk':>8s} {'peak GiB':>8s}"
+        f"{'kern b':>8s} {'saved MiB':>9s} {'fwd pk':>8s} {'bwd pk':>8s} {'dKV pk':>8s} {'peak GiB':>8s}"
     )
     for r in rows:
         head = f"{r['mask']:22s} {r['scheme']:10s} {str(r['hold_remote_kv']):>5s} {str(r['stage_chunks'] or '-'):>5s}"
@@ -194,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{head} {r['rank']:4d} {r['fwd_bwd_ms']:9.2f} "
             f"{r['kernel_fwd_ms']:8.2f} {r['kernel_bwd_ms']:8.2f} {r['saved_kv_bytes'] / 2**20:9.2f} "
-            f"{r['fwd_peak_kv_bytes'] / 2**20:8.2f} {r['bwd_peak_kv_bytes'] / 2**20:8.2f} {peak}"
+            f"{r['fwd_peak_kv_bytes'] / 2**20:8.2f} {r['bwd_peak_kv_bytes'] / 2**20:8.2f} "
+            f"{r['bwd_peak_grad_bytes'] / 2**20:8.2f} {peak}"
         )
-    print(f"(K/V MiB: the CP layer's, this rank; wrote {out})")
+    print(f"(K/V MiB: the CP layer's, this rank; dKV pk: its dK/dV messages in flight; wrote {out})")
     return 0
 
 

@@ -247,8 +247,9 @@ def test_the_json_goes_to_out_where_set_else_under_runs(script, tmp_path, monkey
 
 def test_staged_fetch_holds_its_own_kv_and_two_stages(tmp_path):
     """`--stage-chunks 2` on the full mask (14 remote chunks per rank at CP 8 x 2 chunks): the K/V
-    held at peak, both directions, is the own K/V plus two stages of 2 chunks, not all 14; the
-    ring's rows are as without it."""
+    held at peak, both directions, is the own K/V plus two stages of 2 chunks, not all 14, and the
+    backward's dK/dV messages in flight two stages' each way (8 chunks' worth, where one stage
+    has all 14 out and 14 in); the ring's rows are as without it."""
     out = tmp_path / "cp_memory.json"
     argv = ["--world", "8", "--tokens", "1024", "--chunks-per-rank", "2", "--heads", "4", "--kv-heads", "2"]
     argv += ["--head-dim", "16", "--device", "cpu", "--masks", "full", "--schemes", "mask_aware,ring"]
@@ -263,4 +264,5 @@ def test_staged_fetch_holds_its_own_kv_and_two_stages(tmp_path):
         local + 4 * chunk,
         local + 4 * chunk,
     )
+    assert staged["bwd_peak_grad_bytes"] == 8 * chunk
     assert rows["ring", False]["stage_chunks"] is None and rows["ring", False]["fwd_peak_kv_bytes"] == 3 * local
