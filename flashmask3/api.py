@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from . import peers
+from .memo import TensorMemo
 from .optimized import ops
 from .optimized.interface import cute_attention, unsupported_reason
 from .reference import ColumnMask
@@ -222,10 +223,21 @@ def _flash_attention_mask(
     device: torch.device,
     cu_seqlens: torch.Tensor | None = None,
 ) -> ColumnMask | None:
-    """The mask of FlashAttention's causal / window_size (and documents); None for full attention."""
+    """The mask of FlashAttention's causal / window_size (and documents); None for full attention.
+    Kept for the next calls with the same arguments (and the same cu_seqlens tensor, unchanged):
+    the layers of a model share it, and the kernels' work orders with it."""
     if not causal and window == (-1, -1) and cu_seqlens is None:
         return None
-    return ColumnMask._band(seqlen_q, seqlen_k, *window, causal, cu_seqlens=cu_seqlens, device=device)
+    key = (causal, window, seqlen_q, seqlen_k, str(device))
+    tensors = [] if cu_seqlens is None else [cu_seqlens]
+
+    def build() -> ColumnMask:
+        return ColumnMask._band(seqlen_q, seqlen_k, *window, causal, cu_seqlens=cu_seqlens, device=device)
+
+    return build() if torch.compiler.is_compiling() else _flash_masks.get(key, tensors, build)
+
+
+_flash_masks: TensorMemo[ColumnMask] = TensorMemo(size=4)
 
 
 def _auto_backend(q: torch.Tensor, k: torch.Tensor) -> Backend:

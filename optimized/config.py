@@ -52,6 +52,8 @@ class FwdConfig:
             raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
         if self.longest_tiles_first_waves < 0:
             raise ValueError(f"longest_tiles_first_waves must be >= 0, got {self.longest_tiles_first_waves}")
+        if self.late_k_release and self.tile_m != 128:
+            raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
 
     @property
     def num_consumer_wgs(self) -> int:

@@ -14,6 +14,7 @@ cost 2.3-2.6x the host time per call).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import time
@@ -93,6 +94,16 @@ def _make_kernel(
     return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, config)
 
 
+def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig | None:
+    """`config` without its host-only choices (when to pass a work order; the kernel sees only
+    whether one is passed), so changing them compiles nothing new."""
+    if isinstance(config, FwdConfig):
+        return dataclasses.replace(config, longest_tiles_first_waves=0)
+    if isinstance(config, BwdConfig):
+        return dataclasses.replace(config, longest_ctas_first_waves=0)
+    return config
+
+
 def _launch(
     direction: str,
     dtype: torch.dtype,
@@ -110,6 +121,7 @@ def _launch(
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
+    config = _device_part(config)
     key = (direction, dtype, head_dim, causal, width, config, deterministic, tuple(t is None for t in tensors))
     if key not in _compiled:
         cute_args = [
@@ -147,6 +159,7 @@ def forward(
 
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    uniform_work = mask is None  # every work tile sees every key tile: nothing to order
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     row_indices = mask.startend_row_indices.contiguous()
@@ -158,7 +171,7 @@ def forward(
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     order = None
-    if b * hq * -(-sq // config.tile_m) <= config.longest_tiles_first_waves * _sm_count(q.device):
+    if not uniform_work and b * hq * -(-sq // config.tile_m) <= config.longest_tiles_first_waves * _sm_count(q.device):
         key = ("fwd", b, hq, config.tile_m, Kernel.tile_n)
         order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, Kernel.tile_n))
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
@@ -224,6 +237,7 @@ def backward(
 
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    uniform_work = mask is None  # every CTA sees every query tile: nothing to order
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     row_indices = mask.startend_row_indices.contiguous()
@@ -245,7 +259,8 @@ def backward(
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     order = None
     # Deterministic mode keeps the grid order: its key tiles wait for the ones before them.
-    if not deterministic and backward_ctas(k) <= config.longest_ctas_first_waves * _sm_count(q.device):
+    short_grid = backward_ctas(k) <= config.longest_ctas_first_waves * _sm_count(q.device)
+    if not (deterministic or uniform_work) and short_grid:
         key = ("bwd", b, hq, hkv, tile_m, Kernel.tile_n)
         order = cached_longest_first(mask, key, lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, Kernel.tile_n))
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, timeline]

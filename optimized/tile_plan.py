@@ -93,21 +93,27 @@ def longest_first(steps: torch.Tensor) -> torch.Tensor:
 
 # Per live boundaries tensor, by identity: the custom ops rebuild the ColumnMask around the same
 # tensor at each call, and comparing masks by value would read the boundaries (a host sync).
-_orders: dict[int, dict[Hashable, tuple[int, torch.Tensor]]] = {}
+_orders: dict[int, dict[Hashable, tuple[Hashable, torch.Tensor]]] = {}
 
 
 def cached_longest_first(mask: ColumnMask, key: Hashable, steps: Callable[[], torch.Tensor]) -> torch.Tensor:
     """`longest_first(steps())`, computed on the first call per `mask` (its boundaries tensor,
-    variant and seqlen_q) and `key`, and kept while that tensor lives unchanged (its version): the
-    sort's few dozen small kernels then run once per mask, not once per layer. An order only
-    permutes the kernel's work, so even a stale one would give the same numbers."""
+    variant and seqlen_q) and `key` (which must fix the kernel's grid), and kept while that tensor
+    lives unchanged (its version, shape and storage): the sort's few dozen small kernels then run
+    once per mask, not once per layer. An order only permutes the kernel's work units, so one kept
+    past an in-place change that no version records (inference tensors) still gives the same
+    numbers. While a CUDA graph is captured the sort is recorded in it and nothing is kept."""
     boundaries = mask.startend_row_indices
+    if boundaries.is_cuda and torch.cuda.is_current_stream_capturing():
+        return longest_first(steps())
     kept = _orders.get(id(boundaries))
     if kept is None:
         kept = _orders[id(boundaries)] = {}
         weakref.finalize(boundaries, _orders.pop, id(boundaries), None)
     key = (mask.causal, mask.seqlen_q, key)
-    version = boundaries._version
-    if key not in kept or kept[key][0] != version:
-        kept[key] = (version, longest_first(steps()))
-    return kept[key][1]
+    version = None if torch.is_inference(boundaries) else boundaries._version
+    state = (version, tuple(boundaries.shape), boundaries.data_ptr())
+    entry = kept.get(key)
+    if entry is None or entry[0] != state:
+        entry = kept[key] = (state, longest_first(steps()))
+    return entry[1]

@@ -517,3 +517,62 @@ def test_the_layers_of_one_forward_share_one_built_mask(llama, packed, monkeypat
     two_documents = document_mask([5, len(positions[0]) - 5])
     assert (again - sdpa(input_ids=ids, attention_mask=two_documents).logits).abs().max() < 1e-6
     assert (again - first).abs().max() > 1e-3
+
+
+def test_inference_mode_and_alternating_windows_keep_their_own_masks(transformers, monkeypatch):
+    """Qwen2 with a sliding and a full layer, on packed documents: one mask built per window and
+    forward (the memo keeps both), logits equal sdpa's with the two dense masks; under
+    torch.inference_mode, with positions made there (inference tensors have no version), the masks
+    are built per layer and the logits are the same."""
+    from flashmask3.integrations import hf
+
+    model, sdpa = ours_and_sdpa(
+        transformers.Qwen2ForCausalLM,
+        transformers.Qwen2Config,
+        seed=5,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=0,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    built, build = [], hf._build
+    monkeypatch.setattr(hf, "_build", lambda *args: built.append(args[0].window) or build(*args))
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    i = torch.arange(12)
+    window = (i[None] > i[:, None] - 3)[None, None]
+    documents = document_mask((5, 7))
+    ours = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    assert sorted(built) == [(-1, 0), (2, 0)]
+    with torch.inference_mode():
+        inferred = model(input_ids=ids, position_ids=positions.clone(), use_cache=False).logits
+    assert len(built) == 2 + 2
+    masks_per_layer = {"sliding_attention": documents & window, "full_attention": documents}
+    both = sdpa(input_ids=ids, position_ids=positions, attention_mask=masks_per_layer, use_cache=False).logits
+    assert (ours - both).abs().max() < 1e-6 and (inferred - both).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_scores_without_padding_match_sdpa(llama, cache):
+    """Greedy decoding of an unpadded batch: every step's scores equal sdpa's (fp64), also through a
+    static cache, whose length tensor advances in place before the attention call (the query must
+    not see the next, empty slot)."""
+    model, sdpa = llama
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(4))
+    model.eval(), sdpa.eval()
+    try:
+        ours, theirs = (
+            m.generate(
+                ids,
+                max_new_tokens=5,
+                do_sample=False,
+                cache_implementation=cache,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            for m in (model, sdpa)
+        )
+    finally:
+        model.train(), sdpa.train()
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ours.scores, theirs.scores)) < 1e-6

@@ -140,8 +140,24 @@ def test_the_forward_draws_longest_first_when_few_per_sm(monkeypatch):
     for waves in (4, 3, 0):
         config = dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first_waves=waves)
         interface.forward(q, k, v, mask, 0.125, config=config)
+    interface.forward(q, k, v, None, 0.125)  # no mask: every work tile alike, no order
     orders = [args[5][8] for args in launched]  # (dtype, d, causal, width, config, tensors, ...)
     assert sorted(orders[0].tolist()) == list(range(2 * 4)) and orders[1] is None and orders[2] is None
+    assert orders[3] is None
+
+
+def test_the_host_only_choices_compile_no_new_kernel():
+    """The longest-first thresholds decide on the host whether an order is passed; the kernel is
+    keyed on the rest of its configuration."""
+    import dataclasses
+
+    from flashmask3.optimized import bwd_config, fwd_config
+    from flashmask3.optimized.interface import _device_part
+
+    fwd, bwd = fwd_config(128, True, 1), bwd_config(128, True, 1)
+    assert _device_part(fwd) == _device_part(dataclasses.replace(fwd, longest_tiles_first_waves=1))
+    assert _device_part(bwd) == _device_part(dataclasses.replace(bwd, longest_ctas_first_waves=1))
+    assert _device_part(fwd) != _device_part(dataclasses.replace(fwd, late_k_release=True))
 
 
 _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)

@@ -68,3 +68,10 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
     assert apply_overrides(fwd_config(64, True, 1), {}) == fwd_config(64, True, 1)
     with pytest.raises(ValueError, match="no kernel config field skip_tiles; the fields: tile_m, num_stages"):
         apply_overrides(bwd_config(64, True, 1), {"skip_tiles": False})
+
+
+def test_late_k_release_is_for_128_row_tiles():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="late_k_release needs tile_m=128 .*got tile_m=192"):
+        dataclasses.replace(fwd_config(64, True, 1), late_k_release=True)

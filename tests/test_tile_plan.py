@@ -127,11 +127,31 @@ def test_an_order_is_sorted_once_per_mask_until_its_boundaries_change():
     other_mask = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
     cached_longest_first(other_mask, "bwd", steps)
     assert len(calls) == 3
+    kept = len(tile_plan._orders)
     del other_mask  # its orders go with it
-    assert len(tile_plan._orders) == 1
+    assert len(tile_plan._orders) == kept - 1
     mask.startend_row_indices[..., 0] = 0  # every key masked from row 0 on: no steps anywhere
     changed = cached_longest_first(mask, "bwd", lambda: backward_cta_steps(mask, 1, 2, 2, 64, 128))
     assert changed is not first and changed.tolist() == list(range(len(first)))
+
+
+def test_orders_of_inference_masks_and_of_boundaries_given_another_shape():
+    """Inference tensors have no version: their order is kept on their shape and storage; a
+    boundaries tensor given another shape in place (`.data`, no version bump) sorts again, for its
+    new grid."""
+    with torch.inference_mode():
+        mask = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
+    steps = lambda: backward_cta_steps(mask, 1, 2, 2, 64, 128)  # noqa: E731
+    first = cached_longest_first(mask, "bwd", steps)
+    assert cached_longest_first(mask, "bwd", steps) is first and len(first) == 2 * 8
+    grown = masks.build("causal_document", 1500, batch=1, heads=1, seed=3)
+    wider = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
+    before = cached_longest_first(wider, "bwd", lambda: torch.arange(16, dtype=torch.int32))
+    version = wider.startend_row_indices._version
+    wider.startend_row_indices.data = grown.startend_row_indices.clone()
+    assert wider.startend_row_indices._version == version
+    after = cached_longest_first(wider, "bwd", lambda: torch.arange(24, dtype=torch.int32))
+    assert len(before) == 16 and len(after) == 24
 
 
 def test_the_schedule_model_puts_a_long_cta_last_in_grid_order_and_first_longest_first():

@@ -7,8 +7,7 @@ there is more than one query head per KV head) and `cute.compile`d with fake ten
 argument list and options (`--enable-tvm-ffi`). Without `--lse` there is no LSE output, as FA4 runs
 when no input requires grad (the forward benchmarks).
 
-    pip install --no-deps --target $FA4 .peers/flash_attn_4-4.0.0b36-py3-none-any.whl \\
-        .peers/quack_kernels-0.6.5-py3-none-any.whl einops
+    pip install --no-deps --target $FA4 flash-attn-4==4.0.0b36 quack-kernels==0.6.5 einops  # or their wheels
     CUTE_DSL_ARCH=sm_90a CUTE_DSL_KEEP=cubin CUTE_DSL_DUMP_DIR=$DUMP/fa4 PYTHONPATH=$FA4 \\
         python tools/fa4_fwd_sass.py compile [--causal] [--qheads-per-kvhead 4] [--lse]
     nvdisasm -c $DUMP/fa4/*FlashAttentionForwardSm90*.cubin > fa4.sass

@@ -40,7 +40,6 @@ and-overlays: pass those as a ColumnMask).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -51,6 +50,7 @@ from transformers import AttentionInterface, masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..api import BACKENDS, Backend, attention
+from ..memo import TensorMemo
 from ..reference import ColumnMask
 
 NAME = "fm3"
@@ -144,6 +144,8 @@ def _create_mask(
     if attention_mask is not None:  # HF's 2-D padding mask over the keys seen so far, True = token
         padding = F.pad(attention_mask, (0, max(0, kv_offset + kv_length - attention_mask.shape[-1])))
         keep = padding[:, kv_offset : kv_offset + kv_length].bool()
+    if isinstance(q_offset, torch.Tensor):  # a static cache's length, which it advances in place
+        q_offset = q_offset.clone()
     return _MaskSpec(window, torch.Size((batch_size, 1, q_length, kv_length)), q_offset, kv_offset, keep)
 
 
@@ -318,10 +320,10 @@ def _build(
     return ColumnMask._from_vectors([hi, lo], causal=False, seqlen_q=sq)
 
 
-_built: tuple[tuple, list[weakref.ref], ColumnMask] | None = None
-"""The last mask built from a spec and its packing metadata: the layers of one forward pass the same
-spec and metadata tensors, so the mask is built once per forward and the kernels' tile orders,
-kept per mask, are sorted once."""
+_built: TensorMemo[ColumnMask] = TensorMemo(size=4)
+"""The masks last built from a spec and its packing metadata: the layers of one forward pass the
+same spec values and metadata tensors, so a mask is built once per forward (per window, where
+sliding and full layers alternate) and the kernels' tile orders, kept per mask, are sorted once."""
 
 
 def _mask_of(
@@ -334,20 +336,19 @@ def _mask_of(
     cu_seq_lens_k: torch.Tensor | None,
 ) -> ColumnMask:
     """The ColumnMask of `spec` and the call's packing metadata, reused while the spec's values and
-    the very tensors it was built from (unchanged in place: their versions) come back. Under
-    torch.compile it is built in the graph each time (the reuse test would break the graph)."""
-    global _built
+    the very tensors it was built from (unchanged in place) come back. Under torch.compile it is
+    built in the graph each time (the reuse test would break the graph)."""
+
+    def build() -> ColumnMask:
+        documents = _documents_of(spec, sq, sk, position_ids, cu_seq_lens_q, cu_seq_lens_k)
+        return _build(spec, sq, sk, documents, device)
+
     if torch.compiler.is_compiling():
-        return _build(spec, sq, sk, _documents_of(spec, sq, sk, position_ids, cu_seq_lens_q, cu_seq_lens_k), device)
+        return build()
     sources = (spec.q_offset, spec.keep, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     tensors = [t for t in sources if isinstance(t, torch.Tensor)]
-    values = tuple(("tensor", t._version) if isinstance(t, torch.Tensor) else t for t in sources)
-    key = (spec.window, spec.shape, spec.kv_offset, sq, sk, str(device), values)
-    if _built is not None and _built[0] == key and all(r() is t for r, t in zip(_built[1], tensors, strict=True)):
-        return _built[2]
-    mask = _build(spec, sq, sk, _documents_of(spec, sq, sk, position_ids, cu_seq_lens_q, cu_seq_lens_k), device)
-    _built = (key, [weakref.ref(t) for t in tensors], mask)
-    return mask
+    values = tuple("tensor" if isinstance(t, torch.Tensor) else t for t in sources)
+    return _built.get((spec.window, spec.shape, spec.kv_offset, sq, sk, str(device), values), tensors, build)
 
 
 def _documents_of(spec: _MaskSpec, sq: int, sk: int, position_ids, cu_seq_lens_q, cu_seq_lens_k):
@@ -358,17 +359,18 @@ def _documents_of(spec: _MaskSpec, sq: int, sk: int, position_ids, cu_seq_lens_q
     return None
 
 
-_converted: tuple[weakref.ref, int, ColumnMask] | None = None
-"""The last dense mask converted (its weak reference and version) and its ColumnMask: the layers of
-one forward share their mask, so it is converted once."""
+_converted: TensorMemo[ColumnMask] = TensorMemo(size=1)
+"""The last dense mask converted: the layers of one forward share their mask, so it is converted
+once."""
 
 
 def _from_dense(attention_mask: torch.Tensor) -> ColumnMask:
     """The exact ColumnMask of a dense 4-D mask: bool (True = attend) or additive (0 / -inf or the
     dtype's minimum); anything else is a ValueError naming attention_mask."""
-    global _converted
-    if _converted is not None and _converted[0]() is attention_mask and _converted[1] == attention_mask._version:
-        return _converted[2]
+    return _converted.get(None, [attention_mask], lambda: _convert(attention_mask))
+
+
+def _convert(attention_mask: torch.Tensor) -> ColumnMask:
     if attention_mask.dtype == torch.bool:
         attend = attention_mask
     elif attention_mask.is_floating_point():
@@ -388,5 +390,4 @@ def _from_dense(attention_mask: torch.Tensor) -> ColumnMask:
             f"attention_mask: this dense mask is not a FlashMask column mask ({error}); pass the mask as "
             "a ColumnMask with flashmask3.integrations.hf.as_attention_mask"
         ) from error
-    _converted = (weakref.ref(attention_mask), attention_mask._version, mask)
     return mask
