@@ -109,9 +109,9 @@ def test_longest_first_orders_the_forward_work_tiles_by_their_steps(name, mask_b
 
 def test_an_order_is_sorted_once_per_mask_until_its_boundaries_change():
     """`cached_longest_first`: the second call with the same mask and key returns the kept order
-        without computing the steps, also through another ColumnMask on the same boundaries tensor (as
-    the custom ops pass it); another key, another (even equal) mask or an in-place change of the boundaries
-        sorts again, and the new order follows the new boundaries."""
+    without computing the steps, also through another ColumnMask on the same boundaries tensor (as
+    the custom ops pass it); another key, another (even equal) mask or an in-place change of the
+    boundaries sorts again, and the new order follows the new boundaries."""
     mask = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
     calls = []
 

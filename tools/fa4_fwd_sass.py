@@ -27,8 +27,7 @@ import time
 
 from ncu_source_summary import opcode
 from sass_path import read_blocks
-
-_FLOAT = ("MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "FSEL", "FSETP", "SHFL")
+from wgmma_windows import FLOAT
 
 
 def _is_cut(inst: str) -> bool:
@@ -52,8 +51,8 @@ def segments(sass: str, labels: list[str]) -> str:
                     continue
             if _is_cut(inst):
                 n = sum(ops.values())
-                mix = " ".join(f"{k}:{ops[k]}" for k in _FLOAT if ops[k])
-                rest = n - sum(ops[k] for k in _FLOAT)
+                mix = " ".join(f"{k}:{ops[k]}" for k in FLOAT if ops[k])
+                rest = n - sum(ops[k] for k in FLOAT)
                 rows.append(f"  {n:4d}  {mix}{' other:' + str(rest) if rest else ''}")
                 shown = inst if op != "HGMMA" else f"{hgmma} x HGMMA ... gsb0"
                 rows.append(f"[{shown[:80]}]")
@@ -61,7 +60,7 @@ def segments(sass: str, labels: list[str]) -> str:
             else:
                 ops[op] += 1
     n = sum(ops.values())
-    rows.append(f"  {n:4d}  " + " ".join(f"{k}:{ops[k]}" for k in _FLOAT if ops[k]))
+    rows.append(f"  {n:4d}  " + " ".join(f"{k}:{ops[k]}" for k in FLOAT if ops[k]))
     return "\n".join(rows)
 
 

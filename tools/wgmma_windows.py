@@ -85,11 +85,11 @@ def walk(blocks, partial: bool, lane0: bool, head_label: str | None = None) -> t
                 return insts, taken
             if target is None or target > back or target < head:
                 continue  # a retry out of line: not taken
+            if target <= i:
+                continue  # a backward retry inside the loop (elect loop): once
             if not inst.startswith("@"):
                 nxt = target
                 continue
-            if target <= i:
-                continue  # a backward retry inside the loop (elect loop): once
             skipped = [x for _, b in blocks[i + 1 : target] for x in b]
             ops = collections.Counter(opcode(x) for x in skipped)
             if "HGMMA" in ops:
@@ -208,7 +208,7 @@ def main() -> None:
     for g, ops in under:
         print(f"  {g:6s} {_mix(ops)}")
     everything = collections.Counter(opcode(m.group(2)) for m in map(SASS_LINE.match, lines) if m)
-    maxreg = sorted({int(x.split()[-2].rstrip(" ;,"), 16) for x in lines if "USETMAXREG" in x}, key=int)
+    maxreg = sorted({int(x.split()[-2].rstrip(" ;,"), 16) for x in lines if "USETMAXREG" in x})
     print(
         f"\niteration: {len(insts)} instructions; kernel: STL {everything['STL']} LDL {everything['LDL']}; "
         f"USETMAXREG {' / '.join(map(str, maxreg)) or '-'}"
