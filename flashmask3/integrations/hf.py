@@ -10,9 +10,10 @@ The name has no "flash" in it: transformers takes every implementation whose nam
 `register()` adds an attention function (`AttentionInterface`) and a mask function
 (`AttentionMaskInterface`). The mask function describes the model's mask (causal or bidirectional,
 a sliding window, the 2-D padding mask, cache offsets) without building anything; the first
-attention call of a forward builds the `ColumnMask` from that description and its own arguments in
-O(S), on the device, with no host sync (the other layers reuse it), and each call runs
-`flashmask3.attention` (GQA included).
+attention call of a forward (per window, where sliding and full layers alternate) builds the
+`ColumnMask` from that description and its own arguments in O(S), on the device, with no host sync,
+and the other layers reuse it (under torch.compile, and for inference tensors, each call builds
+it); each call runs `flashmask3.attention` (GQA included).
 
 Packed batches (`DataCollatorWithFlattening`): the documents come from `cu_seq_lens_q` /
 `cu_seq_lens_k` when the call has them, else from `position_ids`, a new document wherever the
