@@ -325,8 +325,11 @@ _last_layout: tuple | None = None
 def _layout_for(mask: ColumnMask, plan: CPPlan, config: CPConfig) -> _Layout:
     """The layout of (mask, plan, config), reused while the same objects come back unchanged
     (every attention layer of a training step shares them); an in-place edit of the mask's
-    tensor bumps its version and rebuilds the layout."""
+    tensor bumps its version and rebuilds the layout. An inference tensor has no version: its
+    layout is built at every call."""
     global _last_layout
+    if torch.is_inference(mask.startend_row_indices):
+        return _Layout(mask, plan, config)
     version = mask.startend_row_indices._version
     entry = _last_layout  # read once: another thread may replace it (threads as ranks)
     if entry is None or entry[:4] != (id(mask), id(plan), version, config):

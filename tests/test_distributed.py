@@ -1191,3 +1191,11 @@ def test_layout_is_reused_and_rebuilt_after_an_in_place_mask_edit():
     mask.startend_row_indices[..., 1] = 0  # every key now visible to all earlier rows
     rebuilt = context_parallel._layout_for(mask, plan, CPConfig())
     assert rebuilt is not first and not np.array_equal(rebuilt.needs, first.needs)
+    with torch.inference_mode():  # no version to check: built at every call
+        inferred = masks.build("document", 512, num_docs=4, seed=0)
+    once, twice = (context_parallel._layout_for(inferred, plan, CPConfig()) for _ in range(2))
+    assert once is not twice and np.array_equal(once.needs, twice.needs)
+    assert np.array_equal(
+        once.needs,
+        context_parallel._layout_for(masks.build("document", 512, num_docs=4, seed=0), plan, CPConfig()).needs,
+    )
