@@ -592,12 +592,20 @@ def test_ring_posts_the_next_block_before_computing(tmp_path):
         )
 
 
-def _mask_aware_backward_order(rank, world):
+def _record_mask_aware(log: list, *directions: str) -> None:
+    """Record into `log` each message batch the CP layer posts and waits for, and each local
+    attention call in `directions` ("forward", "backward") with its last argument."""
     cp = context_parallel
-    log = []
     cp._Comm.post = _recorded(log, lambda comm, sends, recvs, what: f"post {what}", cp._Comm.post)
     cp._Comm.wait = _recorded(log, lambda comm, pending: f"wait {pending.what}", cp._Comm.wait)
-    cp._LocalAttention.backward = _recorded(log, lambda *args: args[-1], cp._LocalAttention.backward)
+    for direction in directions:
+        local = getattr(cp._LocalAttention, direction)
+        setattr(cp._LocalAttention, direction, _recorded(log, lambda *args: args[-1], local))
+
+
+def _mask_aware_backward_order(rank, world):
+    log = []
+    _record_mask_aware(log, "backward")
     mask, inputs, expected = single_device("full", 256)
     plan = make_plan(256, world, 2, "zigzag")
     configs = {
@@ -856,12 +864,8 @@ def test_staged_fetch_equals_single_device_and_bounds_the_kv_held(tmp_path, worl
 
 
 def _staged_order(rank, world):
-    cp = context_parallel
     log = []
-    cp._Comm.post = _recorded(log, lambda comm, sends, recvs, what: f"post {what}", cp._Comm.post)
-    cp._Comm.wait = _recorded(log, lambda comm, pending: f"wait {pending.what}", cp._Comm.wait)
-    cp._LocalAttention.forward = _recorded(log, lambda *args: args[-1], cp._LocalAttention.forward)
-    cp._LocalAttention.backward = _recorded(log, lambda *args: args[-1], cp._LocalAttention.backward)
+    _record_mask_aware(log, "forward", "backward")
     mask, inputs, expected = single_device("full", 256)
     plan = make_plan(256, world, 2, "zigzag")
     configs = {overlap: CPConfig(stage_chunks=2, overlap=overlap) for overlap in (True, False)}
