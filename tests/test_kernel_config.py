@@ -8,23 +8,17 @@ from flashmask3.optimized.config import apply_overrides, config_fields
 
 
 def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
+    chosen = FwdConfig(
+        tile_m=128,
+        num_stages=2,
+        persistent=True,
+        uniform_tiles=True,
+        longest_tiles_first_waves=128,
+        late_k_release=False,
+    )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
-        assert fwd_config(64, causal, width) == FwdConfig(
-            tile_m=192,
-            num_stages=2,
-            persistent=True,
-            uniform_tiles=True,
-            longest_tiles_first_waves=128,
-            late_k_release=False,
-        )
-        assert fwd_config(128, causal, width) == FwdConfig(
-            tile_m=128,
-            num_stages=2,
-            persistent=True,
-            uniform_tiles=True,
-            longest_tiles_first_waves=128,
-            late_k_release=False,
-        )
+        assert fwd_config(64, causal, width) == dataclasses.replace(chosen, tile_m=192)
+        assert fwd_config(128, causal, width) == chosen
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
 
