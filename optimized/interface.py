@@ -171,7 +171,7 @@ def forward(
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     order = None
-    if not uniform_work and b * hq * -(-sq // config.tile_m) <= config.longest_tiles_first_waves * _sm_count(q.device):
+    if not uniform_work and _work_tiles(q, config) <= config.longest_tiles_first_waves * _sm_count(q.device):
         key = ("fwd", b, hq, config.tile_m, Kernel.tile_n)
         order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, Kernel.tile_n))
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
@@ -199,9 +199,14 @@ def backward_ctas(k: torch.Tensor) -> int:
 
 def forward_ctas(q: torch.Tensor, config: FwdConfig) -> int:
     """The forward's grid size for q [B, Sq, Hq, D] under `config`."""
-    b, sq, hq, _ = q.shape
-    work_tiles = b * hq * -(-sq // config.tile_m)
+    work_tiles = _work_tiles(q, config)
     return min(work_tiles, _sm_count(q.device)) if config.persistent else work_tiles
+
+
+def _work_tiles(q: torch.Tensor, config: FwdConfig) -> int:
+    """The forward's work tiles for q [B, Sq, Hq, D]: query tiles x query heads x batch."""
+    b, sq, hq, _ = q.shape
+    return b * hq * -(-sq // config.tile_m)
 
 
 @functools.cache
