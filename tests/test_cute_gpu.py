@@ -54,9 +54,9 @@ def test_longest_first_orders_give_the_default_orders_numbers(name, mask_batch):
 
 
 @pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
-def test_late_k_release_gives_the_default_forwards_numbers(name):
-    """`late_k_release` moves only a pipeline release: the default's outputs and LSE bit for bit
-    (GQA 4 on 2, a ragged length)."""
+def test_late_k_release_gives_the_early_releases_numbers(name):
+    """`late_k_release` (the default at head dim 128) moves only a pipeline release: the outputs and
+    LSE of the release right after S_j lands, bit for bit (GQA 4 on 2, a ragged length)."""
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward
 
@@ -64,9 +64,10 @@ def test_late_k_release_gives_the_default_forwards_numbers(name):
     mask = masks.build(name, seqlen, batch=2, heads=4, seed=13, device="cuda")
     q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=13)
     default = fwd_config(128, mask.causal, mask.startend_row_indices.shape[-1])
+    assert default.late_k_release
     out, lse = forward(q, k, v, mask, scale, config=default)
-    out_late, lse_late = forward(q, k, v, mask, scale, config=dataclasses.replace(default, late_k_release=True))
-    assert torch.equal(out, out_late) and torch.equal(lse, lse_late)
+    out_early, lse_early = forward(q, k, v, mask, scale, config=dataclasses.replace(default, late_k_release=False))
+    assert torch.equal(out, out_early) and torch.equal(lse, lse_early)
 
 
 def test_deterministic_gradients_are_bitwise_equal():
