@@ -88,10 +88,15 @@ def summarize(per_cta: list[list[dict]]) -> dict:
     }
 
 
-def summarize_backward(stamps: torch.Tensor) -> dict:
-    """Medians over the backward's CTAs. `stamps`: int64 [CTAs, len(BwdEvent)]: start, K/V landed,
-    loop end, stored (ns), the step count, then cycles per step segment."""
+def summarize_backward(stamps: torch.Tensor, sm_count: int) -> dict:
+    """Medians over the backward's CTAs, and how full the SMs were. `stamps`: int64 [CTAs,
+    len(BwdEvent)]: start, K/V landed, loop end, stored (ns), the step count, then cycles per step
+    segment. `sm_busy_share`: the CTAs' summed lifetimes over `sm_count` x the kernel's span (one CTA
+    per SM fits), so 1 - it is the SM time lost to the last wave and to launch gaps."""
     rows = [row for row in stamps.tolist() if row[4] > 0]
+    everyone = [row for row in stamps.tolist() if row[3] > 0]
+    span_ns = max(row[3] for row in everyone) - min(row[0] for row in everyone)
+    lifetimes_ns = sum(row[3] - row[0] for row in everyone)
     per_step = {name: [row[5 + i] / row[4] for row in rows] for i, name in enumerate(SEGMENTS)}
     step_cycles = [sum(row[5:]) / row[4] for row in rows]
     medians = {name: statistics.median(values) for name, values in per_step.items()}
@@ -100,6 +105,10 @@ def summarize_backward(stamps: torch.Tensor) -> dict:
         "ctas": len(stamps),
         "ctas_with_steps": len(rows),
         "median_steps": statistics.median(row[4] for row in rows),
+        "kernel_us": span_ns / 1e3,
+        "sm_busy_share": round(lifetimes_ns / (sm_count * span_ns), 4),
+        "mean_step_us": sum(row[2] - row[1] for row in rows) / 1e3 / sum(row[4] for row in rows),
+        "mean_cta_overhead_us": statistics.fmean((row[1] - row[0] + row[3] - row[2]) / 1e3 for row in rows),
         "median_kv_wait_us": statistics.median((row[1] - row[0]) / 1e3 for row in rows),
         "median_step_us": statistics.median((row[2] - row[1]) / 1e3 / row[4] for row in rows),
         "median_epilogue_us": statistics.median((row[3] - row[2]) / 1e3 for row in rows),
@@ -147,20 +156,29 @@ def main() -> None:
     parser.add_argument("--mask", default="sliding_window", choices=masks.MASK_NAMES)
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, help="default: 128K tokens per run, i.e. 128K / seqlen")
+    parser.add_argument("--heads", type=int, help="query heads; default 4096 / head dim")
+    parser.add_argument("--kv-heads", type=int, help="K/V heads, a divisor of the query heads; default as many")
     parser.add_argument("--ctas-shown", type=int, default=12)
     parser.add_argument("--until-us", type=float, default=200.0)
     parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE", help="config change")
     parser.add_argument("--backward", action="store_true", help="profile the backward's main kernel instead")
     args = parser.parse_args()
-    heads, batch = 4096 // args.head_dim, max(1, 131072 // args.seqlen)
+    heads = args.heads or 4096 // args.head_dim
+    batch = args.batch or max(1, 131072 // args.seqlen)
+    kv_heads = args.kv_heads or heads
+    if heads % kv_heads:
+        parser.error(f"--kv-heads must divide the query heads ({heads}), got {kv_heads}")
     mask = masks.build(args.mask, args.seqlen, batch=batch, heads=heads, seed=0, device="cuda")
-    q, k, v, dout = random_inputs(batch, args.seqlen, args.seqlen, heads, heads, args.head_dim, torch.bfloat16, "cuda")
+    q, k, v, dout = random_inputs(
+        batch, args.seqlen, args.seqlen, heads, kv_heads, args.head_dim, torch.bfloat16, "cuda"
+    )
     scale = 1 / math.sqrt(args.head_dim)
     config = apply_overrides(fwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
     out_dir = Path(os.environ.get("OUT", "runs"))
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "timeline_bwd" if args.backward else "timeline"
-    name = f"{kind}_{args.mask}_{args.seqlen}" + "".join(f"_{o}" for o in args.kernel)
+    name = f"{kind}_{args.mask}_{args.seqlen}_b{batch}_h{heads}_kv{kv_heads}" + "".join(f"_{o}" for o in args.kernel)
     if args.backward:
         bwd = apply_overrides(bwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
         out, lse = forward(q, k, v, mask, scale, config=config)
@@ -169,7 +187,8 @@ def main() -> None:
             stamps.zero_()
             backward(dout, q, k, v, out, lse, mask, scale, config=bwd, timeline=stamps)
         torch.cuda.synchronize()
-        measured = {"bwd_config": dataclasses.asdict(bwd), **summarize_backward(stamps.cpu())}
+        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+        measured = {"bwd_config": dataclasses.asdict(bwd), **summarize_backward(stamps.cpu(), sm_count)}
     else:
         ctas = forward_ctas(q, config)
         per_cta_tiles = 4 * -(-batch * heads * args.seqlen // (128 * ctas)) + 16
@@ -187,6 +206,9 @@ def main() -> None:
         "mask": args.mask,
         "seqlen": args.seqlen,
         "head_dim": args.head_dim,
+        "batch": batch,
+        "heads": heads,
+        "kv_heads": kv_heads,
         **measured,
     }
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))

@@ -31,8 +31,12 @@ def test_the_backward_profile_is_summarized_per_step():
     stamps[0] = torch.tensor([0, 1000, 21000, 22000, 10, 100, 200, 300, 400, 500, 600, 700, 800, 900, 50])
     stamps[1] = torch.tensor([0, 3000, 43000, 45000, 20, 400, 400, 600, 800, 1000, 1200, 1400, 1600, 1800, 0])
     stamps[2, 4] = 0  # a CTA whose key tile no query tile sees: left out of the medians
-    summary = timeline.summarize_backward(stamps)
+    summary = timeline.summarize_backward(stamps, sm_count=2)
     assert (summary["ctas"], summary["ctas_with_steps"], summary["median_steps"]) == (3, 2, 15)
+    assert summary["kernel_us"] == pytest.approx(45.0)
+    assert summary["sm_busy_share"] == pytest.approx(67 / 90, abs=1e-4)  # 22 + 45 us on 2 SMs over 45 us
+    assert summary["mean_step_us"] == pytest.approx(2.0)  # 60 us over 30 steps
+    assert summary["mean_cta_overhead_us"] == pytest.approx(3.5)  # (1 + 1) and (3 + 2) us
     assert summary["median_kv_wait_us"] == pytest.approx(2.0)
     assert summary["median_step_us"] == pytest.approx(2.0)  # 20 us / 10 steps and 40 us / 20 steps
     assert summary["median_epilogue_us"] == pytest.approx(1.5)
