@@ -4,7 +4,7 @@
     python scripts/bench_bwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_bwd.py bench --seqlens 8192 --peers fa4,fa4_sparse   # only these peers
     python scripts/bench_bwd.py bench --seqlens 32768 --batch 1 --heads 16 --kv-heads 4   # GQA, as in training
-    python scripts/bench_bwd.py profile --masks causal,sliding_window   # GPU time per kernel
+    python scripts/bench_bwd.py profile --masks causal,sliding_window --peers fa4   # GPU time per kernel
     python scripts/bench_bwd.py ablate --masks causal --variants lse_ahead=false   # configs vs the chosen ones
 
 Correctness: out, LSE, dQ, dK, dV through `attention(..., backend="cute")` and autograd vs the fp64
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 
 import torch
 from bench_fwd import (
@@ -202,9 +203,12 @@ def run_profile(
     heads: int | None = None,
     kv_heads: int | None = None,
     batch: int | None = None,
+    peer_names: tuple[str, ...] = (),
 ) -> dict:
-    """GPU time per kernel of one fwd+bwd (torch.profiler), to see where the time goes per mask;
-    `heads`, `kv_heads`, `batch` as in `run_bench`."""
+    """Per mask and contender (cute, then the peers of `peer_names` that take the mask), one fwd+bwd
+    through autograd: its time (CUDA events, median of 5 after a warm-up) and the GPU time of each
+    kernel it launches (torch.profiler: name, calls, ms), so that the kernels' sum against the
+    step's time shows the GPU's idle gaps; `heads`, `kv_heads`, `batch` as in `run_bench`."""
     from torch.profiler import ProfilerActivity, profile
 
     heads, kv_heads = head_counts(head_dim, heads, kv_heads)
@@ -214,17 +218,36 @@ def run_profile(
     result = {}
     for name in mask_names:
         mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
-        step = fwd_bwd(lambda q, k, v: fm.attention(q, k, v, mask, backend="cute"))
-        step(q, k, v, dout)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step(q, k, v, dout)
-            torch.cuda.synchronize()
-        rows = sorted(((e.key[:60], e.device_time_total / 1e3) for e in prof.key_averages()), key=lambda r: -r[1])
-        result[name] = rows[:10]
-        print(f"--- {name}: total {sum(t for _, t in rows):.2f} ms")
-        for key, ms in rows[:10]:
-            print(f"  {ms:8.3f} ms  {key}")
+        case = bench_peers.PeerCase(name, mask, batch, heads, 1 / math.sqrt(head_dim))
+        peers = bench_peers.checked_peers(case, peer_names, lambda fn: {}, {})
+        contenders = {"cute": lambda q, k, v: fm.attention(q, k, v, mask, backend="cute"), **peers}
+        result[name] = {}
+        for contender, fn in contenders.items():
+            step = fwd_bwd(fn)
+            times = []
+            for _ in range(6):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step(q, k, v, dout)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step(q, k, v, dout)
+                torch.cuda.synchronize()
+            kernels = sorted(
+                (
+                    (e.key[:80], e.count, round(e.device_time_total / 1e3, 4))
+                    for e in prof.key_averages()
+                    if e.device_time_total > 0
+                ),
+                key=lambda r: -r[2],
+            )
+            step_ms, kernel_ms = statistics.median(times[1:]), sum(ms for _, _, ms in kernels)
+            result[name][contender] = {"step_ms": step_ms, "kernels_ms": kernel_ms, "kernels": kernels[:12]}
+            print(f"--- {name} {contender}: step {step_ms:.3f} ms, kernels {kernel_ms:.3f} ms")
+            for key, calls, ms in kernels[:12]:
+                print(f"  {ms:8.3f} ms {calls:3d}x  {key}")
     return result
 
 
@@ -283,7 +306,13 @@ def main() -> None:
         print(bench_table(result["bench"], args.peers))
     if args.what == "profile":
         result["profile"] = run_profile(
-            int(args.seqlens.split(",")[0]), args.head_dim, args.masks.split(","), args.heads, args.kv_heads, args.batch
+            int(args.seqlens.split(",")[0]),
+            args.head_dim,
+            args.masks.split(","),
+            args.heads,
+            args.kv_heads,
+            args.batch,
+            peer_names=args.peers,
         )
     if args.what == "ablate":
         for variant in args.variants:
