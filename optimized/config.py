@@ -39,6 +39,10 @@ class FwdConfig:
     # more, the tail is a small share and the draw order's L2 reuse (consecutive work tiles read
     # one head's K/V) is worth more.
     longest_tiles_first_waves: int
+    # That order by length class (`tile_plan.longest_first`): this many equal ranges of key-tile
+    # steps, each in work-tile order, so the tiles drawn together share a head's K/V in L2 (0: by
+    # exact length).
+    longest_tiles_first_buckets: int
     # In the key-tile loop, the K stage released after the mask of S_j, not as soon as S_j lands:
     # with the release (an mbarrier arrive) ahead of the PARTIAL branch, ptxas puts the wait for
     # the warpgroup's own PV GEMM above the whole softmax; after the mask, below most of it. For
@@ -52,6 +56,8 @@ class FwdConfig:
             raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
         if self.longest_tiles_first_waves < 0:
             raise ValueError(f"longest_tiles_first_waves must be >= 0, got {self.longest_tiles_first_waves}")
+        if self.longest_tiles_first_buckets < 0:
+            raise ValueError(f"longest_tiles_first_buckets must be >= 0, got {self.longest_tiles_first_buckets}")
         if self.late_k_release and self.tile_m != 128:
             raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
 
@@ -78,10 +84,16 @@ class BwdConfig:
     # order's L2 reuse (consecutive CTAs read one head's Q and dO) is worth more. Not in
     # deterministic mode, whose key tiles wait for the ones before them.
     longest_ctas_first_waves: int
+    # That order by length class (`tile_plan.longest_first`): this many equal ranges of steps, each
+    # in grid order, so the CTAs running together mostly share a KV head's query heads (their Q, dO
+    # and dQ) in L2 (0: by exact length).
+    longest_ctas_first_buckets: int
 
     def __post_init__(self) -> None:
         if self.longest_ctas_first_waves < 0:
             raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
+        if self.longest_ctas_first_buckets < 0:
+            raise ValueError(f"longest_ctas_first_buckets must be >= 0, got {self.longest_ctas_first_buckets}")
 
 
 LONGEST_TILES_FIRST_WAVES = 128
@@ -105,6 +117,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         persistent=True,
         uniform_tiles=True,
         longest_tiles_first_waves=LONGEST_TILES_FIRST_WAVES,
+        longest_tiles_first_buckets=0,
         late_k_release=tile_m == 128,
     )
 
@@ -113,7 +126,12 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     """The backward's configuration for this head dim and mask variant: the LSE ahead of the S GEMM
     (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
     spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
-    return BwdConfig(lse_ahead=mask_width < 4, dq_first=True, longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES)
+    return BwdConfig(
+        lse_ahead=mask_width < 4,
+        dq_first=True,
+        longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
+        longest_ctas_first_buckets=0,
+    )
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)

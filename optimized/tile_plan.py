@@ -84,11 +84,21 @@ def backward_cta_steps(
     return steps.reshape(batch, kv_heads, q_heads // kv_heads, -1).sum(dim=2, dtype=torch.int32).flatten()
 
 
-def longest_first(steps: torch.Tensor) -> torch.Tensor:
+def longest_first(steps: torch.Tensor, buckets: int = 0) -> torch.Tensor:
     """int32: the indices of `steps` (a kernel's work units in its own order) sorted by steps, most
     first, ties in that order. Launched or drawn in this order, the long units start first and the
-    last ones are short (longest-processing-time-first list scheduling)."""
-    return torch.sort(steps, descending=True, stable=True).indices.to(torch.int32)
+    last ones are short (longest-processing-time-first list scheduling).
+
+    With `buckets` > 0 the sort is by length class instead: `buckets` equal ranges of steps up to
+    the longest, longest class first, each class in the units' own order. That order keeps units
+    that read the same data (one head's tiles) together, so the ones running at a time share it in
+    L2, while a class's lengths differ by at most max / `buckets` steps."""
+    if buckets == 0:
+        return torch.sort(steps, descending=True, stable=True).indices.to(torch.int32)
+    steps = steps.to(torch.int64)
+    shorter_class = buckets - 1 - steps * buckets // (steps.max() + 1)  # on the device: no host sync
+    position = torch.arange(steps.numel(), device=steps.device)
+    return torch.argsort(shorter_class * steps.numel() + position).to(torch.int32)
 
 
 # Per live boundaries tensor, by identity: the custom ops rebuild the ColumnMask around the same
@@ -96,8 +106,10 @@ def longest_first(steps: torch.Tensor) -> torch.Tensor:
 _orders: dict[int, dict[Hashable, tuple[Hashable, torch.Tensor]]] = {}
 
 
-def cached_longest_first(mask: ColumnMask, key: Hashable, steps: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`longest_first(steps())`, computed on the first call per `mask` (its boundaries tensor,
+def cached_longest_first(
+    mask: ColumnMask, key: Hashable, steps: Callable[[], torch.Tensor], buckets: int = 0
+) -> torch.Tensor:
+    """`longest_first(steps(), buckets)`, computed on the first call per `mask` (its boundaries tensor,
     variant and seqlen_q) and `key` (which must fix the kernel's grid), and kept while that tensor
     lives unchanged (its version, shape and storage): the sort's few dozen small kernels then run
     once per mask, not once per layer. An order only permutes the kernel's work units, so one kept
@@ -105,15 +117,15 @@ def cached_longest_first(mask: ColumnMask, key: Hashable, steps: Callable[[], to
     numbers. While a CUDA graph is captured the sort is recorded in it and nothing is kept."""
     boundaries = mask.startend_row_indices
     if boundaries.is_cuda and torch.cuda.is_current_stream_capturing():
-        return longest_first(steps())
+        return longest_first(steps(), buckets)
     kept = _orders.get(id(boundaries))
     if kept is None:
         kept = _orders[id(boundaries)] = {}
         weakref.finalize(boundaries, _orders.pop, id(boundaries), None)
-    key = (mask.causal, mask.seqlen_q, key)
+    key = (mask.causal, mask.seqlen_q, key, buckets)
     version = None if torch.is_inference(boundaries) else boundaries._version
     state = (version, tuple(boundaries.shape), boundaries.data_ptr())
     entry = kept.get(key)
     if entry is None or entry[0] != state:
-        entry = kept[key] = (state, longest_first(steps()))
+        entry = kept[key] = (state, longest_first(steps(), buckets))
     return entry[1]

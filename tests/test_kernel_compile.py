@@ -68,7 +68,12 @@ def test_backward_without_lse_ahead_compiles():
 
     assert (
         compile_check(
-            "bf16", 128, True, 1, BwdConfig(lse_ahead=False, dq_first=True, longest_ctas_first_waves=0), direction="bwd"
+            "bf16",
+            128,
+            True,
+            1,
+            BwdConfig(lse_ahead=False, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0),
+            direction="bwd",
         )
         > 0
     )
@@ -116,7 +121,7 @@ def test_the_backward_launches_longest_first_in_short_grids_when_not_determinist
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
     runs = [(4, False), (4, False), (3, False), (4, True)]  # (longest_ctas_first_waves, deterministic)
     for waves, deterministic in runs:
-        config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=waves)
+        config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=waves, longest_ctas_first_buckets=0)
         interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
     orders = [args[5][13] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
     assert sorted(orders[0].tolist()) == list(range(1 * 2 * 4))
@@ -147,8 +152,8 @@ def test_the_forward_draws_longest_first_when_few_per_sm(monkeypatch):
 
 
 def test_the_host_only_choices_compile_no_new_kernel():
-    """The longest-first thresholds decide on the host whether an order is passed; the kernel is
-    keyed on the rest of its configuration."""
+    """The longest-first thresholds and length classes decide on the host whether and which order
+    is passed; the kernel is keyed on the rest of its configuration."""
     import dataclasses
 
     from flashmask3.optimized import bwd_config, fwd_config
@@ -157,7 +162,9 @@ def test_the_host_only_choices_compile_no_new_kernel():
     fwd, bwd = fwd_config(128, True, 1), bwd_config(128, True, 1)
     assert _device_part(fwd) == _device_part(dataclasses.replace(fwd, longest_tiles_first_waves=1))
     assert _device_part(bwd) == _device_part(dataclasses.replace(bwd, longest_ctas_first_waves=1))
-    assert _device_part(fwd) != _device_part(dataclasses.replace(fwd, late_k_release=True))
+    assert _device_part(fwd) == _device_part(dataclasses.replace(fwd, longest_tiles_first_buckets=8))
+    assert _device_part(bwd) == _device_part(dataclasses.replace(bwd, longest_ctas_first_buckets=8))
+    assert _device_part(fwd) != _device_part(dataclasses.replace(fwd, late_k_release=False))
 
 
 _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
@@ -234,7 +241,7 @@ def test_backward_grid_order_build_compiles():
     and batch from the 3-D grid."""
     from flashmask3.optimized import BwdConfig, compile_check
 
-    config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=0)
+    config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0)
     assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
 
 

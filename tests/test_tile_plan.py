@@ -107,6 +107,26 @@ def test_longest_first_orders_the_forward_work_tiles_by_their_steps(name, mask_b
     assert len(set(steps)) > 2
 
 
+@pytest.mark.parametrize("buckets", [1, 3, 8])
+def test_length_classes_go_longest_first_each_in_its_own_order(buckets):
+    """`longest_first(steps, buckets)`: class c holds the units with steps in [c, c + 1) x (max + 1)
+    / buckets; the highest class first, each class in the units' order (a permutation)."""
+    steps = torch.tensor([3, 40, 0, 17, 40, 39, 5, 22, 9, 40, 1], dtype=torch.int32)
+    order = longest_first(steps, buckets).tolist()
+    classes = [int(s) * buckets // 41 for s in steps.tolist()]
+    assert order == sorted(range(len(steps)), key=lambda unit: (-classes[unit], unit))
+    if buckets == 1:
+        assert order == list(range(len(steps)))  # one class: the units' own order
+
+
+def test_an_order_in_length_classes_is_kept_apart_from_the_exact_one():
+    mask = masks.build("causal_document", 1000, seed=1)
+    steps = lambda: backward_cta_steps(mask, 1, 4, 2, 64, 128)  # noqa: E731
+    exact, classes = cached_longest_first(mask, "bwd", steps), cached_longest_first(mask, "bwd", steps, 2)
+    assert torch.equal(exact, longest_first(steps())) and torch.equal(classes, longest_first(steps(), 2))
+    assert cached_longest_first(mask, "bwd", steps, 2) is classes
+
+
 def test_an_order_is_sorted_once_per_mask_until_its_boundaries_change():
     """`cached_longest_first`: the second call with the same mask and key returns the kept order
     without computing the steps, also through another ColumnMask on the same boundaries tensor (as
