@@ -98,7 +98,7 @@ def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig 
     """`config` without its host-only choices (when to pass a work order; the kernel sees only
     whether one is passed), so changing them compiles nothing new."""
     if isinstance(config, FwdConfig):
-        return dataclasses.replace(config, longest_tiles_first_waves=0, longest_tiles_first_buckets=0)
+        return dataclasses.replace(config, longest_tiles_first_waves=0)
     if isinstance(config, BwdConfig):
         return dataclasses.replace(config, longest_ctas_first_waves=0, longest_ctas_first_buckets=0)
     return config
@@ -173,12 +173,7 @@ def forward(
     order = None
     if not uniform_work and _work_tiles(q, config) <= config.longest_tiles_first_waves * _sm_count(q.device):
         key = ("fwd", b, hq, config.tile_m, Kernel.tile_n)
-        order = cached_longest_first(
-            mask,
-            key,
-            lambda: forward_tile_steps(mask, b, hq, config.tile_m, Kernel.tile_n),
-            config.longest_tiles_first_buckets,
-        )
+        order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, Kernel.tile_n))
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
     _launch(

@@ -14,7 +14,6 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         persistent=True,
         uniform_tiles=True,
         longest_tiles_first_waves=128,
-        longest_tiles_first_buckets=0,
         late_k_release=True,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
@@ -27,7 +26,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
     for head_dim in (64, 128):
         assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
         assert bwd_config(head_dim, False, 4) == BwdConfig(
-            lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=0
+            lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
         )
 
 
@@ -50,7 +49,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "persistent": bool,
         "uniform_tiles": bool,
         "longest_tiles_first_waves": int,
-        "longest_tiles_first_buckets": int,
         "late_k_release": bool,
         "lse_ahead": bool,
         "dq_first": bool,
@@ -64,11 +62,10 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         persistent=False,
         uniform_tiles=True,
         longest_tiles_first_waves=128,
-        longest_tiles_first_buckets=0,
         late_k_release=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(
-        lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=0
+        lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
     )
     assert apply_overrides(fwd_config(64, True, 1), {}) == fwd_config(64, True, 1)
     with pytest.raises(ValueError, match="no kernel config field skip_tiles; the fields: tile_m, num_stages"):

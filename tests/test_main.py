@@ -160,13 +160,12 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
         "persistent": False,
         "uniform_tiles": True,
         "longest_tiles_first_waves": 128,
-        "longest_tiles_first_buckets": 0,
         "late_k_release": False,
     }
     assert record["kernel"] == {
         "name": "no_persistent",
         "fwd": fwd,
-        "bwd": {"lse_ahead": True, "dq_first": True, "longest_ctas_first_waves": 16, "longest_ctas_first_buckets": 0},
+        "bwd": {"lse_ahead": True, "dq_first": True, "longest_ctas_first_waves": 16, "longest_ctas_first_buckets": 16},
     }
     assert {type(c).__name__ for c in seen} == {"FwdConfig", "BwdConfig"}
     assert all(c.persistent is False for c in seen if type(c).__name__ == "FwdConfig")
@@ -174,8 +173,8 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
     printed = capsys.readouterr().out
     chosen = (
         "fwd tile_m=192 num_stages=2 persistent=False uniform_tiles=True longest_tiles_first_waves=128"
-        " longest_tiles_first_buckets=0 late_k_release=False;"
-        " bwd lse_ahead=True dq_first=True longest_ctas_first_waves=16 longest_ctas_first_buckets=0"
+        " late_k_release=False;"
+        " bwd lse_ahead=True dq_first=True longest_ctas_first_waves=16 longest_ctas_first_buckets=16"
     )
     assert f"kernel=no_persistent: {chosen}" in printed
 
