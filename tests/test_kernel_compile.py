@@ -269,3 +269,44 @@ def test_forward_timeline_build_compiles():
     from flashmask3.optimized import compile_check
 
     assert compile_check("bf16", 64, False, 4, timeline=True) > 0
+
+
+@pytest.mark.slow  # compiles 19 configurations, ~40 s
+def test_the_kernels_machine_code_is_as_recorded():
+    """Each configuration the host chooses compiles to the machine code recorded in
+    tools/sass_fingerprints.json: a refactor leaves them, a kernel change names the ones it touched
+    (record them again with `python tools/sass_fingerprints.py --write`)."""
+    import json
+
+    import sass_fingerprints
+
+    recorded = json.loads(sass_fingerprints.RECORD.read_text())
+    assert sass_fingerprints.differences(recorded, sass_fingerprints.current()) == []
+
+
+def test_the_fingerprint_reads_only_the_code_sections():
+    """An ELF with a `.text.kernel` section among others: only its bytes count."""
+    import struct
+
+    import sass_fingerprints
+
+    names = b"\0.shstrtab\0.text.kernel\0.nv.info\0"
+    blobs = [b"", names, b"\x01\x02\x03\x04", b"info"]
+    name_offsets = [0, 1, 11, 24]
+    body, offsets = b"", []
+    for blob in blobs:
+        offsets.append(64 + len(body))
+        body += blob
+    section_offset = 64 + len(body)
+    header = bytearray(64)
+    struct.pack_into("<Q", header, 0x28, section_offset)
+    struct.pack_into("<HHH", header, 0x3A, 64, len(blobs), 1)
+    sections = b"".join(
+        struct.pack("<IIQQQQ", name, 0, 0, 0, offset, len(blob)).ljust(64, b"\0")
+        for name, offset, blob in zip(name_offsets, offsets, blobs)
+    )
+    assert sass_fingerprints.text_sections(bytes(header) + body + sections) == b"\x01\x02\x03\x04"
+    assert sass_fingerprints.differences({"a": "1", "b": "2"}, {"a": "1", "b": "3", "c": "4"}) == [
+        "changed: b",
+        "new: c",
+    ]

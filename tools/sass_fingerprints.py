@@ -1,0 +1,134 @@
+"""Fingerprints of the kernels' machine code, compiled for sm_90a on the CPU.
+
+    python tools/sass_fingerprints.py           # compare with tools/sass_fingerprints.json
+    python tools/sass_fingerprints.py --write   # record the current ones
+
+A change that must leave today's kernels as they are (a refactor, plumbing for new head dims or
+tile shapes) is checked by their code: each configuration the host chooses (`fwd_config` /
+`bwd_config` at head dim 64 and 128, the four mask variants; the deterministic backward; fp16) is
+compiled as `compile_check` does, and the sha256 of each kernel's `.text` sections (the SASS, read
+from the cubin's ELF, so no disassembler is involved) is compared with the recorded one. A change
+that is meant to alter a kernel shows which configurations it touched; record them again with
+`--write` in the same commit. The fingerprints hold for one CuTe DSL version (the `gpu` extra's
+pin); compiling takes about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RECORD = Path(__file__).with_name("sass_fingerprints.json")
+VARIANTS = ((True, 1), (True, 2), (False, 2), (False, 4))  # (causal, boundaries per key)
+
+
+def cases() -> dict[str, dict]:
+    """label -> `compile_check` keyword arguments, each with the host's chosen configuration."""
+    chosen = {}
+    for head_dim in (64, 128):
+        for direction in ("fwd", "bwd"):
+            for causal, width in VARIANTS:
+                label = f"{direction} bf16 d{head_dim} {'causal' if causal else 'noncausal'} w{width}"
+                chosen[label] = dict(dtype="bf16", head_dim=head_dim, causal=causal, width=width, direction=direction)
+    chosen["bwd bf16 d128 causal w1 deterministic"] = dict(
+        dtype="bf16", head_dim=128, causal=True, width=1, direction="bwd", deterministic=True
+    )
+    for direction in ("fwd", "bwd"):
+        chosen[f"{direction} fp16 d128 causal w1"] = dict(
+            dtype="fp16", head_dim=128, causal=True, width=1, direction=direction
+        )
+    return chosen
+
+
+def text_sections(cubin: bytes) -> bytes:
+    """The `.text.*` sections of an ELF64 little-endian cubin, concatenated in header order."""
+    (section_offset,) = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def header(i: int) -> tuple[int, int, int]:
+        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", cubin, section_offset + i * entry_size)
+        return name, offset, size
+
+    _, names_offset, names_size = header(names_index)
+    names = cubin[names_offset : names_offset + names_size]
+    code = b""
+    for i in range(count):
+        name, offset, size = header(i)
+        if names[name : names.index(b"\0", name)].startswith(b".text."):
+            code += cubin[offset : offset + size]
+    return code
+
+
+def kernel_name(cubin_path: Path) -> str:
+    """The kernel class in a dumped cubin's file name (FlashMaskForwardSm90, BackwardPreprocess...)."""
+    for name in ("FlashMaskForward", "FlashMaskBackward", "BackwardPreprocess", "BackwardPostprocess"):
+        if name in cubin_path.name:
+            return name
+    raise ValueError(f"no known kernel in the cubin name {cubin_path.name}")
+
+
+def compile_all(dump_dir: Path) -> dict[str, str]:
+    """In this process (CUTE_DSL_DUMP_DIR=dump_dir): each case compiled, its cubins fingerprinted
+    and removed before the next (later compiles reuse their file names)."""
+    from flashmask3.optimized.interface import compile_check
+
+    fingerprints = {}
+    for label, arguments in cases().items():
+        compile_check(**arguments)
+        cubins = sorted(dump_dir.glob("*.cubin"))
+        if not cubins:
+            raise RuntimeError(f"{label}: no cubin dumped (CUTE_DSL_KEEP=cubin, CUTE_DSL_DUMP_DIR)")
+        for cubin in cubins:
+            digest = hashlib.sha256(text_sections(cubin.read_bytes())).hexdigest()[:16]
+            fingerprints[f"{label}: {kernel_name(cubin)}"] = digest
+            cubin.unlink()
+    return fingerprints
+
+
+def current() -> dict[str, str]:
+    """The fingerprints of the current sources, compiled in a fresh process."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=dump_dir)
+        done = subprocess.run(
+            [sys.executable, __file__, "--worker", dump_dir], env=env, capture_output=True, text=True, timeout=1200
+        )
+        if done.returncode:
+            raise RuntimeError(f"compiling the kernels failed:\n{done.stderr[-4000:]}")
+        return json.loads(done.stdout.splitlines()[-1])
+
+
+def differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
+    """Lines naming each kernel whose fingerprint changed, appeared or went."""
+    lines = [f"changed: {k}" for k in recorded if k in now and recorded[k] != now[k]]
+    lines += [f"new: {k}" for k in now if k not in recorded]
+    lines += [f"gone: {k}" for k in recorded if k not in now]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="record the current fingerprints")
+    parser.add_argument("--worker", metavar="DUMP_DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(compile_all(Path(args.worker))))
+        return
+    now = current()
+    if args.write:
+        RECORD.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
+        print(f"recorded {len(now)} kernels in {RECORD}")
+        return
+    changed = differences(json.loads(RECORD.read_text()), now)
+    print("\n".join(changed) if changed else f"all {len(now)} kernels as recorded")
+    sys.exit(1 if changed else 0)
+
+
+if __name__ == "__main__":
+    main()
