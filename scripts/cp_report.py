@@ -13,7 +13,9 @@ query heads, 3.5x the forward FLOPs, balanced plan for mask_aware, zigzag for ri
 with --stage-chunks N too, mask_aware fetching its remote K/V in stages of at most N chunks per
 rank (`CPConfig(stage_chunks=N)`, flat routing, balanced plan): its TFLOP/s per GPU, overlap and
 the K/V MB a rank holds at peak (own + two stages), next to one stage's (own + every remote chunk),
-the largest rank's each. Writes JSON to
+the largest rank's each. `--call-ms` replaces the fixed cost the model charges every kernel call
+(default the fit's, `RankTimeFit.fixed_s`, measured on mask-aware union calls that include their
+host-side mask work): the dense masks' comparison with the ring rests on it. Writes JSON to
 runs/cp_report_<K>k_per_rank.json (or --out; the committed one is bench/results/), prints a table.
 """
 
@@ -35,15 +37,18 @@ from flashmask3.bench import git_commit, progress, result_json
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
 
 
-def modeled(mask, seqlen: int, world: int, per_rank: int, loads, stage_chunks: int | None = None) -> dict:
+def modeled(
+    mask, seqlen: int, world: int, per_rank: int, loads, stage_chunks: int | None = None, fit=RankTimeFit()
+) -> dict:
     """Cost-model forward + backward TFLOP/s per GPU (unmasked work) and overlap efficiency of each
-    scheme; with `stage_chunks`, also mask_aware's staged fetch and its peak K/V MB per rank."""
+    scheme; with `stage_chunks`, also mask_aware's staged fetch and its peak K/V MB per rank. `fit`:
+    the per-call costs."""
     heads, kv_heads, head_dim = 32, 8, 128
     flops = 3.5 * 4.0 * seqlen * seqlen * mask.density() * heads * head_dim
     out = {}
     for scheme, assignment in (("mask_aware", "balanced"), ("ring", "zigzag"), ("allgather", "zigzag")):
         plan = make_plan(seqlen, world, per_rank, assignment, loads)
-        pred = predict(mask, plan, scheme, heads, kv_heads, head_dim, Hardware(), fit=RankTimeFit())
+        pred = predict(mask, plan, scheme, heads, kv_heads, head_dim, Hardware(), fit=fit)
         out[f"{scheme}_tflops_per_gpu"] = flops / world / pred["slowest_rank_s"] / 1e12
         out[f"{scheme}_overlap"] = pred["overlap_efficiency"]
     if stage_chunks is not None:
@@ -56,7 +61,7 @@ def modeled(mask, seqlen: int, world: int, per_rank: int, loads, stage_chunks: i
             kv_heads,
             head_dim,
             Hardware(),
-            fit=RankTimeFit(),
+            fit=fit,
             stage_chunks=stage_chunks,
         )
         out["mask_aware_staged_tflops_per_gpu"] = flops / world / pred["slowest_rank_s"] / 1e12
@@ -79,8 +84,17 @@ def main() -> None:
         metavar="N",
         help="with --model: add mask_aware fetching its remote K/V in stages of at most N chunks per rank",
     )
+    parser.add_argument(
+        "--call-ms",
+        type=float,
+        metavar="MS",
+        help="with --model: the fixed cost per kernel call in ms (default the fitted one)",
+    )
     parser.add_argument("--out", type=Path, help="the JSON file (default runs/cp_report_<K>k_per_rank.json)")
     args = parser.parse_args()
+    if args.call_ms is not None and (args.call_ms < 0 or not args.model):
+        parser.error(f"--call-ms takes a number >= 0 and goes with --model, got {args.call_ms}")
+    fit = RankTimeFit() if args.call_ms is None else RankTimeFit(fixed_s=args.call_ms / 1e3)
     if args.stage_chunks is not None and (args.stage_chunks < 1 or not args.model):
         parser.error(f"--stage-chunks takes a positive int and goes with --model, got {args.stage_chunks}")
     out = args.out or Path("runs") / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json"
@@ -104,7 +118,7 @@ def main() -> None:
             row["kv_mb_allgather"] = full_chunks * args.chunk * KV_BYTES_PER_TOKEN / 2**20
             row["kv_mb_mask_aware"] = sent_chunks * args.chunk * KV_BYTES_PER_TOKEN / 2**20
             if args.model:
-                row.update(modeled(mask, seqlen, world, per_rank, loads, args.stage_chunks))
+                row.update(modeled(mask, seqlen, world, per_rank, loads, args.stage_chunks, fit))
             rows.append(row)
             print(json.dumps(row), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +127,7 @@ def main() -> None:
         result["model"] = {
             "kind": "cost model of forward + backward, not a measurement",
             "hardware": Hardware().__dict__,
-            "mask_aware_rank_time": RankTimeFit().__dict__,
+            "mask_aware_rank_time": fit.__dict__,
         }
         if args.stage_chunks is not None:
             result["model"]["stage_chunks"] = args.stage_chunks

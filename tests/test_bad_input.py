@@ -389,3 +389,27 @@ def test_plot_masks_draws_the_column_format_under_runs_by_default(tmp_path, monk
     assert 5000 < (tmp_path / "runs" / "column_format.png").stat().st_size < 100_000
     plot_masks.main(["--column-format", "--out", "figure.png"])
     assert (tmp_path / "figure.png").exists() and [p.name for p in tmp_path.glob("*/*.png")] == ["column_format.png"]
+
+
+def test_cp_report_takes_the_per_call_cost_with_the_model_only(monkeypatch, capsys):
+    import cp_report
+    from flashmask3.distributed import chunk_loads
+    from flashmask3.distributed.cost_model import RankTimeFit
+    from flashmask3.reference import masks
+
+    base = ["cp_report.py", "--tokens-per-rank", "1024", "--ranks", "4", "--chunk", "256", "--masks", "full"]
+    for extra, message in (
+        (["--call-ms", "0.1"], "--call-ms takes a number >= 0 and goes with --model, got 0.1"),
+        (["--model", "--call-ms", "-1"], "--call-ms takes a number >= 0 and goes with --model, got -1.0"),
+    ):
+        monkeypatch.setattr(sys, "argv", base + extra)
+        with pytest.raises(SystemExit):
+            cp_report.main()
+        assert message in capsys.readouterr().err
+    mask = masks.build("full", 4096)
+    loads = chunk_loads(mask, 256)
+    fitted = cp_report.modeled(mask, 4096, 4, 4, loads)
+    cheap = cp_report.modeled(mask, 4096, 4, 4, loads, fit=RankTimeFit(fixed_s=0.15e-3))
+    # Four ring calls per direction pay the per-call cost, one or two mask-aware ones.
+    assert cheap["ring_tflops_per_gpu"] > 1.2 * fitted["ring_tflops_per_gpu"]
+    assert cheap["mask_aware_tflops_per_gpu"] > fitted["mask_aware_tflops_per_gpu"]
