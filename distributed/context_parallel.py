@@ -906,7 +906,8 @@ def cp_attention(
 
     Args:
         q_local, k_local, v_local: [B, plan.local_len, H, D], this rank's chunks concatenated
-            (`plan.shard(x, rank)`); Hq a multiple of Hkv. On NCCL, on the current CUDA device.
+            (`plan.shard(x, rank)`); Hq a multiple of Hkv; k and v of one shape (a value head dim
+            other than the key's is a ValueError). On NCCL, on the current CUDA device.
         mask: the global ColumnMask (same on every rank).
         plan: the chunk assignment (same on every rank).
         group: the CP process group (default: the world).
@@ -917,6 +918,13 @@ def cp_attention(
     Returns:
         This rank's output [B, local_len, Hq, D] (and LSE [B, Hq, local_len] with `return_lse`).
     """
+    if v_local.shape != k_local.shape:
+        # K and V travel stacked as one tensor, and the local kernels take them so.
+        raise ValueError(
+            f"v_local must have k_local's shape {tuple(k_local.shape)}, got {tuple(v_local.shape)}: context "
+            "parallelism takes a value head dim equal to the key head dim only (use flashmask3.attention "
+            "for a different one)"
+        )
     world = dist.get_world_size(group)
     if world != plan.world_size:
         raise ValueError(f"plan is for {plan.world_size} ranks but the group has {world}")

@@ -38,8 +38,10 @@ def attention(
 
     Args:
         q: [B, Sq, Hq, D] queries (bf16, fp16, fp32 or fp64).
-        k, v: [B, Sk, Hkv, D] keys and values, same dtype and device; Hq must be a multiple of Hkv
-            (GQA / MQA).
+        k: [B, Sk, Hkv, D] keys, with q's head dim D; Hq must be a multiple of Hkv (GQA / MQA).
+        v: [B, Sk, Hkv, Dv] values: k's batch, length and heads, and a head dim Dv that may differ
+            from D (DeepSeek's MLA: D = 192, Dv = 128) on the reference, sdpa and flex backends;
+            cute takes Dv = D only ("auto" falls back). q, k, v share a dtype and a device.
         mask: a `ColumnMask` (FlashMask column-wise format) or None for full attention. Use its
             constructors (`ColumnMask.causal_document(cu_seqlens)`, ...), `masks.build(...)`,
             `ColumnMask.from_dense` or `ColumnMask.from_mask_mod` to make one.
@@ -49,10 +51,10 @@ def attention(
             iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1 meaning unbounded; with
             causal=True, right must be 0 or -1. Given together with `mask`: ValueError.
         backend: "reference" (pure PyTorch, any device), "cute" (the CuTe DSL Hopper kernel:
-            bf16/fp16, head dim 64/128, sm_90), "sdpa" (torch SDPA with a dense mask), "flex"
-            (FlexAttention with a BlockMask), or "auto": cute where it supports the inputs, else
-            flex on CUDA, else reference.
-        softmax_scale: scale of q.k; default 1/sqrt(D).
+            bf16/fp16, head dim 64/128 for q, k and v alike, sm_90), "sdpa" (torch SDPA with a
+            dense mask), "flex" (FlexAttention with a BlockMask), or "auto": cute where it
+            supports the inputs, else flex on CUDA, else reference.
+        softmax_scale: scale of q.k; default 1/sqrt(D), D being q's (and k's) head dim.
         return_lse: also return the log-sum-exp of the scaled scores, fp32 [B, Hq, Sq].
         deterministic: the cute backward adds dQ in a fixed order, so gradients are bitwise
             identical run to run (slightly slower); the reference is deterministic anyway.
@@ -67,10 +69,11 @@ def attention(
             through their differentiable lse. Every backend takes them.
 
     Returns:
-        out [B, Sq, Hq, D] in q's dtype (and lse if asked). Softmax runs in fp32. A query row that
-        sees no key gives out = 0 and lse = -inf (never NaN), and zero gradients; so does every
-        row when Sk = 0, on any backend. With sinks such a row gives out = 0 and lse = its sink.
-        B = 0 or Sq = 0 gives empty results; 0 heads or head dim 0 is a ValueError.
+        out [B, Sq, Hq, Dv] (v's head dim) in q's dtype (and lse if asked). Softmax runs in fp32.
+        A query row that sees no key gives out = 0 and lse = -inf (never NaN), and zero
+        gradients; so does every row when Sk = 0, on any backend. With sinks such a row gives
+        out = 0 and lse = its sink. B = 0 or Sq = 0 gives empty results; 0 heads or head dim 0 is
+        a ValueError.
     """
     _check_inputs(q, k, v)
     if sinks is not None:
@@ -103,7 +106,7 @@ def attention(
         # answers it without reducing over an empty key axis, as the others would.
         backend = "reference"
     if backend == "auto":
-        backend = _auto_backend(q, k)
+        backend = _auto_backend(q, k, v)
     if backend == "reference":
         out, lse = reference_attention(q, k, v, mask, softmax_scale, sinks=sinks)
     elif backend == "sdpa":  # its lse is None only where not asked for (no lse and no sinks)
@@ -111,7 +114,10 @@ def attention(
             q, k, v, mask, softmax_scale, return_lse or sinks is not None
         )
     elif backend == "cute":
-        if _cute_unsupported(q, k):
+        head_dims = _cute_head_dims_unsupported(q, v)
+        if head_dims:  # the kernels' own checks do not look at v: refused here, before any launch
+            raise ValueError(head_dims)
+        if _cute_unsupported(q, k, v):
             cute_attention(q, k, v, mask, softmax_scale, deterministic)  # raises, with its error for the reason
         out, lse = ops.attention(q, k, v, mask, softmax_scale, deterministic, sinks)
     elif backend == "flex":
@@ -146,7 +152,8 @@ def varlen_attention(
     `attention`, no varlen kernel of their own.
 
     Args:
-        q: [total, Hq, D]; k, v: [total, Hkv, D] (dtypes, GQA and head dims as in `attention`).
+        q: [total, Hq, D]; k: [total, Hkv, D]; v: [total, Hkv, Dv] (dtypes, GQA and head dims as in
+            `attention`: Dv may differ from D).
         cu_seqlens_q, cu_seqlens_k: int32 or int64 [N + 1] document boundaries, 0 first, total
             last. They must be equal for now (each document attends to itself): pass the same
             tensor twice to skip comparing them, which reads them on the host.
@@ -156,7 +163,7 @@ def varlen_attention(
         softmax_scale, return_lse, deterministic, backend: as in `attention`.
 
     Returns:
-        out [total, Hq, D] in q's dtype (and lse fp32 [Hq, total], FlashAttention's varlen layout,
+        out [total, Hq, Dv] in q's dtype (and lse fp32 [Hq, total], FlashAttention's varlen layout,
         if asked).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -176,6 +183,10 @@ def varlen_attention(
         )
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must hold the same number of tokens, got {q.shape[0]} and {k.shape[0]}")
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"v must be [total, Hkv, Dv] with k's total and Hkv (k is {tuple(k.shape)}), got {tuple(v.shape)}"
+        )
     window = _check_flash_arguments(causal, window_size)
     # Built on cu_seqlens's device, where CPU metadata gets checked; attention moves it to q's.
     mask = _flash_attention_mask(causal, window, q.shape[0], k.shape[0], q.device, cu_seqlens=cu_seqlens_q)
@@ -240,15 +251,32 @@ def _flash_attention_mask(
 _flash_masks: TensorMemo[ColumnMask] = TensorMemo(size=4)
 
 
-def _auto_backend(q: torch.Tensor, k: torch.Tensor) -> Backend:
+def _auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Backend:
     if not q.is_cuda:
         return "reference"
-    return "flex" if _cute_unsupported(q, k) else "cute"
+    return "flex" if _cute_unsupported(q, k, v) else "cute"
 
 
-def _cute_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """`unsupported_reason`, which reads devices, dtypes and installed packages, never tensor values:
-    under torch.compile it is evaluated once at trace time instead of traced (no graph break)."""
+def _cute_head_dims_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the cute kernels cannot take v's head dim, or None: they take Dv = D only (their
+    `unsupported_reason` reads q and k, not v). Shapes only, so it is the same under torch.compile."""
+    d, dv = int(q.shape[-1]), int(v.shape[-1])
+    if dv == d:
+        return None
+    return (
+        f"backend='cute' takes a value head dim equal to the query/key head dim (64 or 128 for q, k "
+        f"and v alike), got q/k head dim {d} and v head dim {dv}; use backend='auto' (flex on CUDA, "
+        "else the reference), 'flex', 'sdpa' or 'reference' for a different value head dim"
+    )
+
+
+def _cute_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """`_cute_head_dims_unsupported`, then `unsupported_reason`, which reads devices, dtypes and
+    installed packages, never tensor values: under torch.compile it is evaluated once at trace time
+    instead of traced (no graph break)."""
+    head_dims = _cute_head_dims_unsupported(q, v)
+    if head_dims:
+        return head_dims
     if torch.compiler.is_compiling():
         return _cute_unsupported_at_trace(q.device, q.dtype, int(q.shape[-1]))
     return unsupported_reason(q, k)
@@ -291,8 +319,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must have the same batch, length and heads (k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]; "
+            f"only the head dims may differ), got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     if q.shape[3] != k.shape[3]:

@@ -1,6 +1,7 @@
 """Pure-PyTorch mask-aware attention: chunked forward with LSE and an explicit backward.
 
-Layout is FlashAttention's: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], Hq a multiple of Hkv.
+Layout is FlashAttention's: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv], Hq a multiple
+of Hkv; out has v's head dim Dv, which may differ from D (DeepSeek's MLA: D = 192, Dv = 128).
 Work is cut into query chunks; for each chunk only the key blocks that are not fully masked (for
 any batch or mask head) are gathered, and the element mask is applied only when one of them is
 partial. Cost follows the mask density and memory stays O(chunk * Sk), never Sq x Sk.
@@ -109,7 +110,7 @@ def forward(
     compute_dtype: torch.dtype,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (out [B, Sq, Hq, D], lse [B, Hq, Sq]), both in the accumulator dtype.
+    """Return (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]), both in the accumulator dtype (Dv: v's head dim).
 
     Matmul operands and results are in `compute_dtype`; softmax statistics in fp32 (fp64 when
     computing in fp64), as the kernels keep them. `sinks` [Hq]: each query head's sink logit, in
@@ -120,9 +121,9 @@ def forward(
     plan = _Plan(mask, b, hq, sq, sk, q.device)
     qh = _split_heads(q.to(compute_dtype), hkv)  # [B, Hkv, G, Sq, D]
     kh = k.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Sk, D]
-    vh = v.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    vh = v.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Sk, Dv]
     acc = _accumulator(compute_dtype)
-    out = torch.zeros(qh.shape, dtype=acc, device=q.device)
+    out = torch.zeros(*qh.shape[:-1], v.shape[-1], dtype=acc, device=q.device)  # [B, Hkv, G, Sq, Dv]
     lse = torch.full(qh.shape[:-1], -math.inf, dtype=acc, device=q.device)
     if sinks is not None:
         sink = sinks.to(acc).view(1, hkv, hq // hkv, 1, 1)  # broadcasts over [B, Hkv, G, rows, 1]
@@ -156,7 +157,8 @@ def backward(
     softmax_scale: float,
     compute_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV from dO, O and LSE, as the kernels compute them (P = exp(S - LSE))."""
+    """dQ, dK, dV from dO, O and LSE, as the kernels compute them (P = exp(S - LSE)); dQ and dK
+    have q's and k's head dim D, dV (like dO and O) v's head dim Dv."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     plan = _Plan(mask, b, hq, sq, sk, q.device)
@@ -170,7 +172,7 @@ def backward(
     delta = (doh.to(acc) * oh.to(acc)).sum(-1)  # rowsum(dO * O)
     dq = torch.zeros(qh.shape, dtype=acc, device=q.device)
     dk = torch.zeros(b, hkv, sk, d, dtype=acc, device=q.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(b, hkv, sk, v.shape[-1], dtype=acc, device=q.device)
     for rows, keys, needs_mask in plan.chunks:
         q_c, do_c = qh[..., rows, :], doh[..., rows, :]
         k_c, v_c = _take(kh, keys, 3), _take(vh, keys, 3)
@@ -213,7 +215,7 @@ def sinks_backward(
 
 
 def join_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention sinks applied to a backend's (out [B, Sq, Hq, D], lse [B, Hq, Sq]) after the fact.
+    """Attention sinks applied to a backend's (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) after the fact.
 
     With L = lse and s the head's sink, the sink's term in the denominator scales every key's
     probability by exp(L) / (exp(L) + exp(s)) = sigmoid(L - s): out * sigmoid(L - s), and the
@@ -265,9 +267,10 @@ def reference_attention(
     compute_dtype: torch.dtype | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable (out, lse), lse not differentiated. `compute_dtype` defaults to fp32 (fp64
-    for fp64 inputs); pass the input dtype to emulate a low-precision computation (the verify
-    baseline). `sinks`: float [Hq], each query head's sink logit (differentiable), or None."""
+    """Differentiable (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]), lse not differentiated; Dv is v's head
+    dim, which may differ from q's and k's. `compute_dtype` defaults to fp32 (fp64 for fp64
+    inputs); pass the input dtype to emulate a low-precision computation (the verify baseline).
+    `sinks`: float [Hq], each query head's sink logit (differentiable), or None."""
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return ReferenceAttention.apply(q, k, v, mask, softmax_scale, compute_dtype, sinks)

@@ -136,7 +136,7 @@ def test_softmax_scale_is_applied():
         (lambda q, k, v: (q[0], k, v), ValueError, "q must be 4-D"),
         (lambda q, k, v: (q.long(), k, v), TypeError, "q dtype must be one of"),
         (lambda q, k, v: (q, k.float(), v), TypeError, "share a dtype"),
-        (lambda q, k, v: (q, k, v[:, :10]), ValueError, "k and v must have the same shape"),
+        (lambda q, k, v: (q, k, v[:, :10]), ValueError, "k and v must have the same batch, length and heads"),
         (lambda q, k, v: (q[:, :, :3], k, v), ValueError, r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
         (lambda q, k, v: (q[..., :8], k, v), ValueError, "same head dim"),
         (lambda q, k, v: (q.expand(2, -1, -1, -1), k, v), ValueError, "same batch size"),

@@ -70,8 +70,10 @@ def random_inputs(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    head_dim_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fresh q, k, v, dout (standard normal, rounded to `dtype`) for a comparison."""
+    """Fresh q, k, v, dout (standard normal, rounded to `dtype`) for a comparison; v and dout have
+    the head dim `head_dim_v` (default: `head_dim`)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def make(*shape):
@@ -79,8 +81,9 @@ def random_inputs(
 
     q = make(batch, seqlen_q, heads_q, head_dim)
     k = make(batch, seqlen_k, heads_kv, head_dim)
-    v = make(batch, seqlen_k, heads_kv, head_dim)
-    return q, k, v, make(batch, seqlen_q, heads_q, head_dim)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    v = make(batch, seqlen_k, heads_kv, head_dim_v)
+    return q, k, v, make(batch, seqlen_q, heads_q, head_dim_v)
 
 
 def random_sinks(heads_q: int, seqlen_k: int, device: torch.device | str = "cpu", seed: int = 0) -> torch.Tensor:

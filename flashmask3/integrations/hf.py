@@ -219,8 +219,10 @@ def _attention_forward(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """HF's attention interface: q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] -> ([B, Sq, Hq, D], None).
-    `s_aux`: the module's attention sinks [Hq] (gpt-oss), passed on as `sinks`."""
+    """HF's attention interface: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] ->
+    ([B, Sq, Hq, Dv], None); Dv may differ from D (DeepSeek-V3's MLA, which pads v only for
+    implementations named "flash..."). `s_aux`: the module's attention sinks [Hq] (gpt-oss), passed
+    on as `sinks`."""
     if dropout:
         raise ValueError(
             f"dropout={dropout}: flashmask3 has no attention dropout; set the config's attention_dropout "

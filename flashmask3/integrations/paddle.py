@@ -30,8 +30,9 @@ def flashmask_attention(
     `startend_row_indices` (or `causal` / `window_size`), on `flashmask3.attention` (backend "auto").
 
     Args:
-        query: [B, Sq, Hq, D]; key, value: [B, Sk, Hkv, D], Hq a multiple of Hkv (GQA). bf16 / fp16
-            as in Paddle; fp32 / fp64 run on the reference and flex backends.
+        query: [B, Sq, Hq, D]; key: [B, Sk, Hkv, D]; value: [B, Sk, Hkv, Dv], Hq a multiple of Hkv
+            (GQA), Dv = D or not (as in `flashmask3.attention`). bf16 / fp16 as in Paddle; fp32 /
+            fp64 run on the reference and flex backends.
         startend_row_indices: int32 [B or 1, 1 or Hkv or Hq, Sk, 1 | 2 | 4], FlashMask's column-wise
             mask (the `ColumnMask` format): for key column j the query rows [LTS_j, LTE_j) and
             [UTS_j, UTE_j) are masked. With `causal=True`, last dim 1 is [LTS] (LTE = Sq) and 2 is
@@ -51,7 +52,7 @@ def flashmask_attention(
         softmax_scale: scale of Q K^T, default 1 / sqrt(D).
 
     Returns:
-        out [B, Sq, Hq, D] in query's dtype, or (out, lse) with `return_softmax_lse`. A query row
+        out [B, Sq, Hq, Dv] in query's dtype, or (out, lse) with `return_softmax_lse`. A query row
         that sees no key gives 0.
 
     Example (three packed documents of 4, 3 and 3 tokens, causal)::
