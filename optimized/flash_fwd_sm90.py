@@ -54,13 +54,28 @@ class FlashMaskForwardSm90:
 
     tile_n = 128  # keys per key tile (the host's key-block min/max are per 128 keys)
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, mask_width: int, config: FwdConfig):
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        causal: bool,
+        mask_width: int,
+        config: FwdConfig,
+        head_dim_v: int | None = None,
+    ):
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
+        if head_dim_v not in (64, 128) or head_dim_v > head_dim:
+            raise ValueError(
+                f"head_dim_v must be 64 or 128 and at most head_dim ({head_dim}; O is staged in Q's "
+                f"buffer), got {head_dim_v}"
+            )
         if config.tile_m == 192 and head_dim != 64:
             raise ValueError(f"192-row query tiles need head_dim 64, got {head_dim}")
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.causal = causal
         self.mask_width = mask_width
         self.tile_m = config.tile_m
@@ -79,8 +94,8 @@ class FlashMaskForwardSm90:
         self,
         mQ: cute.Tensor,  # [B, Sq, Hq, D]
         mK: cute.Tensor,  # [B, Sk, Hkv, D]
-        mV: cute.Tensor,  # [B, Sk, Hkv, D]
-        mO: cute.Tensor,  # [B, Sq, Hq, D]
+        mV: cute.Tensor,  # [B, Sk, Hkv, Dv]
+        mO: cute.Tensor,  # [B, Sq, Hq, Dv]
         mLSE: cute.Tensor,  # [B, Hq, Sq] fp32
         mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
         mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
@@ -98,8 +113,16 @@ class FlashMaskForwardSm90:
         mLSE = select_modes(mLSE, [2, 1, 0])  # (Sq, Hq, B)
         sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, 2)  # two buffers: Q, then O
         q_tile = cute.select(sQ_layout, mode=[0, 1])
-        sKV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
-        kv_tile = cute.select(sKV_layout, mode=[0, 1])
+        # O is staged in its work tile's Q buffer: the same layout, or Dv columns at Q's buffer stride.
+        sO_layout, o_tile = sQ_layout, q_tile
+        if const_expr(self.head_dim_v != self.head_dim):
+            o_tile = smem_layout(self.dtype, self.tile_m, self.head_dim_v)
+            buffers = cute.make_layout(2, stride=cute.cosize(q_tile))
+            sO_layout = cute.make_composed_layout(o_tile.inner, 0, cute.append(o_tile.outer, buffers))
+        sK_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
+        k_tile = cute.select(sK_layout, mode=[0, 1])
+        sV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
+        v_tile = cute.select(sV_layout, mode=[0, 1])
         tiled_mma_qk = sm90.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
@@ -116,18 +139,19 @@ class FlashMaskForwardSm90:
             warpgroup.OperandMajorMode.MN,
             Float32,
             atom_layout_mnk=(self.num_consumer_wgs, 1, 1),
-            tiler_mn=(64, self.head_dim),
+            tiler_mn=(64, self.head_dim_v),
             a_source=warpgroup.OperandSource.RMEM,
         )
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, self.head_dim), 1)
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, kv_tile, (self.tile_n, self.head_dim), 1)
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, kv_tile, (self.tile_n, self.head_dim), 1)
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, k_tile, (self.tile_n, self.head_dim), 1)
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, v_tile, (self.tile_n, self.head_dim_v), 1)
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, q_tile, (self.tile_m, self.head_dim)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, o_tile, (self.tile_m, self.head_dim_v)
         )
         q_bytes = cute.size_in_bytes(self.dtype, q_tile)
-        kv_bytes = cute.size_in_bytes(self.dtype, kv_tile)
+        k_bytes = cute.size_in_bytes(self.dtype, k_tile)
+        v_bytes = cute.size_in_bytes(self.dtype, v_tile)
         # (key in tile, boundary, buffer, warpgroup): each warpgroup alternates two tiles' bounds.
         w = self.mask_width
         bounds_layout = cute.make_layout(
@@ -142,8 +166,8 @@ class FlashMaskForwardSm90:
             mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
             tile_ring: cute.struct.MemRange[Int32, TileList.slots]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sBounds: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(bounds_layout)], 16]
 
         num_ctas = cutlass.min(self.work_tiles(mQ, None).total, max_ctas)
@@ -163,13 +187,16 @@ class FlashMaskForwardSm90:
             tma_v,
             tma_o,
             q_bytes,
-            kv_bytes,
+            k_bytes,
+            v_bytes,
             Float32(softmax_scale * LOG2_E),
             qheads_per_kvhead,
             qheads_per_maskhead,
             mask_batch_stride,
             sQ_layout,
-            sKV_layout,
+            sO_layout,
+            sK_layout,
+            sV_layout,
             bounds_layout,
             tiled_mma_qk,
             tiled_mma_pv,
@@ -194,13 +221,16 @@ class FlashMaskForwardSm90:
         tma_v: cute.CopyAtom,
         tma_o: cute.CopyAtom,
         q_bytes: cutlass.Constexpr[int],
-        kv_bytes: cutlass.Constexpr[int],
+        k_bytes: cutlass.Constexpr[int],
+        v_bytes: cutlass.Constexpr[int],
         scale_log2: Float32,
         qheads_per_kvhead: Int32,
         qheads_per_maskhead: Int32,
         mask_batch_stride: Int32,
         sQ_layout: cute.ComposedLayout,
-        sKV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
         bounds_layout: cute.Layout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -219,8 +249,8 @@ class FlashMaskForwardSm90:
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
         # A Q buffer is free once the TMA store of the O staged in it has read it: one thread knows.
         pipe_q = tma_pipeline(storage.mbar_q, 2, q_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1))
-        pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, kv_bytes, consumer_warps)
-        pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, kv_bytes, consumer_warps)
+        pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, k_bytes, consumer_warps)
+        pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, v_bytes, consumer_warps)
         tile_list = TileList(
             storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)), storage.mbar_tiles.data_ptr()
         )
@@ -229,8 +259,11 @@ class FlashMaskForwardSm90:
         cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sO = sQ  # O in the work tile's Q buffer
+        if const_expr(self.head_dim_v != self.head_dim):
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sBounds = storage.sBounds.get_tensor(bounds_layout)
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         heads = (qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride)
@@ -282,6 +315,7 @@ class FlashMaskForwardSm90:
                 mLSE,
                 mRowIndices,
                 sQ,
+                sO,
                 sK,
                 transpose_view(sV),
                 sBounds,
@@ -340,7 +374,7 @@ class FlashMaskForwardSm90:
             head_kv = head // qheads_per_kvhead
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
             gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tKsK, tKgK = tma_tiles(tma_k, sK, gK)
             tVsV, tVgV = tma_tiles(tma_v, sV, gV)
@@ -387,6 +421,7 @@ class FlashMaskForwardSm90:
         mLSE,
         mRowIndices,
         sQ,
+        sO,
         sK,
         sVt,
         sBounds,
@@ -415,7 +450,7 @@ class FlashMaskForwardSm90:
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
         s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
         s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         row_max = cute.make_rmem_tensor(cute.size(acc_rows_view(acc_O), mode=[0]), Float32)
@@ -490,7 +525,7 @@ class FlashMaskForwardSm90:
                 lse,
                 tiled_mma_pv,
                 thr_pv,
-                sQ[None, None, q_state.index],
+                sO[None, None, q_state.index],
                 tma_o,
                 mO,
                 mLSE,
@@ -701,11 +736,11 @@ class FlashMaskForwardSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
         if tidx == 0:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
             t_s, t_g = tma_tiles(tma_o, sO, gO)
             cute.copy(tma_o, t_s, t_g)
             cute.arch.cp_async_bulk_commit_group()
-        coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         if coords[0, 0][1] == 0:  # the thread holding column 0 of its rows writes their LSE
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + coords[r, 0][0]

@@ -29,8 +29,8 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128)
 _compiled: dict[tuple, object] = {}
 compile_seconds: dict[tuple, float] = {}
-"""Wall time of each compilation, keyed like the cache: (direction, dtype, head_dim, causal,
-mask width, config, deterministic, which tensors are None)."""
+"""Wall time of each compilation, keyed like the cache: (direction, dtype, head_dim, head_dim_v,
+causal, mask width, config, deterministic, which tensors are None)."""
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -71,9 +71,11 @@ def _make_kernel(
     config: FwdConfig | BwdConfig | None,
     direction: str = "fwd",
     deterministic: bool = False,
+    head_dim_v: int | None = None,
 ):
     """The kernel object of `direction` ("fwd", "bwd", or the backward's "bwd_pre" / "bwd_post",
-    which take no configuration)."""
+    which take no configuration); `head_dim_v`: V's and O's head dim when not `head_dim` (the
+    forward only)."""
     import cutlass
 
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
@@ -91,7 +93,7 @@ def _make_kernel(
 
     if not isinstance(config, FwdConfig):
         raise TypeError(f"the forward takes a FwdConfig, got {config!r}")
-    return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, config)
+    return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, config, head_dim_v)
 
 
 def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig | None:
@@ -114,22 +116,24 @@ def _launch(
     tensors: list[torch.Tensor | None],
     scalars: list[float | int],
     deterministic: bool = False,
+    head_dim_v: int | None = None,
 ) -> None:
     """Run one kernel on the current stream, compiling it on first use per configuration (the
     scalars: floats are Float32, ints Int32). The compiled function takes the torch tensors and
-    Python scalars as they are (TVM-FFI)."""
+    Python scalars as they are (TVM-FFI). `head_dim_v`: as in `_make_kernel`."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
     config = _device_part(config)
-    key = (direction, dtype, head_dim, causal, width, config, deterministic, tuple(t is None for t in tensors))
+    nones = tuple(t is None for t in tensors)
+    key = (direction, dtype, head_dim, head_dim_v, causal, width, config, deterministic, nones)
     if key not in _compiled:
         cute_args = [
             *(None if t is None else _to_cute(t) for t in tensors),
             *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars),
         ]
         name = "bf16" if dtype == torch.bfloat16 else "fp16"
-        kernel = _make_kernel(name, head_dim, causal, width, config, direction, deterministic)
+        kernel = _make_kernel(name, head_dim, causal, width, config, direction, deterministic, head_dim_v)
         start = time.perf_counter()
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's current one, at each call
         _compiled[key] = cute.compile(kernel, *cute_args, stream, options="--enable-tvm-ffi")
@@ -148,7 +152,9 @@ def forward(
     timeline: torch.Tensor | None = None,
     config: FwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
+    """(out [B, Sq, Hq, Dv], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
+    V's head dim Dv may be below Q's and K's D (64 with D = 128); not yet checked on a GPU, so the
+    public entry takes Dv = D only.
 
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
     `timeline`: an int64 [CTAs, work tiles, len(timeline.Event)] buffer runs a build of the kernel
@@ -167,7 +173,8 @@ def forward(
     config = config or fwd_config(d, mask.causal, width)
     bounds = block_minmax(mask, Kernel.tile_n)
     q, k, v = (x.contiguous() for x in (q, k, v))
-    out = torch.empty_like(q) if out is None else out
+    dv = v.shape[-1]
+    out = q.new_empty(b, sq, hq, dv) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     order = None
@@ -185,6 +192,7 @@ def forward(
         config,
         [q, k, v, out, lse, row_indices, bounds, tile_counter, order, timeline],
         scalars,
+        head_dim_v=None if dv == d else dv,
     )
     return out, lse
 
@@ -313,10 +321,12 @@ def compile_check(
     direction: str = "fwd",
     deterministic: bool = False,
     timeline: bool = False,
+    head_dim_v: int | None = None,
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
     without a GPU (fake tensors), launched as `_launch` does (TVM-FFI); return the seconds taken.
-    Set CUTE_DSL_ARCH=sm_90a first when no GPU is present. `config`: the forward's (backward's)
+    Set CUTE_DSL_ARCH=sm_90a first when no GPU is present. `head_dim_v`: the forward's V and O
+    head dim when not `head_dim`. `config`: the forward's (backward's)
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
     backward's profiled build."""
     import cutlass
@@ -359,11 +369,12 @@ def compile_check(
         ]
     else:
         config = config or fwd_config(head_dim, causal, width)
+        dv = head_dim if head_dim_v is None else head_dim_v
         tensors = [
             q_like,
             kv_like,
-            kv_like,
-            q_like,
+            fake(cute_dtype, (b, sk, hkv, dv)),
+            fake(cute_dtype, (b, sq, hq, dv)),
             fake(cutlass.Float32, (b, hq, sq)),
             row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
@@ -376,7 +387,8 @@ def compile_check(
     args = [*tensors, *scalars, stream]
     flags = {"options": "--enable-tvm-ffi"}
     start = time.perf_counter()
-    cute.compile(_make_kernel(dtype, head_dim, causal, width, config, direction, deterministic), *args, **flags)
+    kernel = _make_kernel(dtype, head_dim, causal, width, config, direction, deterministic, head_dim_v)
+    cute.compile(kernel, *args, **flags)
     if direction == "bwd":
         pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream)
         cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_pre"), *pre_args, **flags)

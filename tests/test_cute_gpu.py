@@ -70,6 +70,28 @@ def test_late_k_release_gives_the_early_releases_numbers(name):
     assert torch.equal(out, out_early) and torch.equal(lse, lse_early)
 
 
+@pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
+def test_forward_with_a_narrower_value_head_dim_matches_the_reference(name):
+    """The forward with V and O of head dim 64 beside Q and K of 128 (O staged in a part of Q's
+    buffer), into a NaN-poisoned output: within twice the bf16 reference's own error of the fp64
+    one, GQA 4 on 2, a ragged length."""
+    from flashmask3.optimized.interface import forward
+    from flashmask3.reference.attention import forward as reference_forward
+
+    seqlen, scale = 1531, 1 / math.sqrt(128)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=11, device="cuda")
+    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=11, head_dim_v=64)
+    out, lse = forward(q, k, v, mask, scale, out=torch.full((2, seqlen, 4, 64), math.nan, device="cuda").bfloat16())
+    exact, exact_lse = reference_forward(q, k, v, mask, scale, torch.float64)
+    in_bf16, _ = reference_forward(q, k, v, mask, scale, torch.bfloat16)
+    tolerance = 2 * (in_bf16.double() - exact).abs().max().item() + 1e-3
+    assert out.shape == (2, seqlen, 4, 64) and not out.isnan().any()
+    assert (out.double() - exact).abs().max().item() <= tolerance
+    seen = exact_lse.isfinite()
+    assert torch.equal(lse.isfinite(), seen)
+    torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
+
+
 def test_deterministic_gradients_are_bitwise_equal():
     from flashmask3.optimized.interface import backward, forward
 

@@ -114,7 +114,9 @@ def test_the_backward_launches_longest_first_in_short_grids_when_not_determinist
     from flashmask3.reference import masks
 
     launched = {}
-    monkeypatch.setattr(interface, "_launch", lambda direction, *args: launched.setdefault(direction, []).append(args))
+    monkeypatch.setattr(
+        interface, "_launch", lambda direction, *args, **kw: launched.setdefault(direction, []).append(args)
+    )
     monkeypatch.setattr(interface, "_sm_count", lambda device: 2)  # 8 CTAs: 4 waves
     q = torch.randn(1, 512, 4, 64, dtype=torch.bfloat16)
     k, v = torch.randn(2, 1, 512, 2, 64, dtype=torch.bfloat16)
@@ -138,7 +140,7 @@ def test_the_forward_draws_longest_first_when_few_per_sm(monkeypatch):
     from flashmask3.reference import masks
 
     launched = []
-    monkeypatch.setattr(interface, "_launch", lambda direction, *args: launched.append(args))
+    monkeypatch.setattr(interface, "_launch", lambda direction, *args, **kw: launched.append(args))
     monkeypatch.setattr(interface, "_sm_count", lambda device: 2)  # 8 work tiles: 4 per SM
     q, k, v = torch.randn(3, 1, 512, 2, 128, dtype=torch.bfloat16)
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
@@ -169,6 +171,7 @@ def test_the_host_only_choices_compile_no_new_kernel():
 _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
     "fwd": ("FlashMaskForward", "'bf16', 128, True, 1"),
     "bwd": ("FlashMaskBackward", "'bf16', 128, False, 2, direction='bwd'"),
+    "fwd_value_dim_64": ("FlashMaskForward", "'bf16', 128, False, 4, head_dim_v=64"),
 }
 
 
