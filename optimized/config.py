@@ -28,6 +28,10 @@ class FwdConfig:
     # head dim 64 only, 192 (three in round-robin turns; at 128 their registers would not fit).
     tile_m: int
     num_stages: int  # K/V pipeline depth: 2 or 3 (each stage is a K and a V buffer in smem)
+    # Q buffers in smem, each holding a work tile's Q and then its O for the store: 2 (the next
+    # tile's Q lands while this one's O is stored) or 1 (the next Q waits for the store to have
+    # read it), where two do not fit beside the K/V stages (head dim 192).
+    q_buffers: int
     # One CTA per SM, each drawing work tiles until none are left (off: one CTA per work tile; the
     # same kernel, only the grid differs).
     persistent: bool
@@ -50,6 +54,8 @@ class FwdConfig:
             raise ValueError(f"tile_m must be 128 or 192, got {self.tile_m}")
         if self.num_stages not in (2, 3):
             raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
+        if self.q_buffers not in (1, 2):
+            raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
         if self.longest_tiles_first_waves < 0:
             raise ValueError(f"longest_tiles_first_waves must be >= 0, got {self.longest_tiles_first_waves}")
         if self.late_k_release and self.tile_m != 128:
@@ -107,11 +113,13 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     persistent grid (up to +21% over one CTA per work tile on the short-list masks, even on the
     dense ones); uniform partial tiles masked per row (+1-4% on the document-like masks at 8K, 0 on
     full); at 128-row tiles the K stage released after the mask (+1-5% on every mask, bit for bit
-    the same numbers). The mask variant changes none of these today."""
+    the same numbers); one Q buffer at head dim 192, where two do not fit beside two K/V stages
+    (not yet measured). The mask variant changes none of these today."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
         num_stages=2,
+        q_buffers=1 if head_dim > 128 else 2,
         persistent=True,
         uniform_tiles=True,
         longest_tiles_first_waves=LONGEST_TILES_FIRST_WAVES,

@@ -64,8 +64,10 @@ class FlashMaskForwardSm90:
         head_dim_v: int | None = None,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        if head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
+        if head_dim not in (64, 128, 192):
+            raise ValueError(f"head_dim must be 64, 128 or 192 for the cute backend, got {head_dim}")
+        if head_dim == 192 and config.q_buffers != 1:
+            raise ValueError("head_dim 192 needs q_buffers=1 (two Q buffers do not fit beside two K/V stages)")
         if head_dim_v not in (64, 128) or head_dim_v > head_dim:
             raise ValueError(
                 f"head_dim_v must be 64 or 128 and at most head_dim ({head_dim}; O is staged in Q's "
@@ -80,12 +82,17 @@ class FlashMaskForwardSm90:
         self.mask_width = mask_width
         self.tile_m = config.tile_m
         self.num_stages = config.num_stages
+        self.q_buffers = config.q_buffers
         self.uniform_tiles = config.uniform_tiles
         self.late_k_release = config.late_k_release
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
-        # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all)
+        # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
+        # head dim 192 the producer warps spill with 24 (its K tiles' wider coordinates) and 232 fit
+        # the consumers' loop.
         self.producer_regs, self.consumer_regs = (24, 240) if self.num_consumer_wgs == 2 else (32, 160)
+        if head_dim == 192:
+            self.producer_regs, self.consumer_regs = 32, 232
         self.epilogue_barrier = _MMA_TURN + self.num_consumer_wgs
         self.bounds_barrier = self.epilogue_barrier + 1
 
@@ -111,13 +118,13 @@ class FlashMaskForwardSm90:
     ):
         mQ, mK, mV, mO = (select_modes(assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mO))
         mLSE = select_modes(mLSE, [2, 1, 0])  # (Sq, Hq, B)
-        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, 2)  # two buffers: Q, then O
+        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, self.q_buffers)  # each Q, then O
         q_tile = cute.select(sQ_layout, mode=[0, 1])
         # O is staged in its work tile's Q buffer: the same layout, or Dv columns at Q's buffer stride.
         sO_layout, o_tile = sQ_layout, q_tile
         if const_expr(self.head_dim_v != self.head_dim):
             o_tile = smem_layout(self.dtype, self.tile_m, self.head_dim_v)
-            buffers = cute.make_layout(2, stride=cute.cosize(q_tile))
+            buffers = cute.make_layout(self.q_buffers, stride=cute.cosize(q_tile))
             sO_layout = cute.make_composed_layout(o_tile.inner, 0, cute.append(o_tile.outer, buffers))
         sK_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
         k_tile = cute.select(sK_layout, mode=[0, 1])
@@ -160,7 +167,7 @@ class FlashMaskForwardSm90:
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, self.q_buffers * 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
@@ -248,7 +255,9 @@ class FlashMaskForwardSm90:
         storage = SmemAllocator().allocate(SharedStorage)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
         # A Q buffer is free once the TMA store of the O staged in it has read it: one thread knows.
-        pipe_q = tma_pipeline(storage.mbar_q, 2, q_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1))
+        pipe_q = tma_pipeline(
+            storage.mbar_q, self.q_buffers, q_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        )
         pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, k_bytes, consumer_warps)
         pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, v_bytes, consumer_warps)
         tile_list = TileList(
@@ -361,9 +370,9 @@ class FlashMaskForwardSm90:
         tile_list,
         timeline,
     ):
-        """Producer warp: per work tile, Q once one of the two Q buffers is free, then K and V of every
+        """Producer warp: per work tile, Q once a Q buffer is free, then K and V of every
         listed key tile, K of tile j+1 before V of tile j (a turn of the consumers' loop needs both)."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_buffers)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         position = Int32(0)
@@ -459,7 +468,7 @@ class FlashMaskForwardSm90:
         causal_offset = seqlen_k - seqlen_q
         bounds = (sBounds[None, None, None, wg], tidx % 128, wg)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_buffers)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # Ping-pong: the warpgroups take turns on the tensor cores (PV of one tile and QK of the
@@ -491,9 +500,12 @@ class FlashMaskForwardSm90:
             self.begin_turn(wg)
             if tidx == 0:
                 timeline.record(tiles_done, Event.LOOP_START)
-            # The other Q buffer holds the previous work tile's O until its store has read it.
-            previous_q = pipeline.PipelineState(2, q_state.count, 1 - q_state.index, q_state.phase)
-            free_previous_q = (pipe_q, previous_q, tiles_done > 0 and tidx == 0)
+            # The other Q buffer holds the previous work tile's O until its store has read it (with
+            # one buffer, the store was waited for before this Q could land).
+            free_previous_q = (pipe_q, q_state, False)
+            if const_expr(self.q_buffers == 2):
+                previous_q = pipeline.PipelineState(2, q_state.count, 1 - q_state.index, q_state.phase)
+                free_previous_q = (pipe_q, previous_q, tiles_done > 0 and tidx == 0)
             k_state, v_state, position = self.overlapped_loop(
                 tiled_mma_qk,
                 tiled_mma_pv,
@@ -535,6 +547,8 @@ class FlashMaskForwardSm90:
                 seqlen_q,
                 tidx,
             )
+            if const_expr(self.q_buffers == 1):  # the next Q needs this buffer
+                self.free_q(pipe_q, q_state, tidx == 0)
             q_state.advance()
             if tidx == 0:
                 timeline.record(tiles_done, Event.STORED)

@@ -70,22 +70,26 @@ def test_late_k_release_gives_the_early_releases_numbers(name):
     assert torch.equal(out, out_early) and torch.equal(lse, lse_early)
 
 
+@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128)])
 @pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
-def test_forward_with_a_narrower_value_head_dim_matches_the_reference(name):
-    """The forward with V and O of head dim 64 beside Q and K of 128 (O staged in a part of Q's
-    buffer), into a NaN-poisoned output: within twice the bf16 reference's own error of the fp64
-    one, GQA 4 on 2, a ragged length."""
+def test_forward_with_a_narrower_value_head_dim_matches_the_reference(name, head_dim, head_dim_v):
+    """The forward with V and O of a head dim below Q's and K's (O staged in a part of Q's buffer;
+    at 192, one Q buffer), into a NaN-poisoned output: within twice the bf16 reference's own error
+    of the fp64 one, GQA 4 on 2, a ragged length."""
     from flashmask3.optimized.interface import forward
     from flashmask3.reference.attention import forward as reference_forward
 
-    seqlen, scale = 1531, 1 / math.sqrt(128)
+    seqlen, scale = 1531, 1 / math.sqrt(head_dim)
     mask = masks.build(name, seqlen, batch=2, heads=4, seed=11, device="cuda")
-    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=11, head_dim_v=64)
-    out, lse = forward(q, k, v, mask, scale, out=torch.full((2, seqlen, 4, 64), math.nan, device="cuda").bfloat16())
+    q, k, v, _ = random_inputs(
+        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=11, head_dim_v=head_dim_v
+    )
+    poisoned = torch.full((2, seqlen, 4, head_dim_v), math.nan, device="cuda").bfloat16()
+    out, lse = forward(q, k, v, mask, scale, out=poisoned)
     exact, exact_lse = reference_forward(q, k, v, mask, scale, torch.float64)
     in_bf16, _ = reference_forward(q, k, v, mask, scale, torch.bfloat16)
     tolerance = 2 * (in_bf16.double() - exact).abs().max().item() + 1e-3
-    assert out.shape == (2, seqlen, 4, 64) and not out.isnan().any()
+    assert out.shape == (2, seqlen, 4, head_dim_v) and not out.isnan().any()
     assert (out.double() - exact).abs().max().item() <= tolerance
     seen = exact_lse.isfinite()
     assert torch.equal(lse.isfinite(), seen)

@@ -172,6 +172,7 @@ _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
     "fwd": ("FlashMaskForward", "'bf16', 128, True, 1"),
     "bwd": ("FlashMaskBackward", "'bf16', 128, False, 2, direction='bwd'"),
     "fwd_value_dim_64": ("FlashMaskForward", "'bf16', 128, False, 4, head_dim_v=64"),
+    "fwd_head_dim_192_128": ("FlashMaskForward", "'bf16', 192, True, 2, head_dim_v=128"),
 }
 
 
@@ -211,6 +212,7 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
     summaries = {}
     for name, (kernel, args) in _SERIALIZATION_CASES.items():
         sass = compiled_sass(tmp_path, name, kernel, args)
+        assert "STL" not in sass and "LDL" not in sass, f"{name} uses local memory"
         summaries[name] = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())))
     for summary in summaries.values():  # a loop of WGMMAs was found, and they stay in flight
         assert " 0 HGMMA" not in summary and "serialized" not in summary, summaries

@@ -11,6 +11,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
     chosen = FwdConfig(
         tile_m=128,
         num_stages=2,
+        q_buffers=2,
         persistent=True,
         uniform_tiles=True,
         longest_tiles_first_waves=128,
@@ -46,6 +47,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
     assert config_fields() == {
         "tile_m": int,
         "num_stages": int,
+        "q_buffers": int,
         "persistent": bool,
         "uniform_tiles": bool,
         "longest_tiles_first_waves": int,
@@ -59,6 +61,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
         192,
         2,
+        q_buffers=2,
         persistent=False,
         uniform_tiles=True,
         longest_tiles_first_waves=128,

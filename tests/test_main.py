@@ -157,6 +157,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
     fwd = {
         "tile_m": 192,
         "num_stages": 2,
+        "q_buffers": 2,
         "persistent": False,
         "uniform_tiles": True,
         "longest_tiles_first_waves": 128,
@@ -172,7 +173,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
     assert max(record["max_abs_err_vs_sdpa"].values()) < 1e-4
     printed = capsys.readouterr().out
     chosen = (
-        "fwd tile_m=192 num_stages=2 persistent=False uniform_tiles=True longest_tiles_first_waves=128"
+        "fwd tile_m=192 num_stages=2 q_buffers=2 persistent=False uniform_tiles=True longest_tiles_first_waves=128"
         " late_k_release=False;"
         " bwd lse_ahead=True dq_first=True longest_ctas_first_waves=16 longest_ctas_first_buckets=16"
     )
