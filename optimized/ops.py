@@ -67,7 +67,7 @@ def cute_forward(
 @cute_forward.register_fake
 def _forward_fake(q, k, v, row_indices, causal, softmax_scale, deterministic, sinks=None):
     b, sq, hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
+    return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashmask3::cute_backward", mutates_args=(), device_types="cuda")

@@ -389,3 +389,16 @@ def test_context_parallel_refuses_another_value_head_dim_at_entry():
         "takes a value head dim equal to the key head dim only",
     ):
         cp_attention(q, k, v, masks.build("causal", 64), plan)
+
+
+def test_the_cute_forward_ops_shapes_follow_vs_head_dim_under_fake_tensors():
+    """torch.compile traces the cute forward through its fake (the op is registered on import of
+    flashmask3): out takes v's head dim."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(1, 100, 4, 192, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(1, 100, 2, 192, device="cuda", dtype=torch.bfloat16)
+        v = torch.empty(1, 100, 2, 128, device="cuda", dtype=torch.bfloat16)
+        out, lse = torch.ops.flashmask3.cute_forward(q, k, v, None, True, 0.1, False)
+    assert tuple(out.shape) == (1, 100, 4, 128) and tuple(lse.shape) == (1, 4, 100)
