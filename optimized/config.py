@@ -87,7 +87,8 @@ class BwdConfig:
     # That order by length class (`tile_plan.longest_first`): this many equal ranges of steps, each
     # in grid order, so the CTAs running together mostly share a KV head's query heads (their Q, dO
     # and dQ accumulator) in L2; by exact length (0), CTAs of all KV heads run together and the L2
-    # hit rate fell to 44% on causal documents (78% in classes).
+    # hit rate fell to 44% on causal documents (78% with the CTAs in KV-head order, which the
+    # classes approximate).
     longest_ctas_first_buckets: int
 
     def __post_init__(self) -> None:
@@ -112,7 +113,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     -7.5% on the sliding window), 128 at 128; two K/V stages (a third measured no faster); the
     persistent grid (up to +21% over one CTA per work tile on the short-list masks, even on the
     dense ones); uniform partial tiles masked per row (+1-4% on the document-like masks at 8K, 0 on
-    full); at 128-row tiles the K stage released after the mask (+1-5% on every mask, bit for bit
+    full); at 128-row tiles the K stage released after the mask (+0.5-4.5% on every mask, bit for bit
     the same numbers); one Q buffer at head dim 192, where two do not fit beside two K/V stages
     (not yet measured). The mask variant changes none of these today."""
     tile_m = 192 if head_dim == 64 else 128

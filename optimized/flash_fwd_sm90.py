@@ -67,7 +67,10 @@ class FlashMaskForwardSm90:
         if head_dim not in (64, 128, 192):
             raise ValueError(f"head_dim must be 64, 128 or 192 for the cute backend, got {head_dim}")
         if head_dim == 192 and config.q_buffers != 1:
-            raise ValueError("head_dim 192 needs q_buffers=1 (two Q buffers do not fit beside two K/V stages)")
+            raise ValueError(
+                "head_dim 192 needs q_buffers=1 (two Q buffers do not fit beside two K/V stages), "
+                f"got q_buffers={config.q_buffers}"
+            )
         if head_dim_v not in (64, 128) or head_dim_v > head_dim:
             raise ValueError(
                 f"head_dim_v must be 64 or 128 and at most head_dim ({head_dim}; O is staged in Q's "
@@ -88,8 +91,8 @@ class FlashMaskForwardSm90:
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
-        # head dim 192 the producer warps spill with 24 (its K tiles' wider coordinates) and 232 fit
-        # the consumers' loop.
+        # head dim 192 the mask-role warp spills with 24 (at causal, width 2), and 232 fit the
+        # consumers' loop.
         self.producer_regs, self.consumer_regs = (24, 240) if self.num_consumer_wgs == 2 else (32, 160)
         if head_dim == 192:
             self.producer_regs, self.consumer_regs = 32, 232

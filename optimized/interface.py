@@ -153,8 +153,8 @@ def forward(
     config: FwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, Dv], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
-    V's head dim Dv may be below Q's and K's D (64 with D = 128); not yet checked on a GPU, so the
-    public entry takes Dv = D only.
+    V's head dim Dv may be below Q's and K's D (64 with D = 128, or 128 with D = 192, which takes one
+    Q buffer); not yet checked on a GPU, so the public entry takes Dv = D only.
 
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
     `timeline`: an int64 [CTAs, work tiles, len(timeline.Event)] buffer runs a build of the kernel
@@ -329,6 +329,8 @@ def compile_check(
     head dim when not `head_dim`. `config`: the forward's (backward's)
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
     backward's profiled build."""
+    if direction != "fwd" and head_dim_v not in (None, head_dim):
+        raise ValueError(f"head_dim_v is for the forward only (direction='fwd'), got {head_dim_v} with {direction=}")
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32

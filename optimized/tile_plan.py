@@ -93,7 +93,7 @@ def longest_first(steps: torch.Tensor, buckets: int = 0) -> torch.Tensor:
     the longest, longest class first, each class in the units' own order. That order keeps units
     that read the same data (one head's tiles) together, so the ones running at a time share it in
     L2, while a class's lengths differ by at most max / `buckets` steps."""
-    if buckets == 0:
+    if buckets == 0 or steps.numel() == 0:
         return torch.sort(steps, descending=True, stable=True).indices.to(torch.int32)
     steps = steps.to(torch.int64)
     shorter_class = buckets - 1 - steps * buckets // (steps.max() + 1)  # on the device: no host sync

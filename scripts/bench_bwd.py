@@ -208,7 +208,8 @@ def run_profile(
     """Per mask and contender (cute, then the peers of `peer_names` that take the mask), one fwd+bwd
     through autograd: its time (CUDA events, median of 5 after a warm-up) and the GPU time of each
     kernel it launches (torch.profiler: name, calls, ms), so that the kernels' sum against the
-    step's time shows the GPU's idle gaps; `heads`, `kv_heads`, `batch` as in `run_bench`."""
+    step's time shows the GPU's idle gaps; a peer that fails (to build or in its warm-up call)
+    leaves its error under the mask's "errors"; `heads`, `kv_heads`, `batch` as in `run_bench`."""
     from torch.profiler import ProfilerActivity, profile
 
     heads, kv_heads = head_counts(head_dim, heads, kv_heads)
@@ -219,9 +220,18 @@ def run_profile(
     for name in mask_names:
         mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=0, device="cuda")
         case = bench_peers.PeerCase(name, mask, batch, heads, 1 / math.sqrt(head_dim))
-        peers = bench_peers.checked_peers(case, peer_names, lambda fn: {}, {})
+        failed: dict = {}
+
+        def warm_up(fn) -> dict:
+            fwd_bwd(fn)(q, k, v, dout)  # its compilation, out of the timing; an error is kept below
+            return {}
+
+        peers = bench_peers.checked_peers(case, peer_names, warm_up, failed)
         contenders = {"cute": lambda q, k, v: fm.attention(q, k, v, mask, backend="cute"), **peers}
-        result[name] = {}
+        errors = {key.removesuffix("_error"): value for key, value in failed.items() if key.endswith("_error")}
+        result[name] = {"errors": errors} if errors else {}
+        for peer, error in errors.items():
+            print(f"--- {name} {peer}: {error}")
         for contender, fn in contenders.items():
             step = fwd_bwd(fn)
             times = []

@@ -92,8 +92,10 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="the JSON file (default runs/cp_report_<K>k_per_rank.json)")
     args = parser.parse_args()
-    if args.call_ms is not None and (args.call_ms < 0 or not args.model):
-        parser.error(f"--call-ms takes a number >= 0 and goes with --model, got {args.call_ms}")
+    if args.call_ms is not None and not args.model:
+        parser.error("--call-ms goes with --model (it changes the cost model only)")
+    if args.call_ms is not None and args.call_ms < 0:
+        parser.error(f"--call-ms takes a number of ms >= 0, got {args.call_ms}")
     fit = RankTimeFit() if args.call_ms is None else RankTimeFit(fixed_s=args.call_ms / 1e3)
     if args.stage_chunks is not None and (args.stage_chunks < 1 or not args.model):
         parser.error(f"--stage-chunks takes a positive int and goes with --model, got {args.stage_chunks}")

@@ -399,8 +399,8 @@ def test_cp_report_takes_the_per_call_cost_with_the_model_only(monkeypatch, caps
 
     base = ["cp_report.py", "--tokens-per-rank", "1024", "--ranks", "4", "--chunk", "256", "--masks", "full"]
     for extra, message in (
-        (["--call-ms", "0.1"], "--call-ms takes a number >= 0 and goes with --model, got 0.1"),
-        (["--model", "--call-ms", "-1"], "--call-ms takes a number >= 0 and goes with --model, got -1.0"),
+        (["--call-ms", "0.1"], "--call-ms goes with --model (it changes the cost model only)"),
+        (["--model", "--call-ms", "-1"], "--call-ms takes a number of ms >= 0, got -1.0"),
     ):
         monkeypatch.setattr(sys, "argv", base + extra)
         with pytest.raises(SystemExit):

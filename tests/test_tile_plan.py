@@ -119,6 +119,10 @@ def test_length_classes_go_longest_first_each_in_its_own_order(buckets):
         assert order == list(range(len(steps)))  # one class: the units' own order
 
 
+def test_no_units_give_an_empty_order_in_classes_too():
+    assert longest_first(torch.zeros(0, dtype=torch.int32), 16).tolist() == []
+
+
 def test_an_order_in_length_classes_is_kept_apart_from_the_exact_one():
     mask = masks.build("causal_document", 1000, seed=1)
     steps = lambda: backward_cta_steps(mask, 1, 4, 2, 64, 128)  # noqa: E731
