@@ -31,21 +31,9 @@ def _rescore_row(s_rows: cute.Tensor, r: int, row_max: cute.Tensor, row_sum: cut
 
 
 @cute.jit
-def softmax_update(
-    acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32
-) -> None:
-    """Turn scores into probabilities in place and rescale O for the new row max, row by row."""
-    s_rows = acc_rows_view(acc_S)
-    o_rows = acc_rows_view(acc_O)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        correction = _rescore_row(s_rows, r, row_max, row_sum, scale_log2)
-        o_rows[r, None].store(o_rows[r, None].load() * correction)
-
-
-@cute.jit
 def softmax_rescore(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
-    """`softmax_update` without touching O (which a GEMM may still be writing): returns the
-    per-row factors for `rescale_rows`."""
+    """Turn scores into probabilities in place for the new row maxima, without touching O (which a
+    GEMM may still be writing): returns the per-row factors for `rescale_rows`."""
     s_rows = acc_rows_view(acc_S)
     correction = cute.make_rmem_tensor_like(row_max, Float32)
     for r in cutlass.range_constexpr(cute.size(row_max)):
