@@ -48,6 +48,9 @@ class FwdConfig:
     # the warpgroup's own PV GEMM above the whole softmax; after the mask, below most of it. For
     # 128-row tiles only (at 192 rows ptxas does not move the wait and spills).
     late_k_release: bool
+    # Row maxima of the scores by `fmax` in four chains (one FMNMX per value) instead of a MAX
+    # reduction, which lowers to NaN-propagating compares and selects on the softmax's critical path.
+    fmax_row_max: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -125,6 +128,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         uniform_tiles=True,
         longest_tiles_first_waves=LONGEST_TILES_FIRST_WAVES,
         late_k_release=tile_m == 128,
+        fmax_row_max=False,
     )
 
 

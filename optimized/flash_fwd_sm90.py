@@ -88,6 +88,7 @@ class FlashMaskForwardSm90:
         self.q_buffers = config.q_buffers
         self.uniform_tiles = config.uniform_tiles
         self.late_k_release = config.late_k_release
+        self.fmax_row_max = config.fmax_row_max
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
@@ -599,7 +600,7 @@ class FlashMaskForwardSm90:
             acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg, free_previous_q)
             k_state.advance()
             self.mask_scores(acc_S, entry, position, bounds, *mask_args)
-            softmax_rescore(acc_S, row_max, row_sum, scale_log2)  # O is still zero: nothing to rescale
+            softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)  # O is zero: no rescale
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             position += 1
             entry = tile_list.read(position)
@@ -622,7 +623,7 @@ class FlashMaskForwardSm90:
                 if const_expr(self.late_k_release):  # keeps the PV's wait below the softmax
                     pipe_k.consumer_release(k_state)
                     k_state.advance()
-                correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2)
+                correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
                 v_state.advance()

@@ -14,12 +14,35 @@ from .layout import acc_rows_view
 
 
 @cute.jit
-def _rescore_row(s_rows: cute.Tensor, r: int, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32):
+def _row_max_by_fmax(s_rows: cute.Tensor, r: int, start: Float32) -> Float32:
+    """max(start, row r of the scores) by `fmax` (a plain FMNMX each; the scores are never NaN) in
+    four independent chains, as FA4's softmax does, where `reduce(MAX)` lowers to NaN-propagating
+    compares and selects."""
+    n = cute.size(s_rows, mode=[1])
+    chains = [start] + [s_rows[r, i] for i in range(1, 4)]
+    chains[0] = cute.arch.fmax(chains[0], s_rows[r, 0])
+    for i in cutlass.range_constexpr(4, n):
+        chains[i % 4] = cute.arch.fmax(chains[i % 4], s_rows[r, i])
+    return cute.arch.fmax(cute.arch.fmax(chains[0], chains[1]), cute.arch.fmax(chains[2], chains[3]))
+
+
+@cute.jit
+def _rescore_row(
+    s_rows: cute.Tensor,
+    r: int,
+    row_max: cute.Tensor,
+    row_sum: cute.Tensor,
+    scale_log2: Float32,
+    fmax_row_max: cutlass.Constexpr[bool],
+):
     """Row r of the scores to exp2(s * scale - new max) in place, its running max and sum updated;
     returns the factor the row of O must be rescaled by. A row with no visible key yet keeps max
     -inf and probabilities 0."""
     row = s_rows[r, None].load()
-    new_max = row.reduce(cute.ReductionOp.MAX, row_max[r], 0)
+    if cutlass.const_expr(fmax_row_max):
+        new_max = _row_max_by_fmax(s_rows, r, row_max[r])
+    else:
+        new_max = row.reduce(cute.ReductionOp.MAX, row_max[r], 0)
     new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
     safe_max = 0.0 if new_max == -Float32.inf else new_max
     correction = cute.math.exp2((row_max[r] - safe_max) * scale_log2, fastmath=True)
@@ -31,13 +54,20 @@ def _rescore_row(s_rows: cute.Tensor, r: int, row_max: cute.Tensor, row_sum: cut
 
 
 @cute.jit
-def softmax_rescore(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
+def softmax_rescore(
+    acc_S: cute.Tensor,
+    row_max: cute.Tensor,
+    row_sum: cute.Tensor,
+    scale_log2: Float32,
+    fmax_row_max: cutlass.Constexpr[bool] = False,
+) -> cute.Tensor:
     """Turn scores into probabilities in place for the new row maxima, without touching O (which a
-    GEMM may still be writing): returns the per-row factors for `rescale_rows`."""
+    GEMM may still be writing): returns the per-row factors for `rescale_rows`. `fmax_row_max`: the
+    row maxima by `_row_max_by_fmax`."""
     s_rows = acc_rows_view(acc_S)
     correction = cute.make_rmem_tensor_like(row_max, Float32)
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        correction[r] = _rescore_row(s_rows, r, row_max, row_sum, scale_log2)
+        correction[r] = _rescore_row(s_rows, r, row_max, row_sum, scale_log2, fmax_row_max)
     return correction
 
 

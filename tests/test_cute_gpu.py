@@ -96,6 +96,22 @@ def test_forward_with_a_narrower_value_head_dim_matches_the_reference(name, head
     torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["full", "causal_document", "random_eviction"])
+def test_fmax_row_max_gives_the_default_forwards_numbers(name):
+    """`fmax_row_max` changes only how the row maxima are reduced (never NaN here): the default's
+    outputs and LSE bit for bit (GQA 4 on 2, a ragged length)."""
+    from flashmask3.optimized import fwd_config
+    from flashmask3.optimized.interface import forward
+
+    seqlen, scale = 1531, 1 / math.sqrt(128)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=17, device="cuda")
+    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=17)
+    default = fwd_config(128, mask.causal, mask.startend_row_indices.shape[-1])
+    out, lse = forward(q, k, v, mask, scale, config=default)
+    out_fmax, lse_fmax = forward(q, k, v, mask, scale, config=dataclasses.replace(default, fmax_row_max=True))
+    assert torch.equal(out, out_fmax) and torch.equal(lse, lse_fmax)
+
+
 def test_deterministic_gradients_are_bitwise_equal():
     from flashmask3.optimized.interface import backward, forward
 

@@ -249,6 +249,26 @@ def test_late_k_release_puts_the_pv_wait_below_the_softmax(tmp_path):
     assert exponentials_under_the_pv(True) >= 40
 
 
+@pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
+def test_fmax_row_max_drops_the_nan_compares_from_the_loop(tmp_path):
+    """`fmax_row_max`: the key-tile loop's row maxima without NaN-propagating compares (FSETP
+    falls by at least 6), the exponentials still under the PV GEMM, no local memory."""
+    import sass_path
+
+    def loop_counts(fmax: bool) -> tuple[int, int]:
+        config = f"dataclasses.replace(fwd_config(128, False, 2), fmax_row_max={fmax})"
+        setup = "import dataclasses; from flashmask3.optimized import fwd_config"
+        sass = compiled_sass(tmp_path, f"fmax_{fmax}", "FlashMaskForward", f"'bf16', 128, False, 2, {config}", setup)
+        assert "STL" not in sass and "LDL" not in sass
+        loop = [inst for _, block in sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())) for inst in block]
+        s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
+        pv_wait = next(i for i, inst in enumerate(loop) if i > s_wait and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst)
+        return sum("FSETP" in inst for inst in loop), sum("MUFU.EX2" in inst for inst in loop[s_wait:pv_wait])
+
+    (compares, _), (compares_fmax, under_pv) = loop_counts(False), loop_counts(True)
+    assert compares_fmax <= compares - 6 and under_pv >= 40
+
+
 def test_backward_grid_order_build_compiles():
     """The build long grids run (the default compile is the longest-first one): key tile, KV head
     and batch from the 3-D grid."""
