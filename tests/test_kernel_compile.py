@@ -227,22 +227,31 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         assert " 0 HGMMA" not in summary and "serialized" not in summary, summaries
 
 
+def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[list[str], int, int]:
+    """The forward's key-tile loop (head dim 128, non-causal, width 2) with one `FwdConfig` field
+    changed, checked free of local memory: its instructions and the positions of the wait for S_j
+    (`wait_group 1`) and then for the warpgroup's own PV GEMM (`wait_group 0`)."""
+    import sass_path
+
+    config = f"dataclasses.replace(fwd_config(128, False, 2), {field}={value})"
+    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
+    sass = compiled_sass(tmp_path, f"{field}_{value}", "FlashMaskForward", f"'bf16', 128, False, 2, {config}", setup)
+    assert "STL" not in sass and "LDL" not in sass
+    loop = [inst for _, block in sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())) for inst in block]
+    s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
+    pv_wait = next(i for i, inst in enumerate(loop) if i > s_wait and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst)
+    return loop, s_wait, pv_wait
+
+
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
 def test_late_k_release_puts_the_pv_wait_below_the_softmax(tmp_path):
     """`late_k_release`: in the forward's key-tile loop (head dim 128, no mask), the exponentials
     between the wait for S_j (`wait_group 1`) and the wait for the warpgroup's own PV GEMM
     (`wait_group 0`) run while that GEMM does: none of the 66 per tile in the default build, most
     with the K stage released after the mask; no local memory either way."""
-    import sass_path
 
     def exponentials_under_the_pv(late: bool) -> int:
-        config = f"dataclasses.replace(fwd_config(128, False, 2), late_k_release={late})"
-        setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-        sass = compiled_sass(tmp_path, f"late_{late}", "FlashMaskForward", f"'bf16', 128, False, 2, {config}", setup)
-        assert "STL" not in sass and "LDL" not in sass
-        loop = [inst for _, block in sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())) for inst in block]
-        s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
-        pv_wait = next(i for i, inst in enumerate(loop) if i > s_wait and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst)
+        loop, s_wait, pv_wait = forward_loop_with_one_change(tmp_path, "late_k_release", late)
         return sum("MUFU.EX2" in inst for inst in loop[s_wait:pv_wait])
 
     assert exponentials_under_the_pv(False) == 0
@@ -253,16 +262,9 @@ def test_late_k_release_puts_the_pv_wait_below_the_softmax(tmp_path):
 def test_fmax_row_max_drops_the_nan_compares_from_the_loop(tmp_path):
     """`fmax_row_max`: the key-tile loop's row maxima without NaN-propagating compares (FSETP
     falls by at least 6), the exponentials still under the PV GEMM, no local memory."""
-    import sass_path
 
     def loop_counts(fmax: bool) -> tuple[int, int]:
-        config = f"dataclasses.replace(fwd_config(128, False, 2), fmax_row_max={fmax})"
-        setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-        sass = compiled_sass(tmp_path, f"fmax_{fmax}", "FlashMaskForward", f"'bf16', 128, False, 2, {config}", setup)
-        assert "STL" not in sass and "LDL" not in sass
-        loop = [inst for _, block in sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())) for inst in block]
-        s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
-        pv_wait = next(i for i, inst in enumerate(loop) if i > s_wait and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst)
+        loop, s_wait, pv_wait = forward_loop_with_one_change(tmp_path, "fmax_row_max", fmax)
         return sum("FSETP" in inst for inst in loop), sum("MUFU.EX2" in inst for inst in loop[s_wait:pv_wait])
 
     (compares, _), (compares_fmax, under_pv) = loop_counts(False), loop_counts(True)
