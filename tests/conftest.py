@@ -1,3 +1,4 @@
+import math
 import os
 
 import pytest
@@ -61,3 +62,24 @@ def cute_on_cpu(monkeypatch):
     ops.cute_forward.register_kernel("cpu", _reference_forward)
     ops.cute_backward.register_kernel("cpu", _reference_backward)
     monkeypatch.setattr(api, "unsupported_reason", lambda q, k: None)
+
+
+def dense_attention(q, k, v, attend, scale, sinks=None):
+    """Textbook attention in q's dtype: (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]). attend: bool
+    [B or 1, 1 or Hkv or Hq, Sq, Sk] (True = attend) or None; `sinks` [Hq]: one more softmax column
+    per row, a key of value 0. Rows that see nothing give 0 (and lse -inf, or the sink)."""
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh, vh = (x.transpose(1, 2).repeat_interleave(group, 1) for x in (k, v))
+    scores = qh @ kh.transpose(-1, -2) * scale
+    if attend is not None:
+        if attend.shape[1] not in (1, q.shape[2]):
+            attend = attend.repeat_interleave(q.shape[2] // attend.shape[1], 1)
+        scores = scores.masked_fill(~attend, -math.inf)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+    lse = torch.logsumexp(scores, -1)
+    p = torch.softmax(scores, -1).nan_to_num(0.0)
+    if sinks is not None:
+        p = p[..., :-1]
+    return (p @ vh).transpose(1, 2), lse

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_column_mask
+from conftest import dense_attention, random_column_mask
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
 from hypothesis import given, settings
@@ -13,21 +13,6 @@ from hypothesis import strategies as st
 
 import flashmask3 as fm
 from flashmask3 import peers
-
-
-def dense_attention(q, k, v, dense, scale):
-    """Textbook attention in float64 with a dense mask [B, H, Sq, Sk] (True = attend)."""
-    g = q.shape[2] // k.shape[2]
-    qt = q.transpose(1, 2)
-    kt = k.transpose(1, 2).repeat_interleave(g, 1)
-    vt = v.transpose(1, 2).repeat_interleave(g, 1)
-    s = (qt @ kt.transpose(-1, -2)) * scale
-    if dense.shape[1] not in (1, q.shape[2]):
-        dense = dense.repeat_interleave(q.shape[2] // dense.shape[1], 1)
-    s = s.masked_fill(~dense, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return (p @ vt).transpose(1, 2), lse
 
 
 def check_against_dense(mask, b, sq, sk, hq, hkv, d, seed=0):

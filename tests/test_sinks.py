@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import random_column_mask
+from conftest import dense_attention, random_column_mask
 from flashmask3.reference import ColumnMask, masks, reference_attention
 from flashmask3.verify import compare, random_inputs, random_sinks, run_suite
 from flashmask3.verify.__main__ import main as verify_main
@@ -16,23 +16,6 @@ from flashmask3.verify.__main__ import main as verify_main
 import flashmask3 as fm
 
 compare_mod = importlib.import_module("flashmask3.verify.compare")
-
-
-def dense_with_sink_column(q, k, v, attend, scale, sinks):
-    """Textbook attention whose softmax has one more column per row, its head's sink logit (a key of
-    value 0): (out, lse). attend: bool [B or 1, 1 or Hkv or Hq, Sq, Sk] (True = attend) or None."""
-    group = q.shape[2] // k.shape[2]
-    qh = q.transpose(1, 2)
-    kh, vh = (x.transpose(1, 2).repeat_interleave(group, 1) for x in (k, v))
-    scores = qh @ kh.transpose(-1, -2) * scale
-    if attend is not None:
-        if attend.shape[1] not in (1, q.shape[2]):
-            attend = attend.repeat_interleave(q.shape[2] // attend.shape[1], 1)
-        scores = scores.masked_fill(~attend, -math.inf)
-    sink_column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    logits = torch.cat([scores, sink_column], -1)
-    probabilities = torch.softmax(logits, -1)[..., :-1]  # the sink's column has value 0
-    return (probabilities @ vh).transpose(1, 2), torch.logsumexp(logits, -1)
 
 
 def first_rows_see_nothing(seqlen, dead_rows):
@@ -93,7 +76,7 @@ def test_reference_matches_a_dense_softmax_with_a_sink_column(mask_name, sq, sk,
     def ours(*x):
         return fm.attention(*x[:3], mask, backend="reference", softmax_scale=0.3, return_lse=True, sinks=x[3])
 
-    expected = values_and_grads(lambda *x: dense_with_sink_column(*x[:3], attend, 0.3, x[3]), q, k, v, sinks, dout)
+    expected = values_and_grads(lambda *x: dense_attention(*x[:3], attend, 0.3, x[3]), q, k, v, sinks, dout)
     assert_all_close(values_and_grads(ours, q, k, v, sinks, dout), expected, 1e-10)
 
 
@@ -118,7 +101,7 @@ def test_the_chunked_path_with_a_query_chunk_that_sees_nothing():
     attend = mask.to_dense()
     q, k, v, sinks, dout = inputs_with_sinks(1, 1300, 1300, 2, 1, 16, seed=2)
     got = values_and_grads(lambda *x: reference_attention(*x[:3], mask, 0.25, sinks=x[3]), q, k, v, sinks, dout)
-    expected = values_and_grads(lambda *x: dense_with_sink_column(*x[:3], attend, 0.25, x[3]), q, k, v, sinks, dout)
+    expected = values_and_grads(lambda *x: dense_attention(*x[:3], attend, 0.25, x[3]), q, k, v, sinks, dout)
     assert_all_close(got, expected, 1e-10)
     assert not got[0][:, :300].any() and torch.equal(got[1][..., :300], sinks.view(1, -1, 1).expand(1, 2, 300))
 
@@ -242,9 +225,7 @@ def test_rows_that_see_nothing_with_a_sink_of_minus_inf(cute_on_cpu, backend):
 
     almost_no_sinks = torch.where(torch.isneginf(sinks), -1e4, sinks)
     attend = mask.to_dense()
-    expected = values_and_grads(
-        lambda *x: dense_with_sink_column(*x[:3], attend, 0.3, x[3]), q, k, v, almost_no_sinks, dout
-    )
+    expected = values_and_grads(lambda *x: dense_attention(*x[:3], attend, 0.3, x[3]), q, k, v, almost_no_sinks, dout)
     expected[1][:, [0, 3], :20] = -math.inf  # the one difference: no sink at all, where -1e4 gives -1e4
     assert_all_close(got, expected, 1e-5 if backend == "cute" else 1e-10)  # cute's LSE is fp32
 
@@ -409,7 +390,7 @@ def test_hf_attention_passes_s_aux_on_as_sinks(hf_reference, cute_on_cpu, backen
         leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
         heads_first = (x.transpose(1, 2) for x in leaves[:3])
         out, _ = forward(SimpleNamespace(is_causal=True), *heads_first, None, scaling=0.4, s_aux=leaves[3])
-        dense = values_and_grads(lambda *x: dense_with_sink_column(*x[:3], causal, 0.4, x[3]), q, k, v, sinks, dout)
+        dense = values_and_grads(lambda *x: dense_attention(*x[:3], causal, 0.4, x[3]), q, k, v, sinks, dout)
         grads = torch.autograd.grad(out, leaves, dout)
         tol = 1e-10 if backend == "reference" else 1e-5  # cute's LSE is fp32
         torch.testing.assert_close([out, *grads], dense[:1] + dense[2:], rtol=tol, atol=tol)

@@ -10,33 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import random_column_mask
+from conftest import dense_attention, random_column_mask
 from flashmask3.reference import ColumnMask, masks, reference_attention
 from flashmask3.verify import compare, random_inputs, random_sinks
 
 import flashmask3 as fm
 import flashmask3.api as api
-
-
-def dense(q, k, v, attend, scale, sinks=None):
-    """Textbook attention in q's dtype: (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]). attend: bool
-    [B or 1, 1 or Hkv or Hq, Sq, Sk] (True = attend) or None; `sinks` [Hq]: one more softmax column
-    per row, a key of value 0. Rows that see nothing give 0 (and lse -inf, or the sink)."""
-    group = q.shape[2] // k.shape[2]
-    qh = q.transpose(1, 2)
-    kh, vh = (x.transpose(1, 2).repeat_interleave(group, 1) for x in (k, v))
-    scores = qh @ kh.transpose(-1, -2) * scale
-    if attend is not None:
-        if attend.shape[1] not in (1, q.shape[2]):
-            attend = attend.repeat_interleave(q.shape[2] // attend.shape[1], 1)
-        scores = scores.masked_fill(~attend, -math.inf)
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
-    lse = torch.logsumexp(scores, -1)
-    p = torch.softmax(scores, -1).nan_to_num(0.0)
-    if sinks is not None:
-        p = p[..., :-1]
-    return (p @ vh).transpose(1, 2), lse
 
 
 def inputs(batch, sq, sk, hq, hkv, d, dv, seed=0, dtype=torch.float64):
@@ -101,7 +80,7 @@ def test_reference_matches_dense_fp64_with_another_value_head_dim(mask_name, b, 
         return fm.attention(*x, mask, backend="reference", return_lse=True)
 
     got = values_and_grads(ours, (q, k, v), dout)
-    expected = values_and_grads(lambda *x: dense(*x, attend, scale), (q, k, v), dout)
+    expected = values_and_grads(lambda *x: dense_attention(*x, attend, scale), (q, k, v), dout)
     assert got[0].shape == (b, sq, hq, dv) and got[3].shape == (b, sk, hkv, d) and got[4].shape == (b, sk, hkv, dv)
     assert_close_all(got, expected, 1e-10)
     assert got[0].abs().max() > 0.1 and got[4].abs().max() > 0.1  # real values, not zeros
@@ -112,7 +91,7 @@ def test_reference_chunked_path_with_gathered_keys():
     mask = masks.build("random_eviction", 1300, batch=1, heads=2, seed=2)
     q, k, v, dout = inputs(1, 1300, 1300, 2, 1, 16, 8, seed=2)
     got = values_and_grads(lambda *x: reference_attention(*x, mask, 0.25), (q, k, v), dout)
-    expected = values_and_grads(lambda *x: dense(*x, mask.to_dense(), 0.25), (q, k, v), dout)
+    expected = values_and_grads(lambda *x: dense_attention(*x, mask.to_dense(), 0.25), (q, k, v), dout)
     assert_close_all(got, expected, 1e-10)
 
 
@@ -196,7 +175,7 @@ def test_reference_and_sdpa_with_sinks_match_dense_with_a_sink_column(mask_name)
     q, k, v, dout = inputs(2, 90, 90, 6, 2, 20, 12, seed=10)
     sinks = random_sinks(6, 90, seed=10).double()
     attend = None if mask is None else mask.to_dense()
-    expected = values_and_grads(lambda *x: dense(*x[:3], attend, 0.3, x[3]), (q, k, v, sinks), dout)
+    expected = values_and_grads(lambda *x: dense_attention(*x[:3], attend, 0.3, x[3]), (q, k, v, sinks), dout)
     for backend in ("reference", "sdpa"):
 
         def ours(*x, backend=backend):
@@ -298,7 +277,7 @@ def test_varlen_attention_with_another_value_head_dim():
     attend = ColumnMask.causal_document(cu).to_dense()
 
     def expected_fn(*x):
-        out, lse = dense(*(t[None] for t in x), attend, 1 / math.sqrt(24))
+        out, lse = dense_attention(*(t[None] for t in x), attend, 1 / math.sqrt(24))
         return out[0], lse[0]
 
     assert got[0].shape == (55, 4, 16) and got[4].shape == (55, 2, 16)
@@ -311,7 +290,7 @@ def test_paddle_flashmask_attention_with_another_value_head_dim():
     rows = torch.tensor([4, 4, 4, 4, 7, 7, 7, 10, 10, 10], dtype=torch.int32).view(1, 1, 10, 1)
     q, k, v, _ = inputs(2, 10, 10, 4, 2, 24, 16, seed=14)
     out, lse = fm.flashmask_attention(q, k, v, rows, causal=True, return_softmax_lse=True)
-    expected, expected_lse = dense(q, k, v, ColumnMask(rows, True, 10).to_dense(), 1 / math.sqrt(24))
+    expected, expected_lse = dense_attention(q, k, v, ColumnMask(rows, True, 10).to_dense(), 1 / math.sqrt(24))
     assert out.shape == (2, 10, 4, 16)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse, expected_lse.float(), rtol=1e-6, atol=1e-6)
