@@ -49,7 +49,7 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads", ("fwd_bench_train_32k_peers.json",)),
     (
         "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads",
-        ("bwd_bench_train_32k_peers.json",),
+        ("bwd_bench_train_32k_length_classes.json",),
     ),
 )
 
