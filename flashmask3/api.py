@@ -11,7 +11,7 @@ import torch
 from . import peers
 from .memo import TensorMemo
 from .optimized import ops
-from .optimized.interface import cute_attention, unsupported_reason
+from .optimized.interface import requires_backward, unsupported_error, unsupported_reason
 from .reference import ColumnMask
 from .reference.attention import join_sinks, reference_attention
 
@@ -41,7 +41,9 @@ def attention(
         k: [B, Sk, Hkv, D] keys, with q's head dim D; Hq must be a multiple of Hkv (GQA / MQA).
         v: [B, Sk, Hkv, Dv] values: k's batch, length and heads, and a head dim Dv that may differ
             from D (DeepSeek's MLA: D = 192, Dv = 128) on the reference, sdpa and flex backends;
-            cute takes Dv = D only ("auto" falls back). q, k, v share a dtype and a device.
+            cute's forward takes (D, Dv) = (128, 64) and (192, 128) too, its backward Dv = D only
+            (with inputs that require grad "auto" falls back to flex). q, k, v share a dtype and
+            a device.
         mask: a `ColumnMask` (FlashMask column-wise format) or None for full attention. Use its
             constructors (`ColumnMask.causal_document(cu_seqlens)`, ...), `masks.build(...)`,
             `ColumnMask.from_dense` or `ColumnMask.from_mask_mod` to make one.
@@ -106,7 +108,7 @@ def attention(
         # answers it without reducing over an empty key axis, as the others would.
         backend = "reference"
     if backend == "auto":
-        backend = _auto_backend(q, k, v)
+        backend = _auto_backend(q, k, v, requires_backward(q, k, v, sinks))
     if backend == "reference":
         out, lse = reference_attention(q, k, v, mask, softmax_scale, sinks=sinks)
     elif backend == "sdpa":  # its lse is None only where not asked for (no lse and no sinks)
@@ -114,11 +116,9 @@ def attention(
             q, k, v, mask, softmax_scale, return_lse or sinks is not None
         )
     elif backend == "cute":
-        head_dims = _cute_head_dims_unsupported(q, v)
-        if head_dims:  # the kernels' own checks do not look at v: refused here, before any launch
-            raise ValueError(head_dims)
-        if _cute_unsupported(q, k, v):
-            cute_attention(q, k, v, mask, softmax_scale, deterministic)  # raises, with its error for the reason
+        reason = _cute_unsupported(q, k, v, requires_backward(q, k, v, sinks))
+        if reason:
+            raise unsupported_error(reason, q)
         out, lse = ops.attention(q, k, v, mask, softmax_scale, deterministic, sinks)
     elif backend == "flex":
         out, lse = peers.flex_attention(q, k, v, mask, softmax_scale)
@@ -251,41 +251,27 @@ def _flash_attention_mask(
 _flash_masks: TensorMemo[ColumnMask] = TensorMemo(size=4)
 
 
-def _auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Backend:
+def _auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> Backend:
     if not q.is_cuda:
         return "reference"
-    return "flex" if _cute_unsupported(q, k, v) else "cute"
+    return "flex" if _cute_unsupported(q, k, v, backward) else "cute"
 
 
-def _cute_head_dims_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the cute kernels cannot take v's head dim, or None: they take Dv = D only (their
-    `unsupported_reason` reads q and k, not v). Shapes only, so it is the same under torch.compile."""
-    d, dv = int(q.shape[-1]), int(v.shape[-1])
-    if dv == d:
-        return None
-    return (
-        f"backend='cute' takes a value head dim equal to the query/key head dim (64 or 128 for q, k "
-        f"and v alike), got q/k head dim {d} and v head dim {dv}; use backend='auto' (flex on CUDA, "
-        "else the reference), 'flex', 'sdpa' or 'reference' for a different value head dim"
-    )
-
-
-def _cute_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """`_cute_head_dims_unsupported`, then `unsupported_reason`, which reads devices, dtypes and
+def _cute_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> str | None:
+    """`unsupported_reason` (`backward`: the gradients too), which reads shapes, devices, dtypes and
     installed packages, never tensor values: under torch.compile it is evaluated once at trace time
     instead of traced (no graph break)."""
-    head_dims = _cute_head_dims_unsupported(q, v)
-    if head_dims:
-        return head_dims
     if torch.compiler.is_compiling():
-        return _cute_unsupported_at_trace(q.device, q.dtype, int(q.shape[-1]))
-    return unsupported_reason(q, k)
+        return _cute_unsupported_at_trace(q.device, q.dtype, int(q.shape[-1]), int(v.shape[-1]), backward)
+    return unsupported_reason(q, k, v, backward)
 
 
 @torch.compiler.assume_constant_result
-def _cute_unsupported_at_trace(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    probe = torch.empty(0, head_dim, dtype=dtype, device=device)
-    return unsupported_reason(probe, probe)
+def _cute_unsupported_at_trace(
+    device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int, backward: bool
+) -> str | None:
+    qk, v = (torch.empty(0, d, dtype=dtype, device=device) for d in (head_dim, head_dim_v))
+    return unsupported_reason(qk, qk, v, backward)
 
 
 def _check_sinks(sinks: torch.Tensor, q: torch.Tensor) -> None:

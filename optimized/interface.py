@@ -26,23 +26,50 @@ from .config import BwdConfig, FwdConfig, bwd_config, fwd_config
 from .tile_plan import backward_cta_steps, block_minmax, cached_longest_first, dq_ranks, forward_tile_steps, full_mask
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_HEAD_DIMS = (64, 128)
+FORWARD_HEAD_DIMS = ((64, 64), (128, 128), (128, 64), (192, 128))
+"""The (q/k head dim, v head dim) pairs the forward takes; the backward takes equal ones only."""
 _compiled: dict[tuple, object] = {}
 compile_seconds: dict[tuple, float] = {}
 """Wall time of each compilation, keyed like the cache: (direction, dtype, head_dim, head_dim_v,
 causal, mask width, config, deterministic, which tensors are None)."""
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """Why the cute backend cannot run these inputs, or None if it can."""
+def head_dims_unsupported(head_dim: int, head_dim_v: int, backward: bool = False) -> str | None:
+    """Why the kernels cannot take q/k head dim `head_dim` with v head dim `head_dim_v` (with the
+    backward too, where `backward`), or None. Shapes only: the same under torch.compile."""
+    if (head_dim, head_dim_v) not in FORWARD_HEAD_DIMS:
+        accepted = ", ".join(f"({d}, {dv})" for d, dv in FORWARD_HEAD_DIMS)
+        return f"backend='cute' takes head dims (q/k, v) of {accepted}, got ({head_dim}, {head_dim_v})"
+    if backward and head_dim_v != head_dim:
+        return (
+            f"backend='cute' computes gradients only where v's head dim equals q's and k's (64 or 128), "
+            f"got q/k head dim {head_dim} and v head dim {head_dim_v} on inputs that require grad; "
+            "its forward takes them without grad (torch.no_grad(), or detached inputs), and "
+            "backend='flex' trains with them"
+        )
+    return None
+
+
+def requires_backward(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will ask for gradients of this call: grad mode on and an input requiring
+    grad (known at trace time under torch.compile)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def unsupported_reason(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, backward: bool = False
+) -> str | None:
+    """Why the cute backend cannot run these inputs (v: k's head dim where None; `backward`: the
+    gradients too), or None if it can."""
     if not q.is_cuda:
         return "backend='cute' needs CUDA tensors"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return f"backend='cute' needs a Hopper GPU (sm_90), got {torch.cuda.get_device_name(q.device)}"
     if q.dtype not in _DTYPES:
         return f"backend='cute' takes bf16 or fp16 inputs, got {q.dtype}"
-    if q.shape[-1] not in _HEAD_DIMS:
-        return f"backend='cute' takes head_dim 64 or 128, got {q.shape[-1]}"
+    head_dims = head_dims_unsupported(int(q.shape[-1]), int((k if v is None else v).shape[-1]), backward)
+    if head_dims:
+        return head_dims
     try:
         import cutlass  # noqa: F401
     except ImportError:
@@ -153,8 +180,8 @@ def forward(
     config: FwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, Dv], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
-    V's head dim Dv may be below Q's and K's D (64 with D = 128, or 128 with D = 192, which takes one
-    Q buffer); not yet checked on a GPU, so the public entry takes Dv = D only.
+    V's head dim Dv may be below Q's and K's D (`FORWARD_HEAD_DIMS`: 64 with D = 128, or 128 with
+    D = 192, which takes one Q buffer); `backward` takes Dv = D only.
 
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
     `timeline`: an int64 [CTAs, work tiles, len(timeline.Event)] buffer runs a build of the kernel
@@ -249,6 +276,9 @@ def backward(
     from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
 
     b, sq, hq, d = q.shape
+    head_dims = head_dims_unsupported(d, v.shape[-1], backward=True)
+    if head_dims:
+        raise ValueError(head_dims)
     sk, hkv = k.shape[1], k.shape[2]
     uniform_work = mask is None  # every CTA sees every query tile: nothing to order
     if mask is None:
@@ -289,6 +319,18 @@ def backward(
     return dq, dk, dv
 
 
+def unsupported_error(reason: str, q: torch.Tensor) -> Exception:
+    """The exception for an `unsupported_reason`: NotImplementedError where the GPU, not an
+    argument, is what the kernels cannot take (the error type torch raises for an operator with no
+    kernel for a device), else ValueError."""
+    if q.is_cuda and torch.cuda.get_device_capability(q.device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(q.device)
+        return NotImplementedError(
+            f"{reason}, compute capability {major}.{minor} (sm_{major}{minor}); backend='auto' falls back to flex"
+        )
+    return ValueError(reason)
+
+
 def cute_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -297,16 +339,9 @@ def cute_attention(
     softmax_scale: float,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    reason = unsupported_reason(q, k)
-    if reason and q.is_cuda and torch.cuda.get_device_capability(q.device) != (9, 0):
-        # The GPU, not an argument, is what the kernel cannot take: the error type torch raises
-        # for an operator with no kernel for a device.
-        major, minor = torch.cuda.get_device_capability(q.device)
-        raise NotImplementedError(
-            f"{reason}, compute capability {major}.{minor} (sm_{major}{minor}); backend='auto' falls back to flex"
-        )
+    reason = unsupported_reason(q, k, v, backward=requires_backward(q, k, v))
     if reason:
-        raise ValueError(reason)
+        raise unsupported_error(reason, q)
     from .ops import attention  # the custom ops, which import this module
 
     return attention(q, k, v, mask, softmax_scale, deterministic)

@@ -4,6 +4,7 @@
     python scripts/bench_fwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_fwd.py bench --seqlens 32768 --peers fa4,flex_flash   # only these peers
     python scripts/bench_fwd.py bench --seqlens 32768 --batch 1 --heads 16 --kv-heads 4   # GQA, as in training
+    python scripts/bench_fwd.py bench --head-dim 192 --head-dim-v 128 --heads 16   # MLA's head dims
     python scripts/bench_fwd.py ablate --masks full,causal --variants persistent=false num_stages=3+tile_m=128
 
 Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x the error of the
@@ -11,7 +12,7 @@ same computation in the input precision), on poisoned output buffers. Speed: CUD
 call, no sync between calls (launch work overlaps the previous call, as in training), warm-up,
 median over several input sets, the contenders (cute and each peer, or the ablation's variants)
 taking turns round by round (`flashmask3.bench.interleaved_ms`); TFLOP/s counts only unmasked work
-(4 B H Sq Sk D density) and the cute time includes the mask preprocessing. `ablate` times kernel
+(4 B H Sq Sk D density; 2 B H Sq Sk (D + Dv) density with --head-dim-v) and the cute time includes the mask preprocessing. `ablate` times kernel
 configurations against the chosen ones (`fwd_config` / `bwd_config`) on the same inputs, each variant
 a set of `field=value` changes of them joined by '+', with each one's largest difference from the
 chosen configuration's output. Peers in the same run (`--peers`, default all;
@@ -172,25 +173,31 @@ def run_bench(
     heads: int | None = None,
     kv_heads: int | None = None,
     batch: int | None = None,
+    head_dim_v: int | None = None,
 ) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
     Per mask, cute and the peers of `peer_names` that take the mask take turns (`interleaved_ms`);
     a peer's entries: `_ms`, `_tflops` and `_max_diff` (from our output), or `_error`. `heads`,
-    `kv_heads`: `head_counts`' defaults where None; `batch`: `run_batch`'s."""
+    `kv_heads`: `head_counts`' defaults where None; `batch`: `run_batch`'s; `head_dim_v`: V's head
+    dim where not `head_dim`."""
     rows = []
     heads, kv_heads = head_counts(head_dim, heads, kv_heads)
+    head_dim_v = head_dim_v or head_dim
     for seqlen in seqlens:
         batch_size = run_batch(seqlen, batch)
         sets, rounds, repeats = (3, 5, 2) if seqlen <= 8192 else (2, 4, 1)  # longer runs: fewer, still >= 8 samples
         inputs = [
-            random_inputs(batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s)[:3]
+            random_inputs(
+                batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s, head_dim_v=head_dim_v
+            )[:3]
             for s in range(sets)
         ]
         scale = 1 / math.sqrt(head_dim)
         for name in progress(mask_names, f"bench {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
             density = mask.density()
-            flops = attention_flops(batch_size, heads, seqlen, seqlen, head_dim, density)
+            # QK^T over D, PV over Dv: the mean head dim in the 4 B H Sq Sk D formula
+            flops = attention_flops(batch_size, heads, seqlen, seqlen, (head_dim + head_dim_v) / 2, density)
             row = {
                 "mask": name,
                 "seqlen": seqlen,
@@ -198,6 +205,7 @@ def run_bench(
                 "heads": heads,
                 "kv_heads": kv_heads,
                 "head_dim": head_dim,
+                **({"head_dim_v": head_dim_v} if head_dim_v != head_dim else {}),
                 "density": density,
             }
             ours = cute_forward(*inputs[0], mask, scale)[0]
@@ -399,8 +407,15 @@ def main() -> None:
         metavar="FIELD=VALUE[+FIELD=VALUE]",
         help="ablate: changes of the chosen kernel configurations to time against them",
     )
+    parser.add_argument(
+        "--head-dim-v",
+        type=positive_int,
+        help="bench: V's head dim where not --head-dim (64 with 128, or 128 with 192: MLA's shape)",
+    )
     args = parser.parse_args()
     check_common_arguments(parser, args)
+    if args.head_dim_v not in (None, args.head_dim) and args.what != "bench":
+        parser.error(f"--head-dim-v is for 'bench' only, got it with {args.what!r}")
     result, save = new_record(args, "fwd")
     if args.what in ("check", "all"):
         result["check"] = run_check()
@@ -427,6 +442,7 @@ def main() -> None:
             heads=args.heads,
             kv_heads=args.kv_heads,
             batch=args.batch,
+            head_dim_v=args.head_dim_v,
         )
         print(bench_table(result["bench"], args.peers))
     if args.what == "ablate":

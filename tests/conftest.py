@@ -61,7 +61,7 @@ def cute_on_cpu(monkeypatch):
 
     ops.cute_forward.register_kernel("cpu", _reference_forward)
     ops.cute_backward.register_kernel("cpu", _reference_backward)
-    monkeypatch.setattr(api, "unsupported_reason", lambda q, k: None)
+    monkeypatch.setattr(api, "unsupported_reason", lambda *inputs, **kwargs: None)
 
 
 def dense_attention(q, k, v, attend, scale, sinks=None):

@@ -750,9 +750,9 @@ def gqa_bench_on_cpu(monkeypatch, module) -> list:
 
     built, shapes = bench_fwd.masks.build, []
 
-    def inputs(b, sq, sk, hq, hkv, d, dtype, device, seed):
+    def inputs(b, sq, sk, hq, hkv, d, dtype, device, seed, head_dim_v=None):
         shapes.append((b, sq, sk, hq, hkv, d))
-        return verify.random_inputs(b, sq, sk, hq, hkv, d, torch.float32, "cpu", seed=seed)
+        return verify.random_inputs(b, sq, sk, hq, hkv, d, torch.float32, "cpu", seed=seed, head_dim_v=head_dim_v)
 
     monkeypatch.setattr(module, "random_inputs", inputs)
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *args, device, **kwargs: built(*args, device="cpu", **kwargs))

@@ -96,6 +96,28 @@ def test_forward_with_a_narrower_value_head_dim_matches_the_reference(name, head
     torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
 
 
+def test_the_public_entry_runs_mlas_head_dims_forward_only_and_trains_them_on_flex():
+    """attention(..., backend="cute") at q/k 192, v 128 without grad: the kernel's numbers (the
+    same as `interface.forward`'s, bit for bit); with inputs that require grad, "auto" trains on
+    flex and "cute" names what it cannot do."""
+    import flashmask3 as fm
+    from flashmask3.optimized.interface import forward
+
+    seqlen = 1000
+    mask = masks.build("causal_document", seqlen, batch=2, heads=4, seed=5, device="cuda")
+    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, 192, torch.bfloat16, "cuda", seed=5, head_dim_v=128)
+    out, lse = fm.attention(q, k, v, mask, backend="cute", return_lse=True)
+    expected, expected_lse = forward(q, k, v, mask, 1 / math.sqrt(192))
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    trained = fm.attention(*leaves, mask)
+    trained.float().square().sum().backward()
+    assert all(x.grad is not None and x.grad.isfinite().all() for x in leaves)
+    torch.testing.assert_close(trained.detach(), fm.attention(q, k, v, mask, backend="flex"), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="computes gradients only where v's head dim equals"):
+        fm.attention(*leaves, mask, backend="cute")
+
+
 @pytest.mark.parametrize("name", ["full", "causal_document", "random_eviction"])
 def test_fmax_row_max_gives_the_default_forwards_numbers(name):
     """`fmax_row_max` changes only how the row maxima are reduced (never NaN here): the default's

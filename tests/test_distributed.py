@@ -750,7 +750,7 @@ def _kernel_routing(rank, world):
         calls.append("cute backward")
         return reference.backward(dout, q, k, v, out, lse, mask, scale, torch.float64)
 
-    interface.unsupported_reason = lambda q, k: None  # "a Hopper GPU": the fakes compute in fp64
+    interface.unsupported_reason = lambda *inputs, **kwargs: None  # "a Hopper GPU": the fakes compute in fp64
     interface.forward, interface.backward = fake_forward, fake_backward
     errors = {
         scheme: max_error(rank, plan, run_cp(rank, plan, mask, inputs, CPConfig(scheme=scheme)), expected)

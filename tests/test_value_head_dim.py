@@ -1,7 +1,8 @@
 """A value head dim Dv other than the query/key head dim D (DeepSeek's MLA: 192 / 128): q [B, Sq, Hq, D],
 k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv]. The fp64 reference against textbook
 attention (forward, LSE, gradients, gradcheck, sinks), sdpa and flex against the reference, the
-cute backend's refusal and auto's fallback, and the other entry points (varlen, Paddle, Hugging
+cute backend's head dims (its forward at (128, 64) and (192, 128), gradients at Dv = D) and auto's
+fallback, and the other entry points (varlen, Paddle, Hugging
 Face's DeepSeek-V3, context parallelism)."""
 
 import math
@@ -195,50 +196,87 @@ def test_reference_gradcheck_with_sinks_and_another_value_head_dim():
     assert torch.autograd.gradcheck(lambda *x: reference_attention(*x[:3], mask, 0.5, sinks=x[3])[0], leaves)
 
 
-# -- the cute backend: refused, and auto falls back ---------------------------------------------
+# -- the cute backend: its head dims, and auto's fallback ------------------------------------------
 
 
-CUTE_REFUSAL = (
-    r"backend='cute' takes a value head dim equal to the query/key head dim \(64 or 128 for q, k and v "
-    r"alike\), got q/k head dim 192 and v head dim 128"
+CUTE_GRAD_REFUSAL = (
+    r"backend='cute' computes gradients only where v's head dim equals q's and k's \(64 or 128\), got "
+    r"q/k head dim 192 and v head dim 128 on inputs that require grad"
+)
+CUTE_SHAPE_REFUSAL = (
+    r"backend='cute' takes head dims \(q/k, v\) of \(64, 64\), \(128, 128\), \(128, 64\), \(192, 128\), "
+    r"got \(128, 96\)"
 )
 
 
-def test_cute_backend_refuses_another_value_head_dim_naming_both():
-    q, k, v, _ = inputs(1, 16, 16, 2, 1, 192, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=CUTE_REFUSAL):
+def head_dims_only(q, k, v=None, backward=False):
+    """The kernels' checks as on a Hopper GPU with everything installed: only the head dims count."""
+    from flashmask3.optimized.interface import head_dims_unsupported
+
+    return head_dims_unsupported(q.shape[-1], (k if v is None else v).shape[-1], backward)
+
+
+@pytest.fixture
+def cute_on_a_hopper_gpu(cute_on_cpu, monkeypatch):
+    """The custom ops on CPU through the reference, and the kernels' checks as on a Hopper GPU."""
+    monkeypatch.setattr(api, "unsupported_reason", head_dims_only)
+
+
+def test_cute_backend_names_the_head_dims_it_takes(cute_on_a_hopper_gpu):
+    q, k, v, _ = inputs(1, 16, 16, 2, 1, 128, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=CUTE_SHAPE_REFUSAL):
         fm.attention(q, k, v, backend="cute")
 
 
-def test_cute_backend_refuses_it_before_the_kernels_even_where_they_run(cute_on_cpu):
-    """With the kernels "supported" (the custom ops on CPU, through the reference), Dv != D is still
-    refused: the kernels' own check does not see v."""
+def test_cute_backend_refuses_gradients_at_another_value_head_dim(cute_on_a_hopper_gpu):
+    """The forward at (192, 128) runs without grad and matches the reference; with inputs that
+    require grad it is refused by name, before any launch (the backward kernel takes Dv = D only)."""
     q, k, v, _ = inputs(1, 16, 16, 2, 1, 192, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=CUTE_REFUSAL):
+    expected = fm.attention(q, k, v, causal=True, backend="reference")
+    torch.testing.assert_close(fm.attention(q, k, v, causal=True, backend="cute"), expected)  # bf16 rounding
+    with torch.no_grad():
+        out = fm.attention(q.requires_grad_(), k, v, causal=True, backend="cute")
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match=CUTE_GRAD_REFUSAL):
         fm.attention(q, k, v, causal=True, backend="cute")
-    # The same shapes with Dv = D do go through.
-    assert fm.attention(q, k, k, causal=True, backend="cute").shape == (1, 16, 2, 192)
+    sinks = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match=CUTE_GRAD_REFUSAL):
+        fm.attention(q.detach(), k, v, causal=True, backend="cute", sinks=sinks)
+
+
+def test_the_backward_kernel_refuses_another_value_head_dim_by_name():
+    from flashmask3.optimized import interface
+
+    q, k, v, _ = inputs(1, 16, 16, 2, 1, 192, 128, dtype=torch.bfloat16)
+    out = torch.zeros(1, 16, 2, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match=CUTE_GRAD_REFUSAL):
+        interface.backward(out, q, k, v, out, lse, None, 0.1)
 
 
 def test_auto_is_the_reference_on_cpu():
     q, k, v, _ = inputs(1, 50, 50, 4, 2, 24, 16, seed=12, dtype=torch.float32)
     mask = masks.build("causal_document", 50)
-    assert api._auto_backend(q, k, v) == "reference"
+    assert api._auto_backend(q, k, v, backward=False) == "reference"
     assert torch.equal(fm.attention(q, k, v, mask), fm.attention(q, k, v, mask, backend="reference"))
 
 
-def test_auto_falls_back_to_flex_on_cuda_where_the_value_head_dim_differs(monkeypatch):
-    """On a Hopper GPU the kernels would take q and k (their check is stood in for here): auto runs
-    them with Dv = D and falls back to flex with Dv != D."""
-    monkeypatch.setattr(api, "unsupported_reason", lambda q, k: None)
+def test_auto_takes_cute_for_the_forward_and_flex_for_gradients_at_another_value_head_dim(monkeypatch):
+    """On a Hopper GPU (the device checks stood in for here): auto runs the kernels at Dv = D, and at
+    (128, 64) or (192, 128) for the forward alone; where gradients are needed, or the pair is not
+    one the kernels take, it falls back to flex."""
+    monkeypatch.setattr(api, "unsupported_reason", head_dims_only)
 
     def on_cuda(*shape):
         return SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.bfloat16, shape=shape)
 
     q, k = on_cuda(1, 128, 4, 128), on_cuda(1, 128, 2, 128)
-    assert api._auto_backend(q, k, on_cuda(1, 128, 2, 128)) == "cute"
-    assert api._auto_backend(q, k, on_cuda(1, 128, 2, 64)) == "flex"
-    assert "v head dim 64" in api._cute_unsupported(q, k, on_cuda(1, 128, 2, 64))
+    for backward in (False, True):
+        assert api._auto_backend(q, k, on_cuda(1, 128, 2, 128), backward) == "cute"
+        assert api._auto_backend(q, k, on_cuda(1, 128, 2, 96), backward) == "flex"
+    assert api._auto_backend(q, k, on_cuda(1, 128, 2, 64), backward=False) == "cute"
+    assert api._auto_backend(q, k, on_cuda(1, 128, 2, 64), backward=True) == "flex"
+    assert "v head dim 64" in api._cute_unsupported(q, k, on_cuda(1, 128, 2, 64), backward=True)
 
 
 # -- input checks -----------------------------------------------------------------------------------
