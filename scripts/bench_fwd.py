@@ -276,6 +276,7 @@ def run_ablation(
     heads: int | None = None,
     kv_heads: int | None = None,
     batch: int | None = None,
+    head_dim_v: int | None = None,
 ) -> list[dict]:
     """Per mask: the chosen configurations' time ("default"), then each variant's time and largest
     output difference, and each one's host time per call (launch work).
@@ -283,21 +284,27 @@ def run_ablation(
     a tuple of output tensors);
     `flops_per_fwd` its FLOPs in forwards (3.5 for fwd+bwd). The configurations take turns in
     `rounds` rounds (median over all), so a drift of the GPU's clock over the run hits them alike.
-    `heads`, `kv_heads`, `batch`: the inputs' shape, as in `run_bench`."""
+    `heads`, `kv_heads`, `batch`, `head_dim_v`: the inputs' shape, as in `run_bench`."""
     rows = []
     heads, kv_heads = head_counts(head_dim, heads, kv_heads)
+    head_dim_v = head_dim_v or head_dim
     for seqlen in seqlens:
         batch_size = run_batch(seqlen, batch)
         inputs = [
-            random_inputs(batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s)
+            random_inputs(
+                batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s, head_dim_v=head_dim_v
+            )
             for s in range(2)
         ]
         for name in progress(mask_names, f"ablate {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
-            flops = flops_per_fwd * attention_flops(batch_size, heads, seqlen, seqlen, head_dim, mask.density())
+            mean_head_dim = (head_dim + head_dim_v) / 2
+            flops = flops_per_fwd * attention_flops(batch_size, heads, seqlen, seqlen, mean_head_dim, mask.density())
             run = step(mask, head_dim, {})
             reference = run(*inputs[0])
             row = {"mask": name, "seqlen": seqlen, "batch": batch_size, "heads": heads, "kv_heads": kv_heads}
+            if head_dim_v != head_dim:
+                row["head_dim_v"] = head_dim_v
             contenders = {"default": (run, inputs)}
             for variant in variants:
                 timed = step(mask, head_dim, variant_overrides(variant))
@@ -410,12 +417,12 @@ def main() -> None:
     parser.add_argument(
         "--head-dim-v",
         type=positive_int,
-        help="bench: V's head dim where not --head-dim (64 with 128, or 128 with 192: MLA's shape)",
+        help="bench, ablate: V's head dim where not --head-dim (64 with 128, or 128 with 192: MLA's shape)",
     )
     args = parser.parse_args()
     check_common_arguments(parser, args)
-    if args.head_dim_v not in (None, args.head_dim) and args.what != "bench":
-        parser.error(f"--head-dim-v is for 'bench' only, got it with {args.what!r}")
+    if args.head_dim_v not in (None, args.head_dim) and args.what not in ("bench", "ablate"):
+        parser.error(f"--head-dim-v is for 'bench' and 'ablate', got it with {args.what!r}")
     result, save = new_record(args, "fwd")
     if args.what in ("check", "all"):
         result["check"] = run_check()
@@ -457,6 +464,7 @@ def main() -> None:
             heads=args.heads,
             kv_heads=args.kv_heads,
             batch=args.batch,
+            head_dim_v=args.head_dim_v,
         )
         print(ablation_table(result["ablate"], args.variants))
     save(result)

@@ -895,6 +895,28 @@ def test_ablation_takes_the_shape_options(monkeypatch):
     assert row["default_tflops"] == pytest.approx(4 * 1 * 16 * 32768**2 * 128 * 0.5 / 2e-3 / 1e12)
 
 
+def test_forward_bench_and_ablation_take_a_value_head_dim(monkeypatch):
+    """`--head-dim 192 --head-dim-v 128`: v has 128 columns, the row records it, and TFLOP/s count
+    QK^T over 192 and PV over 128 (the mean head dim in 4 B H Sq Sk D)."""
+    from flashmask3.reference import reference_attention
+
+    gqa_bench_on_cpu(monkeypatch, bench_fwd)
+    shapes = []
+
+    def cute_forward(q, k, v, mask, softmax_scale, config=None):
+        shapes.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return reference_attention(q, k, v, mask, softmax_scale)
+
+    monkeypatch.setattr(bench_fwd, "cute_forward", cute_forward)
+    (row,) = bench_fwd.run_bench([256], 192, ["causal"], peer_names=(), heads=2, batch=1, head_dim_v=128)
+    (ablated,) = bench_fwd.run_ablation([256], 192, ["causal"], [], heads=2, batch=1, head_dim_v=128)
+    assert set(shapes) == {(192, 192, 128)}
+    assert row["head_dim_v"] == ablated["head_dim_v"] == 128
+    flops = 4 * 1 * 2 * 256**2 * 160 * row["density"]
+    assert row["cute_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
+    assert ablated["default_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
+
+
 def test_overheads_takes_the_shape_options(monkeypatch, tmp_path):
     """`overheads.py --heads 16 --kv-heads 4 --batch 1`: the inputs have that shape, and the CTAs of
     the fit are our kernels': the forward's per query head and query tile, walking S / 128 key
