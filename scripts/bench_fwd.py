@@ -12,8 +12,9 @@ same computation in the input precision), on poisoned output buffers. Speed: CUD
 call, no sync between calls (launch work overlaps the previous call, as in training), warm-up,
 median over several input sets, the contenders (cute and each peer, or the ablation's variants)
 taking turns round by round (`flashmask3.bench.interleaved_ms`); TFLOP/s counts only unmasked work
-(4 B H Sq Sk D density; 2 B H Sq Sk (D + Dv) density with --head-dim-v) and the cute time includes the mask preprocessing. `ablate` times kernel
-configurations against the chosen ones (`fwd_config` / `bwd_config`) on the same inputs, each variant
+(4 B H Sq Sk D density; 2 B H Sq Sk (D + Dv) density with --head-dim-v) and the cute time
+includes the mask preprocessing. `ablate` times kernel configurations against the chosen ones
+(`fwd_config` / `bwd_config`) on the same inputs, each variant
 a set of `field=value` changes of them joined by '+', with each one's largest difference from the
 chosen configuration's output. Peers in the same run (`--peers`, default all;
 `flashmask3.bench_peers` says which masks each takes): Flex with BACKEND TRITON and FLASH, FA4's own
@@ -188,7 +189,16 @@ def run_bench(
         sets, rounds, repeats = (3, 5, 2) if seqlen <= 8192 else (2, 4, 1)  # longer runs: fewer, still >= 8 samples
         inputs = [
             random_inputs(
-                batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s, head_dim_v=head_dim_v
+                batch_size,
+                seqlen,
+                seqlen,
+                heads,
+                kv_heads,
+                head_dim,
+                torch.bfloat16,
+                "cuda",
+                seed=s,
+                head_dim_v=head_dim_v,
             )[:3]
             for s in range(sets)
         ]
@@ -292,7 +302,16 @@ def run_ablation(
         batch_size = run_batch(seqlen, batch)
         inputs = [
             random_inputs(
-                batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s, head_dim_v=head_dim_v
+                batch_size,
+                seqlen,
+                seqlen,
+                heads,
+                kv_heads,
+                head_dim,
+                torch.bfloat16,
+                "cuda",
+                seed=s,
+                head_dim_v=head_dim_v,
             )
             for s in range(2)
         ]

@@ -126,7 +126,9 @@ def test_cute_on_a_gpu_that_is_not_hopper_names_its_capability(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    q = SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.bfloat16, shape=(1, 128, 2, 128), requires_grad=False)
+    q = SimpleNamespace(
+        is_cuda=True, device="cuda:0", dtype=torch.bfloat16, shape=(1, 128, 2, 128), requires_grad=False
+    )
     with pytest.raises(
         NotImplementedError, match=r"Hopper GPU \(sm_90\), got NVIDIA A100.*compute capability 8.0 \(sm_80\)"
     ):

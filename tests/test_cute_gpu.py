@@ -100,8 +100,9 @@ def test_the_public_entry_runs_mlas_head_dims_forward_only_and_trains_them_on_fl
     """attention(..., backend="cute") at q/k 192, v 128 without grad: the kernel's numbers (the
     same as `interface.forward`'s, bit for bit); with inputs that require grad, "auto" trains on
     flex and "cute" names what it cannot do."""
-    import flashmask3 as fm
     from flashmask3.optimized.interface import forward
+
+    import flashmask3 as fm
 
     seqlen = 1000
     mask = masks.build("causal_document", seqlen, batch=2, heads=4, seed=5, device="cuda")

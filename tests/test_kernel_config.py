@@ -24,6 +24,15 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
 
+def test_head_dim_192_takes_one_q_buffer_and_longest_first_only_on_short_lists():
+    """MLA's q/k 192: two Q buffers do not fit beside two K/V stages; its larger K/V tiles make the
+    index order's L2 reuse win from fewer work tiles per SM than at 128."""
+    for causal, width in ((True, 1), (False, 2)):
+        config = fwd_config(192, causal, width)
+        assert (config.tile_m, config.q_buffers, config.late_k_release, config.fmax_row_max) == (128, 1, True, False)
+        assert config.longest_tiles_first_waves == 64 < fwd_config(128, causal, width).longest_tiles_first_waves
+
+
 def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
     for head_dim in (64, 128):
         assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
