@@ -20,7 +20,12 @@ per rank, `CPConfig(stage_chunks=N)`, right after mask_aware; every row carries 
    which gathers every rank's out/dQ/dK/dV point to point), by verify's rule: relative L2 error at
    most twice that of the reference computed in the inputs' dtype, plus the dtype's floor (1e-10
    for fp64).
-2. Time: after `--warmup` calls, `--rounds` rounds, the schemes taking turns; before each call all
+2. Host syncs (CUDA only): one more CP forward + backward under torch's sync debug mode, whose
+   warnings name each place where the call waits on the GPU from the host ("host_syncs": file:line
+   sites, none for a call that queues all its work without waiting). Under torchrun every rank
+   watches its own call; with --emulate the mode is the process's, so rank 0 watches while all
+   ranks run the same code at the same time.
+3. Time: after `--warmup` calls, `--rounds` rounds, the schemes taking turns; before each call all
    ranks synchronize and meet at a barrier. A call's forward and forward + backward times are the
    slowest rank's (CUDA events; host clock on CPU), the median over rounds. TFLOP/s per GPU count
    unmasked work: 4 * B * H * S^2 * D * density / N for the forward, 3.5x that for fwd+bwd.
@@ -55,6 +60,7 @@ import datetime
 import os
 import statistics
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,6 +262,23 @@ def communication_alone(case: Case, mask, device: torch.device) -> tuple[float, 
     return fwd.wait_s, bwd.wait_s
 
 
+def host_syncs(case: Case, mask, device: torch.device, watch: bool) -> list[str]:
+    """One CP forward + backward of this rank in lockstep; where `watch`, under torch's sync debug
+    mode: the places (file:line) where the call made the host wait on the GPU, sorted, [] for none."""
+    lockstep(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if watch:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = cp_attention(*case.local, mask, case.plan, config=case.config)
+            torch.autograd.grad(out, case.local, case.dout)
+        finally:
+            if watch:
+                torch.cuda.set_sync_debug_mode("default")
+    return sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+
+
 def describe_errors(errors: dict[int, str], world: int) -> str:
     """Rank -> error as one line: "every rank: ..." where all ranks raised the same."""
     if len(errors) == world and len(set(errors.values())) == 1:
@@ -407,6 +430,10 @@ def bench_rank(rank: int, world: int, args: argparse.Namespace, device: torch.de
             row |= check(case, mask, inputs, reference, kernels, rank, world)
             if "error" not in row:
                 cases[scheme] = case
+                if device.type == "cuda":
+                    watch = args.emulate is None or rank == 0
+                    sites = all_ranks(host_syncs(case, mask, device, watch))
+                    row["host_syncs"] = sorted(set().union(*sites))
             mask_rows.append(row)
         gathered = all_ranks(time_cases(cases, mask, args, device))
         if rank != 0:
@@ -454,6 +481,9 @@ def print_table(record: dict) -> None:
             f"{number(row.get('fwd_bwd_speedup_vs_ring'), '7.2f')} "
             f"{number(row.get('fwd_bwd_speedup_vs_allgather'), '7.2f')}"
         )
+    for row in record["rows"]:
+        if row.get("host_syncs"):
+            print(f"host syncs {row['mask']} {row['scheme']}: {', '.join(row['host_syncs'])}")
     for note in record["notes"]:
         print(f"note: {note}")
     for bad in record["failures"]:

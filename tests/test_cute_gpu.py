@@ -96,6 +96,31 @@ def test_forward_with_a_narrower_value_head_dim_matches_the_reference(name, head
     torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["causal_document", "share_question"])
+def test_a_steady_state_training_call_never_waits_on_the_gpu(name):
+    """After a first call (compilation, the mask's cached tile order), a forward + backward through
+    the public entry queues all its work without a host sync (torch's sync debug mode as errors)."""
+    import flashmask3 as fm
+
+    mask = masks.build(name, 4096, batch=1, heads=8, seed=2, device="cuda")
+    q, k, v, dout = random_inputs(1, 4096, 4096, 8, 2, 128, torch.bfloat16, "cuda", seed=2)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+
+    def step():
+        out = fm.attention(*leaves, mask, backend="cute")
+        return torch.autograd.grad(out, leaves, dout)
+
+    expected = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for got, first in zip(grads, expected):  # dQ's atomic adds may round differently run to run
+        torch.testing.assert_close(got, first)
+
+
 def test_the_public_entry_runs_mlas_head_dims_forward_only_and_trains_them_on_flex():
     """attention(..., backend="cute") at q/k 192, v 128 without grad: the kernel's numbers (the
     same as `interface.forward`'s, bit for bit); with inputs that require grad, "auto" trains on
