@@ -42,6 +42,7 @@ import contextlib
 import math
 import os
 import socket
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..memo import TensorMemo
 from ..optimized import interface as cute_kernels
 from ..reference import ColumnMask
 from ..reference import attention as reference
@@ -319,24 +321,22 @@ def _messages(src: np.ndarray, dst: np.ndarray, chunks: np.ndarray, world: int) 
     return messages
 
 
-_last_layout: tuple | None = None
+_layouts = threading.local()  # one memo per thread, as per process: threads as ranks keep their own
 
 
 def _layout_for(mask: ColumnMask, plan: CPPlan, config: CPConfig) -> _Layout:
-    """The layout of (mask, plan, config), reused while the same objects come back unchanged
-    (every attention layer of a training step shares them); an in-place edit of the mask's
-    tensor bumps its version and rebuilds the layout. An inference tensor has no version: its
-    layout is built at every call."""
-    global _last_layout
-    if torch.is_inference(mask.startend_row_indices):
-        return _Layout(mask, plan, config)
-    version = mask.startend_row_indices._version
-    entry = _last_layout  # read once: another thread may replace it (threads as ranks)
-    if entry is None or entry[:4] != (id(mask), id(plan), version, config):
-        # The objects are kept in the entry, so their ids cannot be reused while it lives.
-        entry = (id(mask), id(plan), version, config, (mask, plan), _Layout(mask, plan, config))
-        _last_layout = entry
-    return entry[5]
+    """The layout of (mask, plan, config), reused while the same plan and config and the same
+    boundaries tensor, unchanged, come back (every attention layer of a training step shares them;
+    the last few are kept, so schemes or masks taking turns do not evict each other): a steady-state
+    call plans nothing, so it makes no host sync. An in-place edit of the mask's tensor bumps its
+    version and rebuilds the layout; an inference tensor, or a CUDA graph being captured, builds it
+    at every call."""
+    memo = getattr(_layouts, "memo", None)
+    if memo is None:
+        memo = _layouts.memo = TensorMemo[_Layout](size=8)
+    # The layout holds the plan, so its id cannot be reused while the entry lives.
+    key = (id(plan), config, mask.causal, mask.seqlen_q)
+    return memo.get(key, [mask.startend_row_indices], lambda: _Layout(mask, plan, config))
 
 
 # -- comm: the group's side --------------------------------------------------------------------------

@@ -276,7 +276,8 @@ def host_syncs(case: Case, mask, device: torch.device, watch: bool) -> list[str]
         finally:
             if watch:
                 torch.cuda.set_sync_debug_mode("default")
-    return sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+    return sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
 
 
 def describe_errors(errors: dict[int, str], world: int) -> str:

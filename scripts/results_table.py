@@ -46,7 +46,10 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Forward, S = 8K", ("fwd_bench_v12_8k_peers.json", "fwd_bench_v13_8k_fa4.json")),
     ("Forward, S = 32K and 128K", ("fwd_bench_v12_32k_peers.json", "fwd_bench_v13_128k_partial.json")),
     ("Forward + backward, S = 8K", ("bwd_bench_v12_8k_peers.json",)),
-    ("Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads", ("fwd_bench_train_32k_fmax_peers.json",)),
+    (
+        "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads",
+        ("fwd_bench_train_32k_fmax_peers.json",),
+    ),
     (
         "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads",
         ("bwd_bench_train_32k_length_classes.json",),

@@ -54,6 +54,23 @@ def test_every_scheme_matches_single_device_and_is_timed(tmp_path, capsys):
     assert table[-1].startswith("share_question") and "allgather" in table[-1]
 
 
+@pytest.mark.gpu
+def test_a_steady_state_cp_call_never_waits_on_the_gpu(tmp_path):
+    """On a GPU, the CuTe kernels on 2 emulated ranks: after its checked first call, every scheme's
+    forward + backward queues all its work without a host sync (the layouts are kept, so nothing
+    is planned again), and its numbers pass the check."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cute backend needs a Hopper GPU")
+    out = tmp_path / "cp_bench.json"
+    argv = ["--emulate", "2", "--device", "cuda", "--backend", "cute", "--tokens-per-gpu", "1024"]
+    argv += ["--chunks-per-rank", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "128"]
+    argv += ["--masks", "causal_document,full", "--warmup", "0", "--rounds", "1", "--stage-chunks", "1"]
+    assert cp_bench.main([*argv, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * (len(cp_bench.SCHEMES) + 1)
+    assert {(row["mask"], row["scheme"]): row["host_syncs"] for row in rows if row["host_syncs"]} == {}
+
+
 def test_stage_chunks_adds_the_staged_scheme_checked_and_timed(tmp_path, capsys):
     """`--stage-chunks 1`: a mask_aware_staged row after each mask_aware one (up to 6 stages of one
     chunk per rank at CP 4 x 2 chunks), checked against single-device attention and timed like

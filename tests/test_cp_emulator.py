@@ -158,8 +158,8 @@ def test_backward_counts_the_dkv_message_buffers_in_flight(references):
 
 
 def test_layout_cache_is_safe_across_threads():
-    """Threads as ranks share context_parallel's layout cache: a thread must get the layout of its
-    own mask even when another replaces the cache between its check and its return."""
+    """Threads as ranks, each with its own masks, all calling context_parallel's layout cache
+    with switches between every bytecode: a thread always gets the layout of its own mask."""
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     wrong = []

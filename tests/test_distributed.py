@@ -1187,6 +1187,23 @@ def test_cp_report_adds_the_staged_model_only_when_asked(tmp_path, monkeypatch, 
     assert "--stage-chunks takes a positive int and goes with --model" in capsys.readouterr().err
 
 
+def test_layouts_taking_turns_are_all_kept():
+    """Schemes (configs) and masks alternating, as a benchmark's turns or a model with two masks
+    do: each layout is built once, so a steady-state call plans nothing."""
+    plan = make_plan(512, 4, 2, "contiguous")
+    two_masks = [masks.build(name, 512, seed=0) for name in ("document", "causal_document")]
+    configs = [CPConfig(), CPConfig(scheme="ring"), CPConfig(stage_chunks=1)]
+    first = {
+        (i, j): context_parallel._layout_for(m, plan, c) for i, m in enumerate(two_masks) for j, c in enumerate(configs)
+    }
+    for _ in range(3):
+        for (i, j), layout in first.items():
+            assert context_parallel._layout_for(two_masks[i], plan, configs[j]) is layout
+    # A ColumnMask rebuilt around the same tensor (as the custom ops do) shares its layout.
+    again = ColumnMask(two_masks[0].startend_row_indices, False, 512)
+    assert context_parallel._layout_for(again, plan, configs[0]) is first[0, 0]
+
+
 def test_layout_is_reused_and_rebuilt_after_an_in_place_mask_edit():
     mask = masks.build("document", 512, num_docs=4, seed=0)
     plan = make_plan(512, 4, 2, "contiguous")
