@@ -327,13 +327,13 @@ _layouts = threading.local()  # one memo per thread, as per process: threads as 
 def _layout_for(mask: ColumnMask, plan: CPPlan, config: CPConfig) -> _Layout:
     """The layout of (mask, plan, config), reused while the same plan and config and the same
     boundaries tensor, unchanged, come back (every attention layer of a training step shares them;
-    the last few are kept, so schemes or masks taking turns do not evict each other): a steady-state
-    call plans nothing, so it makes no host sync. An in-place edit of the mask's tensor bumps its
-    version and rebuilds the layout; an inference tensor, or a CUDA graph being captured, builds it
-    at every call."""
+    the last eight are kept, each with its localized masks, so schemes or masks taking turns do not
+    evict each other): a steady-state call plans nothing, so it makes no host sync, and a CUDA graph
+    captured after a first call reuses its plan. An in-place edit of the mask's tensor bumps its
+    version and rebuilds the layout; an inference tensor builds it at every call."""
     memo = getattr(_layouts, "memo", None)
     if memo is None:
-        memo = _layouts.memo = TensorMemo[_Layout](size=8)
+        memo = _layouts.memo = TensorMemo[_Layout](size=8, build_under_capture=False)
     # The layout holds the plan, so its id cannot be reused while the entry lives.
     key = (id(plan), config, mask.causal, mask.seqlen_q)
     return memo.get(key, [mask.startend_row_indices], lambda: _Layout(mask, plan, config))

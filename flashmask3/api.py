@@ -52,8 +52,9 @@ def attention(
             bottom-right aligned when Sq != Sk. `window_size=(left, right)` shows key j to query i
             iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1 meaning unbounded; with
             causal=True, right must be 0 or -1. Given together with `mask`: ValueError.
-        backend: "reference" (pure PyTorch, any device), "cute" (the CuTe DSL Hopper kernel:
-            bf16/fp16, head dim 64/128 for q, k and v alike, sm_90), "sdpa" (torch SDPA with a
+        backend: "reference" (pure PyTorch, any device), "cute" (the CuTe DSL Hopper kernels:
+            bf16/fp16, sm_90; head dims (q/k, v) (64, 64) or (128, 128), and (128, 64) or
+            (192, 128) for the forward alone), "sdpa" (torch SDPA with a
             dense mask), "flex" (FlexAttention with a BlockMask), or "auto": cute where it
             supports the inputs, else flex on CUDA, else reference.
         softmax_scale: scale of q.k; default 1/sqrt(D), D being q's (and k's) head dim.

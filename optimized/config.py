@@ -106,8 +106,8 @@ LONGEST_TILES_FIRST_WAVES = 128
 """The forward draws its work tiles longest first when there are at most this many per SM."""
 LONGEST_TILES_FIRST_WAVES_HEAD_DIM_192 = 64
 """The same at head dim 192, whose K/V tiles are 1.5x larger, so the index order's L2 reuse
-weighs more: at 124 per SM it is +10% on causal (-1.7% on causal documents) against longest first;
-at 31 per SM longest first still wins on documents (+4-6%)."""
+weighs more: at 124 per SM it is +10% on causal and +1.7% on causal documents against longest
+first; at 31 per SM longest first still wins on documents (+4-6%)."""
 LONGEST_CTAS_FIRST_WAVES = 16
 """The backward's CTAs go longest first in grids of at most this many waves."""
 LONGEST_CTAS_FIRST_BUCKETS = 16
@@ -124,7 +124,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     full); at 128-row tiles the K stage released after the mask (+0.5-4.5% on every mask, bit for bit
     the same numbers); one Q buffer at head dim 192, where two do not fit beside two K/V stages,
     and its work tiles longest first only up to 64 per SM; at head dim 128 the row maxima by fmax
-    chains on the non-causal variants (+0.9-2.3% on full and document; -0.3 to -2.5% on the causal
+    chains on the non-causal variants (+0.9-2.4% on full and document; -0.1 to -2.4% on the causal
     masks, so not there)."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(

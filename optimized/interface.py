@@ -38,8 +38,12 @@ def head_dims_unsupported(head_dim: int, head_dim_v: int, backward: bool = False
     """Why the kernels cannot take q/k head dim `head_dim` with v head dim `head_dim_v` (with the
     backward too, where `backward`), or None. Shapes only: the same under torch.compile."""
     if (head_dim, head_dim_v) not in FORWARD_HEAD_DIMS:
-        accepted = ", ".join(f"({d}, {dv})" for d, dv in FORWARD_HEAD_DIMS)
-        return f"backend='cute' takes head dims (q/k, v) of {accepted}, got ({head_dim}, {head_dim_v})"
+        both = ", ".join(f"({d}, {dv})" for d, dv in FORWARD_HEAD_DIMS if d == dv)
+        forward_only = ", ".join(f"({d}, {dv})" for d, dv in FORWARD_HEAD_DIMS if d != dv)
+        return (
+            f"backend='cute' takes head dims (q/k, v) of {both} (forward and backward) and {forward_only} "
+            f"(forward only), got ({head_dim}, {head_dim_v})"
+        )
     if backward and head_dim_v != head_dim:
         return (
             f"backend='cute' computes gradients only where v's head dim equals q's and k's (64 or 128), "

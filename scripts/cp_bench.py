@@ -264,18 +264,21 @@ def communication_alone(case: Case, mask, device: torch.device) -> tuple[float, 
 
 def host_syncs(case: Case, mask, device: torch.device, watch: bool) -> list[str]:
     """One CP forward + backward of this rank in lockstep; where `watch`, under torch's sync debug
-    mode: the places (file:line) where the call made the host wait on the GPU, sorted, [] for none."""
+    mode: the places (file:line) where the call made the host wait on the GPU, sorted, [] for none.
+    Only a watching thread touches the warnings machinery (`catch_warnings` is not thread-safe)."""
     lockstep(device)
+    if not watch:
+        out = cp_attention(*case.local, mask, case.plan, config=case.config)
+        torch.autograd.grad(out, case.local, case.dout)
+        return []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if watch:
-            torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("warn")
         try:
             out = cp_attention(*case.local, mask, case.plan, config=case.config)
             torch.autograd.grad(out, case.local, case.dout)
         finally:
-            if watch:
-                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     return sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
 

@@ -157,6 +157,41 @@ def test_backward_counts_the_dkv_message_buffers_in_flight(references):
         assert peaks == {name: (0, chunks * chunk) for name, (_, chunks) in cases.items()}
 
 
+def test_a_steady_state_call_plans_nothing_on_any_rank(references, monkeypatch):
+    """Every scheme on 4 ranks as threads, each rank with its own mask and plan, the schemes taking
+    turns: after each one's first call, no rank builds a layout or localizes a mask again (planning
+    is where the host would wait on the device), and the numbers stay those of the first call."""
+    builds = []
+    real_init = context_parallel._Layout.__init__
+
+    def counted_init(self, *args):
+        builds.append(threading.get_ident())
+        real_init(self, *args)
+
+    monkeypatch.setattr(context_parallel._Layout, "__init__", counted_init)
+    localized = []
+    real_localize = context_parallel.localize
+    monkeypatch.setattr(context_parallel, "localize", lambda *a: localized.append(1) or real_localize(*a))
+    _, inputs, _ = references["causal_document"]
+
+    def rank_main(rank, world):
+        mask = masks.build("causal_document", SEQLEN, heads=4, seed=0)
+        plan = cp_plan(mask, world, 2, "balanced")
+        first = {scheme: run_cp(rank, plan, mask, inputs, config) for scheme, config in CONFIGS.items()}
+        dist.barrier()
+        counts = (len(builds), len(localized))
+        dist.barrier()
+        again = {scheme: run_cp(rank, plan, mask, inputs, config) for scheme, config in CONFIGS.items()}
+        dist.barrier()
+        same = all(torch.equal(a, b) for s in CONFIGS for a, b in zip(first[s], again[s]))
+        return counts, (len(builds), len(localized)), same
+
+    results = emulate(rank_main, WORLD).results
+    assert len(builds) == WORLD * len(CONFIGS)  # one layout per rank and scheme, all in the first calls
+    for before, after, same in results:
+        assert before == after and same
+
+
 def test_layout_cache_is_safe_across_threads():
     """Threads as ranks, each with its own masks, all calling context_parallel's layout cache
     with switches between every bytecode: a thread always gets the layout of its own mask."""

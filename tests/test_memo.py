@@ -36,6 +36,18 @@ def test_inference_tensors_are_built_every_time():
     assert len(builds) == 2 and not memo._entries
 
 
+def test_a_graph_capture_builds_again_unless_the_value_is_a_host_plan(monkeypatch):
+    import flashmask3.memo as memo_module
+
+    monkeypatch.setattr(memo_module, "_capturing", lambda tensors: True)
+    a, builds = torch.arange(4), []
+    recorded, plan = TensorMemo(size=2), TensorMemo(size=2, build_under_capture=False)
+    for memo in (recorded, plan):
+        for _ in range(2):
+            memo.get("k", [a], lambda: builds.append(memo) or len(builds))
+    assert builds == [recorded, recorded, plan]
+
+
 def test_threads_each_get_the_value_of_their_own_key():
     memo = TensorMemo(size=1)  # every thread's entry evicts the others'
     tensors = [torch.arange(i + 1) for i in range(8)]

@@ -204,8 +204,8 @@ CUTE_GRAD_REFUSAL = (
     r"q/k head dim 192 and v head dim 128 on inputs that require grad"
 )
 CUTE_SHAPE_REFUSAL = (
-    r"backend='cute' takes head dims \(q/k, v\) of \(64, 64\), \(128, 128\), \(128, 64\), \(192, 128\), "
-    r"got \(128, 96\)"
+    r"backend='cute' takes head dims \(q/k, v\) of \(64, 64\), \(128, 128\) \(forward and backward\) and "
+    r"\(128, 64\), \(192, 128\) \(forward only\), got \(128, 96\)"
 )
 
 
