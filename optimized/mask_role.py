@@ -229,11 +229,12 @@ def list_work_tiles(
     work = Int32(cute.arch.block_idx()[0])
     while work < work_tiles.total:
         header = position
-        _put_single(tile_list, header, work)
+        entry = work_tiles.header(work)
+        _put_single(tile_list, header, entry)
         if cute.arch.lane_idx() == 0:
             timeline.record(tiles_done, Event.WORK_TILE, work)
             timeline.record(tiles_done, Event.LISTED)
-        m_block, head, batch = work_tiles.decode(work)
+        m_block, head, batch = work_tiles.decode(entry)
         row_start = m_block * tile_m
         position = list_key_tiles(
             tile_list,

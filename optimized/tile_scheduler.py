@@ -32,12 +32,23 @@ class WorkTiles:
     total: Int32
     last_first: bool  # causal: query tiles in reverse order (without an order)
     order: cute.Tensor | None  # int32 [total]: the work tile to draw n-th
+    # The header entries carry the work tile itself (`order` read once, by the mask role), not
+    # the draw number each reader looks up in `order` (a global load before the tile's first GEMM).
+    resolved_headers: bool
 
     @cute.jit
-    def decode(self, work: Int32):
-        """(query tile, query head, batch) of the `work`-th work tile drawn."""
-        if cutlass.const_expr(self.order is not None):
+    def header(self, work: Int32) -> Int32:
+        """The header entry the mask role publishes for the `work`-th work tile drawn."""
+        if cutlass.const_expr(self.resolved_headers and self.order is not None):
             work = self.order[work]
+        return work
+
+    @cute.jit
+    def decode(self, entry: Int32):
+        """(query tile, query head, batch) of a header entry (`header`)."""
+        work = entry
+        if cutlass.const_expr(self.order is not None and not self.resolved_headers):
+            work = self.order[entry]
         m_block = work % self.num_m_blocks
         head_batch = work // self.num_m_blocks
         if cutlass.const_expr(self.last_first and self.order is None):

@@ -271,6 +271,28 @@ def test_fmax_row_max_drops_the_nan_compares_from_the_loop(tmp_path):
     assert compares_fmax <= compares - 6 and under_pv >= 40
 
 
+@pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
+def test_resolved_headers_take_the_order_load_off_the_readers(tmp_path):
+    """`resolved_headers`: the longest-first order is read once per work tile by the mask role, so
+    the producer's and the consumers' global loads of it are gone (two LDG fewer in the kernel);
+    no local memory, and the loop's WGMMAs stay in flight."""
+    import sass_path
+
+    def build(resolved: bool) -> str:
+        config = f"dataclasses.replace(fwd_config(128, True, 1), resolved_headers={resolved})"
+        setup = "import dataclasses; from flashmask3.optimized import fwd_config"
+        return compiled_sass(
+            tmp_path, f"resolved_{resolved}", "FlashMaskForward", f"'bf16', 128, True, 1, {config}", setup
+        )
+
+    default, resolved = build(False), build(True)
+    loads = [sum("LDG" in line for line in sass.splitlines()) for sass in (default, resolved)]
+    assert loads[0] - loads[1] == 2, loads
+    assert "STL" not in resolved and "LDL" not in resolved
+    summary = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(resolved.splitlines())))
+    assert " 0 HGMMA" not in summary and "serialized" not in summary, summary
+
+
 def test_backward_grid_order_build_compiles():
     """The build long grids run (the default compile is the longest-first one): key tile, KV head
     and batch from the 3-D grid."""
