@@ -147,6 +147,22 @@ def kernel_overrides(pairs: list[str]) -> dict:
     return changes
 
 
+def bench_inputs(sets: int, batch: int, seqlen: int, heads: int, kv_heads: int, head_dim: int, head_dim_v: int):
+    """`sets` input sets (q, k, v, dout) in bf16 on the GPU, seeds 0.. (v and dout of `head_dim_v`)."""
+    return [
+        random_inputs(
+            batch, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s, head_dim_v=head_dim_v
+        )
+        for s in range(sets)
+    ]
+
+
+def forward_flops(batch: int, heads: int, seqlen: int, head_dim: int, head_dim_v: int, density: float) -> float:
+    """Forward FLOPs on unmasked work: QK^T over D and PV over Dv, i.e. the mean head dim in
+    `attention_flops`' 4 B H Sq Sk D."""
+    return attention_flops(batch, heads, seqlen, seqlen, (head_dim + head_dim_v) / 2, density)
+
+
 def record_times(row: dict, contenders: dict, **timing) -> None:
     """Each contender's median time into `row` (`interleaved_ms` with `timing`), or the error that
     took it out of the turns."""
@@ -187,27 +203,12 @@ def run_bench(
     for seqlen in seqlens:
         batch_size = run_batch(seqlen, batch)
         sets, rounds, repeats = (3, 5, 2) if seqlen <= 8192 else (2, 4, 1)  # longer runs: fewer, still >= 8 samples
-        inputs = [
-            random_inputs(
-                batch_size,
-                seqlen,
-                seqlen,
-                heads,
-                kv_heads,
-                head_dim,
-                torch.bfloat16,
-                "cuda",
-                seed=s,
-                head_dim_v=head_dim_v,
-            )[:3]
-            for s in range(sets)
-        ]
+        inputs = [x[:3] for x in bench_inputs(sets, batch_size, seqlen, heads, kv_heads, head_dim, head_dim_v)]
         scale = 1 / math.sqrt(head_dim)
         for name in progress(mask_names, f"bench {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
             density = mask.density()
-            # QK^T over D, PV over Dv: the mean head dim in the 4 B H Sq Sk D formula
-            flops = attention_flops(batch_size, heads, seqlen, seqlen, (head_dim + head_dim_v) / 2, density)
+            flops = forward_flops(batch_size, heads, seqlen, head_dim, head_dim_v, density)
             row = {
                 "mask": name,
                 "seqlen": seqlen,
@@ -300,25 +301,10 @@ def run_ablation(
     head_dim_v = head_dim_v or head_dim
     for seqlen in seqlens:
         batch_size = run_batch(seqlen, batch)
-        inputs = [
-            random_inputs(
-                batch_size,
-                seqlen,
-                seqlen,
-                heads,
-                kv_heads,
-                head_dim,
-                torch.bfloat16,
-                "cuda",
-                seed=s,
-                head_dim_v=head_dim_v,
-            )
-            for s in range(2)
-        ]
+        inputs = bench_inputs(2, batch_size, seqlen, heads, kv_heads, head_dim, head_dim_v)
         for name in progress(mask_names, f"ablate {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
-            mean_head_dim = (head_dim + head_dim_v) / 2
-            flops = flops_per_fwd * attention_flops(batch_size, heads, seqlen, seqlen, mean_head_dim, mask.density())
+            flops = flops_per_fwd * forward_flops(batch_size, heads, seqlen, head_dim, head_dim_v, mask.density())
             run = step(mask, head_dim, {})
             reference = run(*inputs[0])
             row = {"mask": name, "seqlen": seqlen, "batch": batch_size, "heads": heads, "kv_heads": kv_heads}
