@@ -52,11 +52,6 @@ class FwdConfig:
     # reduction, which lowers to NaN-propagating compares and selects on the softmax's critical path
     # (the same numbers bit for bit: the scores are never NaN).
     fmax_row_max: bool
-    # Each work tile's header in the tile ring carries the work tile itself, looked up in the
-    # host's longest-first order once by the mask role, instead of its draw number, which the
-    # producer and the consumers each looked up in global memory before the tile's Q load and
-    # first GEMM (without an order both are the same).
-    resolved_headers: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -143,7 +138,6 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         ),
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
-        resolved_headers=False,
     )
 
 

@@ -89,7 +89,6 @@ class FlashMaskForwardSm90:
         self.uniform_tiles = config.uniform_tiles
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
-        self.resolved_headers = config.resolved_headers
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
@@ -353,7 +352,7 @@ class FlashMaskForwardSm90:
         num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
         num_heads = cute.size(mQ.shape[2])
         total = num_m_blocks * num_heads * cute.size(mQ.shape[3])
-        return WorkTiles(num_m_blocks, num_heads, total, self.causal, order, self.resolved_headers)
+        return WorkTiles(num_m_blocks, num_heads, total, self.causal, order)
 
     @cute.jit
     def load(

@@ -32,25 +32,21 @@ class WorkTiles:
     total: Int32
     last_first: bool  # causal: query tiles in reverse order (without an order)
     order: cute.Tensor | None  # int32 [total]: the work tile to draw n-th
-    # The header entries carry the work tile itself (`order` read once, by the mask role), not
-    # the draw number each reader looks up in `order` (a global load before the tile's first GEMM).
-    resolved_headers: bool
 
     @cute.jit
     def header(self, work: Int32) -> Int32:
-        """The header entry the mask role publishes for the `work`-th work tile drawn."""
-        if cutlass.const_expr(self.resolved_headers and self.order is not None):
+        """The header entry the mask role publishes for the `work`-th work tile drawn: the work
+        tile itself, looked up in `order` once here rather than by each reader, where the global
+        load would stand before the tile's Q load and first GEMM."""
+        if cutlass.const_expr(self.order is not None):
             work = self.order[work]
         return work
 
     @cute.jit
     def decode(self, entry: Int32):
         """(query tile, query head, batch) of a header entry (`header`)."""
-        work = entry
-        if cutlass.const_expr(self.order is not None and not self.resolved_headers):
-            work = self.order[entry]
-        m_block = work % self.num_m_blocks
-        head_batch = work // self.num_m_blocks
+        m_block = entry % self.num_m_blocks
+        head_batch = entry // self.num_m_blocks
         if cutlass.const_expr(self.last_first and self.order is None):
             m_block = self.num_m_blocks - 1 - m_block
         return m_block, head_batch % self.num_heads, head_batch // self.num_heads

@@ -192,22 +192,6 @@ def test_fmax_row_max_gives_the_default_forwards_numbers(name):
     assert torch.equal(out, out_fmax) and torch.equal(lse, lse_fmax)
 
 
-@pytest.mark.parametrize("name", ["causal_document", "share_question"])
-def test_resolved_headers_give_the_default_forwards_numbers(name):
-    """`resolved_headers` changes only who reads the longest-first order: the default's outputs
-    and LSE bit for bit, with the order in use (one sequence: few work tiles per SM)."""
-    from flashmask3.optimized import fwd_config
-    from flashmask3.optimized.interface import forward
-
-    seqlen, scale = 4096, 1 / math.sqrt(128)
-    mask = masks.build(name, seqlen, batch=1, heads=8, seed=9, device="cuda")
-    q, k, v, _ = random_inputs(1, seqlen, seqlen, 8, 2, 128, torch.bfloat16, "cuda", seed=9)
-    default = fwd_config(128, mask.causal, mask.startend_row_indices.shape[-1])
-    out, lse = forward(q, k, v, mask, scale, config=default)
-    resolved = forward(q, k, v, mask, scale, config=dataclasses.replace(default, resolved_headers=True))
-    assert torch.equal(out, resolved[0]) and torch.equal(lse, resolved[1])
-
-
 def test_deterministic_gradients_are_bitwise_equal():
     from flashmask3.optimized.interface import backward, forward
 

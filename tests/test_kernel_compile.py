@@ -114,6 +114,42 @@ def test_launch_compiles_once_per_configuration_and_passes_torch_tensors(monkeyp
     assert len(calls[1]) == 3
 
 
+def test_threads_launching_a_new_kernel_together_compile_it_once_and_one_at_a_time(monkeypatch):
+    """The DSL's compiler is not thread-safe (threads as CP ranks aborted the process): concurrent
+    first launches wait for one compilation and then all run it."""
+    import threading
+    import time
+
+    import cutlass.cute as cute
+    import torch
+    from flashmask3.optimized import interface
+
+    running, overlaps, compiled, calls = [0], [], [], []
+
+    def fake_compile(kernel, *args, **flags):
+        running[0] += 1
+        overlaps.append(running[0])
+        time.sleep(0.05)
+        running[0] -= 1
+        compiled.append(type(kernel).__name__)
+        return lambda *call_args: calls.append(threading.get_ident())
+
+    monkeypatch.setattr(cute, "compile", fake_compile)
+    monkeypatch.setattr(interface, "_compiled", {})
+    out, dq = torch.zeros(2, 8, 2, 64, dtype=torch.float32), torch.zeros(2, 8, 2, 64, dtype=torch.bfloat16)
+
+    def launch(head_dim):
+        interface._launch("bwd_post", torch.bfloat16, head_dim, False, 2, None, [out, dq], [0.125])
+
+    threads = [threading.Thread(target=launch, args=(64 if i < 4 else 128,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert compiled == ["BackwardPostprocess"] * 2 and max(overlaps) == 1
+    assert len(calls) == 6 and len(set(calls)) == 6
+
+
 def test_the_backward_launches_longest_first_in_short_grids_when_not_deterministic(monkeypatch):
     """`longest_ctas_first_waves`: the main kernel gets the CTA order (a permutation of its CTAs) when
     its grid is at most that many waves and not `deterministic=True` (whose key tiles wait for the
@@ -272,24 +308,23 @@ def test_fmax_row_max_drops_the_nan_compares_from_the_loop(tmp_path):
 
 
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
-def test_resolved_headers_take_the_order_load_off_the_readers(tmp_path):
-    """`resolved_headers`: the longest-first order is read once per work tile by the mask role, so
-    the producer's and the consumers' global loads of it are gone (two LDG fewer in the kernel);
-    no local memory, and the loop's WGMMAs stay in flight."""
+def test_only_the_mask_role_reads_the_longest_first_order(tmp_path):
+    """With the longest-first order the work-tile headers carry the work tile, looked up once by the
+    mask role: one global load more than the build drawing in index order, none in the producer's
+    or the consumers' path before a tile's Q load and first GEMM; no local memory, and the loop's
+    WGMMAs stay in flight."""
     import sass_path
 
-    def build(resolved: bool) -> str:
-        config = f"dataclasses.replace(fwd_config(128, True, 1), resolved_headers={resolved})"
+    def build(waves: int) -> str:
+        config = f"dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first_waves={waves})"
         setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-        return compiled_sass(
-            tmp_path, f"resolved_{resolved}", "FlashMaskForward", f"'bf16', 128, True, 1, {config}", setup
-        )
+        return compiled_sass(tmp_path, f"waves_{waves}", "FlashMaskForward", f"'bf16', 128, True, 1, {config}", setup)
 
-    default, resolved = build(False), build(True)
-    loads = [sum("LDG" in line for line in sass.splitlines()) for sass in (default, resolved)]
-    assert loads[0] - loads[1] == 2, loads
-    assert "STL" not in resolved and "LDL" not in resolved
-    summary = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(resolved.splitlines())))
+    index_order, longest_first = build(0), build(128)
+    loads = [sum("LDG" in line for line in sass.splitlines()) for sass in (index_order, longest_first)]
+    assert loads[1] - loads[0] == 1, loads
+    assert "STL" not in longest_first and "LDL" not in longest_first
+    summary = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(longest_first.splitlines())))
     assert " 0 HGMMA" not in summary and "serialized" not in summary, summary
 
 
