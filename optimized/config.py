@@ -52,11 +52,6 @@ class FwdConfig:
     # reduction, which lowers to NaN-propagating compares and selects on the softmax's critical path
     # (the same numbers bit for bit: the scores are never NaN).
     fmax_row_max: bool
-    # Where V's head dim equals Q's: each warpgroup stages its O rows over its own Q rows without
-    # waiting for the others, and only the last warpgroup waits for all O in smem before its thread
-    # issues the tile's TMA store, so the others start their next work tile under its last PV GEMM
-    # (otherwise every warpgroup waits twice: before staging, the O buffer may hold others' Q rows).
-    split_epilogue: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -143,7 +138,6 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         ),
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
-        split_epilogue=head_dim == 128,
     )
 
 

@@ -44,10 +44,8 @@ from .timeline import Event, Timeline
 
 LOG2_E = math.log2(math.e)
 # Named barriers (0 is sync_threads), with n consumer warpgroups: 1..n whose turn on the tensor
-# cores; n + 1 the consumers' epilogue (`epilogue_barrier`); n + 2 .. 2n + 1 a warpgroup's
-# prefetched column bounds are in smem (`bounds_barrier`); 2n + 2 the split epilogue's of odd work
-# tiles (a warpgroup that only arrives may reach the next work tile's epilogue before the storing
-# one has waited at this one's).
+# cores; n + 1 the consumers' epilogue (`epilogue_barrier`); n + 2 onwards a warpgroup's prefetched
+# column bounds are in smem (`bounds_barrier`).
 _MMA_TURN = 1
 
 
@@ -93,9 +91,6 @@ class FlashMaskForwardSm90:
         self.fmax_row_max = config.fmax_row_max
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
-        self.split_epilogue = config.split_epilogue and head_dim_v == head_dim
-        # The consumer thread that stores O and frees the Q buffer after the store has read it.
-        self.store_thread = 128 * (self.num_consumer_wgs - 1) if self.split_epilogue else 0
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
         # head dim 192 the mask-role warp spills with 24 (at causal, width 2), and 232 fit the
         # consumers' loop.
@@ -104,7 +99,6 @@ class FlashMaskForwardSm90:
             self.producer_regs, self.consumer_regs = 32, 232
         self.epilogue_barrier = _MMA_TURN + self.num_consumer_wgs
         self.bounds_barrier = self.epilogue_barrier + 1
-        self.odd_epilogue_barrier = self.bounds_barrier + self.num_consumer_wgs
 
     @cute.jit
     def __call__(
@@ -515,7 +509,7 @@ class FlashMaskForwardSm90:
             free_previous_q = (pipe_q, q_state, False)
             if const_expr(self.q_buffers == 2):
                 previous_q = pipeline.PipelineState(2, q_state.count, 1 - q_state.index, q_state.phase)
-                free_previous_q = (pipe_q, previous_q, tiles_done > 0 and tidx == self.store_thread)
+                free_previous_q = (pipe_q, previous_q, tiles_done > 0 and tidx == 0)
             k_state, v_state, position = self.overlapped_loop(
                 tiled_mma_qk,
                 tiled_mma_pv,
@@ -556,16 +550,15 @@ class FlashMaskForwardSm90:
                 batch,
                 seqlen_q,
                 tidx,
-                self.epilogue_barrier_of(tiles_done),
             )
             if const_expr(self.q_buffers == 1):  # the next Q needs this buffer
-                self.free_q(pipe_q, q_state, tidx == self.store_thread)
+                self.free_q(pipe_q, q_state, tidx == 0)
             q_state.advance()
             if tidx == 0:
                 timeline.record(tiles_done, Event.STORED)
             tiles_done += 1
             work = tile_list.read(position)
-        if tidx == self.store_thread:
+        if tidx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem stays valid until the last store has read it
 
     @cute.jit
@@ -745,40 +738,22 @@ class FlashMaskForwardSm90:
             cute.arch.barrier_arrive(barrier_id=_MMA_TURN + next_wg, number_of_threads=256)
 
     @cute.jit
-    def epilogue_barrier_of(self, tiles_done: Int32) -> Int32:
-        """The named barrier of the epilogue after `tiles_done` work tiles."""
-        barrier_id = Int32(self.epilogue_barrier)
-        if const_expr(self.split_epilogue):
-            barrier_id += (tiles_done % 2) * (self.odd_epilogue_barrier - self.epilogue_barrier)
-        return barrier_id
-
-    @cute.jit
-    def store(
-        self, acc_O, lse, tiled_mma_pv, thr_pv, sO, tma_o, mO, mLSE, m_block, head, batch, seqlen_q, tidx, barrier_id
-    ):
-        """Epilogue: O into `sO` (the work tile's Q buffer) by stmatrix, then one TMA store of the tile
-        by `store_thread`, which leaves out rows past seqlen_q and completes under the next work tile;
-        the LSE by the threads holding column 0. `barrier_id`: this work tile's epilogue barrier."""
-        all_consumers = 128 * self.num_consumer_wgs
+    def store(self, acc_O, lse, tiled_mma_pv, thr_pv, sO, tma_o, mO, mLSE, m_block, head, batch, seqlen_q, tidx):
+        """Epilogue: O into `sO` (the work tile's Q buffer) by stmatrix, then one TMA store of the tile,
+        which leaves out rows past seqlen_q and completes under the next work tile; the LSE by the
+        threads holding column 0."""
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        if const_expr(not self.split_epilogue):
-            # Every consumer warpgroup's last S GEMM (the readers of this Q buffer) is done.
-            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=all_consumers)
+        # Every consumer warpgroup's last S GEMM (the readers of this Q buffer) is done.
+        cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
         st_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_pv
         )
         thr_copy = st_copy.get_slice(tidx)
         cute.copy(st_copy, thr_copy.retile(rO), thr_copy.partition_D(sO))
         cute.arch.fence_view_async_shared()
-        if const_expr(self.split_epilogue):  # the storing warpgroup waits for the others' O, they go on
-            if cute.arch.make_warp_uniform(tidx // 128) == self.num_consumer_wgs - 1:
-                cute.arch.barrier(barrier_id=barrier_id, number_of_threads=all_consumers)
-            else:
-                cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=all_consumers)
-        else:
-            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=all_consumers)
-        if tidx == self.store_thread:
+        cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
+        if tidx == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
             t_s, t_g = tma_tiles(tma_o, sO, gO)
             cute.copy(tma_o, t_s, t_g)

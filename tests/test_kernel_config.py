@@ -17,12 +17,9 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         longest_tiles_first_waves=128,
         late_k_release=True,
         fmax_row_max=False,
-        split_epilogue=True,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
-        assert fwd_config(64, causal, width) == dataclasses.replace(
-            chosen, tile_m=192, late_k_release=False, split_epilogue=False
-        )
+        assert fwd_config(64, causal, width) == dataclasses.replace(chosen, tile_m=192, late_k_release=False)
         assert fwd_config(128, causal, width) == dataclasses.replace(chosen, fmax_row_max=not causal)
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
@@ -66,7 +63,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "longest_tiles_first_waves": int,
         "late_k_release": bool,
         "fmax_row_max": bool,
-        "split_epilogue": bool,
         "lse_ahead": bool,
         "dq_first": bool,
         "longest_ctas_first_waves": int,
@@ -82,7 +78,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         longest_tiles_first_waves=128,
         late_k_release=False,
         fmax_row_max=False,
-        split_epilogue=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(
         lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
