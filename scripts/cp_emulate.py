@@ -9,9 +9,9 @@ skipped (the negative control: it must fail where messages travel, or the check 
 
 A case passes by verify's rule (relative L2 error at most twice that of the reference computed in
 the inputs' dtype, plus the dtype's floor; for fp64, 1e-10). Writes the cases and a summary as JSON
-to --out (runs/cp_emulate.json) and prints a table; exits 1 where a plain or delayed case fails or
-the control fails nowhere. On CUDA every rank shares the one GPU: the peak memory is the device's,
-all ranks together.
+to --out (cp_emulate.json in $OUT where set, else in runs/) and prints a table; exits 1 where a
+plain or delayed case fails or the control fails nowhere. On CUDA every rank shares the one GPU:
+the peak memory is the device's, all ranks together.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -73,7 +74,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="seconds before each transfer of the no-wait control (CUDA: long enough that a rank reads its "
         "buffers before the copies land; on CPU its transfers come after the run anyway)",
     )
-    parser.add_argument("--out", type=Path, default=Path("runs") / "cp_emulate.json")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs")) / "cp_emulate.json")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp64")
     for option, accepted in (("masks", masks.MASK_NAMES), ("plans", PLANS), ("schemes", tuple(SCHEMES))):
