@@ -9,8 +9,8 @@ assignment (`make_plan(..., "balanced")`), the layout (which chunks each rank ne
 `cold` is its first plan (numba's first calls in a process included, its on-disk cache warm, as
 after the first run on a machine), `warm` the plan of the next batch's mask (seed + 1) in the same
 process, as a training run meets it. The localized mask is timed for every rank and the slowest
-counted in `per_rank_s`. Writes runs/cp_planning_times.json (or --out); the committed record, with
-the same command run on the code before vectorization, is bench/results/cp_planning_times.json.
+counted in `per_rank_s`. Writes cp_planning_times.json to $OUT (or runs/; or --out); the committed
+record, with the same command run on the code before vectorization, is bench/results/cp_planning_times.json.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--cases", default="131072x32x8,1048576x128x8,1048576x128x16")
     parser.add_argument("--masks", default="causal_document,share_question,full,random_eviction")
     parser.add_argument("--core", type=int, default=0, help="the CPU core each case runs on")
-    parser.add_argument("--out", type=Path, default=Path("runs") / "cp_planning_times.json")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs")) / "cp_planning_times.json")
     parser.add_argument("--child", nargs=2, metavar=("MASK", "CASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -16,13 +16,15 @@ the K/V MB a rank holds at peak (own + two stages), next to one stage's (own + e
 the largest rank's each. `--call-ms` replaces the fixed cost the model charges every kernel call
 (default the fit's, `RankTimeFit.fixed_s`, measured on mask-aware union calls that include their
 host-side mask work): the dense masks' comparison with the ring rests on it. Writes JSON to
-runs/cp_report_<K>k_per_rank.json (or --out; the committed one is bench/results/), prints a table.
+cp_report_<K>k_per_rank.json in $OUT or runs/ (or --out; the committed one is bench/results/),
+prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -90,7 +92,9 @@ def main() -> None:
         metavar="MS",
         help="with --model: the fixed cost per kernel call in ms (default the fitted one)",
     )
-    parser.add_argument("--out", type=Path, help="the JSON file (default runs/cp_report_<K>k_per_rank.json)")
+    parser.add_argument(
+        "--out", type=Path, help="the JSON file (default: cp_report_<K>k_per_rank.json in $OUT or runs/)"
+    )
     args = parser.parse_args()
     if args.call_ms is not None and not args.model:
         parser.error("--call-ms goes with --model (it changes the cost model only)")
@@ -99,7 +103,7 @@ def main() -> None:
     fit = RankTimeFit() if args.call_ms is None else RankTimeFit(fixed_s=args.call_ms / 1e3)
     if args.stage_chunks is not None and (args.stage_chunks < 1 or not args.model):
         parser.error(f"--stage-chunks takes a positive int and goes with --model, got {args.stage_chunks}")
-    out = args.out or Path("runs") / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json"
+    out = args.out or Path(os.environ.get("OUT", "runs")) / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json"
     rows = []
     for world in (int(r) for r in args.ranks.split(",")):
         seqlen = world * args.tokens_per_rank
