@@ -27,6 +27,12 @@ def git_commit() -> str:
         return "unknown"
 
 
+def results_dir() -> Path:
+    """Where the benchmark scripts write their records: $OUT where set (the device machine's
+    folder that comes back), else runs/."""
+    return Path(os.environ.get("OUT", "runs"))
+
+
 def result_json(record: dict) -> str:
     """A result record as JSON for bench/results/: floats to 4 significant digits and each row of a
     top-level list on one line, so a committed record stays a few KB."""

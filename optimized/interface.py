@@ -31,7 +31,8 @@ FORWARD_HEAD_DIMS = ((64, 64), (128, 128), (128, 64), (192, 128))
 """The (q/k head dim, v head dim) pairs the forward takes; the backward takes equal ones only."""
 _compiled: dict[tuple, object] = {}
 _compile_lock = threading.Lock()
-"""One compilation at a time: the DSL's compiler is not thread-safe (threads as ranks, data loaders)."""
+"""One compilation at a time: the DSL's compiler is not thread-safe (CP ranks as threads compiling
+the same kernel at once aborted the process)."""
 compile_seconds: dict[tuple, float] = {}
 """Wall time of each compilation, keyed like the cache: (direction, dtype, head_dim, head_dim_v,
 causal, mask width, config, deterministic, which tensors are None)."""
@@ -161,19 +162,22 @@ def _launch(
     config = _device_part(config)
     nones = tuple(t is None for t in tensors)
     key = (direction, dtype, head_dim, head_dim_v, causal, width, config, deterministic, nones)
-    with _compile_lock:  # uncontended once compiled
-        if key not in _compiled:
-            cute_args = [
-                *(None if t is None else _to_cute(t) for t in tensors),
-                *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars),
-            ]
-            name = "bf16" if dtype == torch.bfloat16 else "fp16"
-            kernel = _make_kernel(name, head_dim, causal, width, config, direction, deterministic, head_dim_v)
-            start = time.perf_counter()
-            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's current one, each call
-            _compiled[key] = cute.compile(kernel, *cute_args, stream, options="--enable-tvm-ffi")
-            compile_seconds[key] = time.perf_counter() - start
-    _compiled[key](*(None if t is None else t.detach() for t in tensors), *scalars)
+    compiled = _compiled.get(key)
+    if compiled is None:
+        with _compile_lock:
+            compiled = _compiled.get(key)
+            if compiled is None:
+                cute_args = [
+                    *(None if t is None else _to_cute(t) for t in tensors),
+                    *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars),
+                ]
+                name = "bf16" if dtype == torch.bfloat16 else "fp16"
+                kernel = _make_kernel(name, head_dim, causal, width, config, direction, deterministic, head_dim_v)
+                start = time.perf_counter()
+                stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's current one
+                compiled = _compiled[key] = cute.compile(kernel, *cute_args, stream, options="--enable-tvm-ffi")
+                compile_seconds[key] = time.perf_counter() - start
+    compiled(*(None if t is None else t.detach() for t in tensors), *scalars)
 
 
 def forward(
@@ -431,11 +435,12 @@ def compile_check(
     scalars = [Float32(0.1), Int32(1), Int32(1), Int32(1)] + ([] if direction == "bwd" else [Int32(132)])
     args = [*tensors, *scalars, stream]
     flags = {"options": "--enable-tvm-ffi"}
-    start = time.perf_counter()
-    kernel = _make_kernel(dtype, head_dim, causal, width, config, direction, deterministic, head_dim_v)
-    cute.compile(kernel, *args, **flags)
-    if direction == "bwd":
-        pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream)
-        cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_pre"), *pre_args, **flags)
-        cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_post"), *post_args, **flags)
-    return time.perf_counter() - start
+    with _compile_lock:
+        start = time.perf_counter()
+        kernel = _make_kernel(dtype, head_dim, causal, width, config, direction, deterministic, head_dim_v)
+        cute.compile(kernel, *args, **flags)
+        if direction == "bwd":
+            pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream)
+            cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_pre"), *pre_args, **flags)
+            cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_post"), *post_args, **flags)
+        return time.perf_counter() - start

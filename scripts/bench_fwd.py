@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from flashmask3.optimized import BwdConfig, FwdConfig, bwd_config, compile_seconds, fwd_config
@@ -47,7 +45,7 @@ from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import compare, random_inputs
 
 from flashmask3 import bench_peers
-from flashmask3.bench import attention_flops, git_commit, host_us, interleaved_ms, progress, result_json
+from flashmask3.bench import attention_flops, git_commit, host_us, interleaved_ms, progress, result_json, results_dir
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -378,7 +376,7 @@ def new_record(args: argparse.Namespace, prefix: str):
     """(the result record: commit, command, GPU; a function writing a record to $OUT or runs/
     under one timestamped name)."""
     # runs/ by default: a run never lands in the committed bench/results/ unless copied there.
-    out_dir = Path(os.environ.get("OUT", "runs"))
+    out_dir = results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{prefix}_{args.what}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     result = {

@@ -73,7 +73,7 @@ from flashmask3.verify.compare import random_inputs
 from flashmask3.verify.cp import NAMES, compile_cp_kernels, cp_plan, cp_report, exact, low_precision, max_error, run_cp
 from flashmask3.verify.suite import DTYPES
 
-from flashmask3.bench import attention_flops, error_string, git_commit, result_json
+from flashmask3.bench import attention_flops, error_string, git_commit, result_json, results_dir
 
 SCHEMES = ("mask_aware", "hierarchical", "ring", "allgather")
 STAGED = "mask_aware_staged"
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         "failures": failures(rows),
         "rows": rows,
     }
-    out = args.out or Path(os.environ.get("OUT", "runs")) / f"cp_bench_cp{world}.json"
+    out = args.out or results_dir() / f"cp_bench_cp{world}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result_json(record))
     print(f"wrote {out}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from flashmask3.distributed import CPConfig, chunk_loads, make_plan
 from flashmask3.distributed.context_parallel import _Layout
 from flashmask3.reference import masks
 
-from flashmask3.bench import git_commit, result_json
+from flashmask3.bench import git_commit, result_json, results_dir
 
 
 def rank_features(row: dict, tokens_per_rank: int, chunk: int) -> np.ndarray:
@@ -93,7 +92,7 @@ def main() -> None:
         "fits": fits,
         "rows": rows,
     }
-    out_dir = Path(os.environ.get("OUT", "runs"))
+    out_dir = results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "cp_calibration.json").write_text(result_json(result))
     for name, fit in fits.items():

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from flashmask3.verify.cp import (
 )
 from flashmask3.verify.suite import DTYPES
 
-from flashmask3.bench import git_commit, progress, result_json
+from flashmask3.bench import git_commit, progress, result_json, results_dir
 
 SCHEMES = {
     "mask_aware": CPConfig(),
@@ -74,7 +73,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="seconds before each transfer of the no-wait control (CUDA: long enough that a rank reads its "
         "buffers before the copies land; on CPU its transfers come after the run anyway)",
     )
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs")) / "cp_emulate.json")
+    parser.add_argument("--out", type=Path, default=results_dir() / "cp_emulate.json")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp64")
     for option, accepted in (("masks", masks.MASK_NAMES), ("plans", PLANS), ("schemes", tuple(SCHEMES))):

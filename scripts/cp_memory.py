@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -53,7 +52,7 @@ from flashmask3.verify.cp import cp_plan
 from flashmask3.verify.suite import DTYPES
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-from flashmask3.bench import error_string, git_commit, progress, result_json, time_fn
+from flashmask3.bench import error_string, git_commit, progress, result_json, results_dir, time_fn
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if device.type == "cuda" else "; no peak memory on CPU, only the K/V bytes the CP layer holds"),
         "rows": rows,
     }
-    out = args.out or Path(os.environ.get("OUT", "runs")) / f"cp_memory_cp{args.world}.json"
+    out = args.out or results_dir() / f"cp_memory_cp{args.world}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result_json(record))
     print(

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from flashmask3.bench import git_commit, result_json
+from flashmask3.bench import git_commit, result_json, results_dir
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
 
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--cases", default="131072x32x8,1048576x128x8,1048576x128x16")
     parser.add_argument("--masks", default="causal_document,share_question,full,random_eviction")
     parser.add_argument("--core", type=int, default=0, help="the CPU core each case runs on")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs")) / "cp_planning_times.json")
+    parser.add_argument("--out", type=Path, default=results_dir() / "cp_planning_times.json")
     parser.add_argument("--child", nargs=2, metavar=("MASK", "CASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from flashmask3.distributed import CPConfig, chunk_loads, imbalance, make_plan
 from flashmask3.distributed.context_parallel import CPStats, _Layout, _LocalAttention
 from flashmask3.reference import masks
 
-from flashmask3.bench import git_commit, progress, result_json
+from flashmask3.bench import git_commit, progress, result_json, results_dir
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -91,7 +89,7 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    out_dir = Path(os.environ.get("OUT", "runs"))
+    out_dir = results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {
         "commit": git_commit(),

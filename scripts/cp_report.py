@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from flashmask3.distributed.context_parallel import _Layout
 from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
 from flashmask3.reference import masks
 
-from flashmask3.bench import git_commit, progress, result_json
+from flashmask3.bench import git_commit, progress, result_json, results_dir
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # k and v, 8 kv heads x 128, bf16
 
@@ -103,7 +102,7 @@ def main() -> None:
     fit = RankTimeFit() if args.call_ms is None else RankTimeFit(fixed_s=args.call_ms / 1e3)
     if args.stage_chunks is not None and (args.stage_chunks < 1 or not args.model):
         parser.error(f"--stage-chunks takes a positive int and goes with --model, got {args.stage_chunks}")
-    out = args.out or Path(os.environ.get("OUT", "runs")) / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json"
+    out = args.out or results_dir() / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json"
     rows = []
     for world in (int(r) for r in args.ranks.split(",")):
         seqlen = world * args.tokens_per_rank

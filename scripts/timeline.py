@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -35,7 +34,7 @@ from flashmask3.optimized.timeline import STEP_SEGMENTS, BwdEvent, Event
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
 
-from flashmask3.bench import git_commit
+from flashmask3.bench import git_commit, results_dir
 
 EVENTS = tuple(e.name.lower() for e in Event)
 SEGMENTS = tuple(e.name.lower() for e in STEP_SEGMENTS)
@@ -175,7 +174,7 @@ def main() -> None:
     )
     scale = 1 / math.sqrt(args.head_dim)
     config = apply_overrides(fwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
-    out_dir = Path(os.environ.get("OUT", "runs"))
+    out_dir = results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "timeline_bwd" if args.backward else "timeline"
     name = f"{kind}_{args.mask}_{args.seqlen}_b{batch}_h{heads}_kv{kv_heads}" + "".join(f"_{o}" for o in args.kernel)

@@ -248,6 +248,7 @@ def test_plot_and_cp_report_write_under_runs_by_default(tmp_path, monkeypatch, c
     import cp_report
     import plot
 
+    monkeypatch.delenv("OUT", raising=False)  # the default folder, as without $OUT
     monkeypatch.chdir(tmp_path)
     record = run_experiment(config(["seqlen=256", "bench.repeats=1", "bench.backward=false"]))["path"]
     monkeypatch.setattr(sys, "argv", ["plot.py", record])

@@ -132,7 +132,7 @@ def test_threads_launching_a_new_kernel_together_compile_it_once_and_one_at_a_ti
         time.sleep(0.05)
         running[0] -= 1
         compiled.append(type(kernel).__name__)
-        return lambda *call_args: calls.append(threading.get_ident())
+        return lambda *call_args: calls.append(threading.current_thread().name)
 
     monkeypatch.setattr(cute, "compile", fake_compile)
     monkeypatch.setattr(interface, "_compiled", {})
