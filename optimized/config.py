@@ -52,6 +52,9 @@ class FwdConfig:
     # reduction, which lowers to NaN-propagating compares and selects on the softmax's critical path
     # (the same numbers bit for bit: the scores are never NaN).
     fmax_row_max: bool
+    # Causal masks: a key tile that no key's bounds reach (only the diagonal cuts it) is listed as
+    # such and masked by the causal comparison alone, without its bounds' cp.async, wait and barrier.
+    diagonal_tiles: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -138,6 +141,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         ),
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
+        diagonal_tiles=False,
     )
 
 

@@ -36,8 +36,8 @@ from cutlass.memory import SmemAllocator
 from .config import FwdConfig
 from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
-from .mask import apply_column_mask
-from .mask_role import END_OF_LIST, PARTIAL, UNIFORM, TileList, entry_tile, list_work_tiles
+from .mask import apply_causal_diagonal, apply_column_mask
+from .mask_role import DIAGONAL_ONLY, END_OF_LIST, PARTIAL, UNIFORM, TileList, entry_tile, list_work_tiles
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
 from .timeline import Event, Timeline
@@ -87,6 +87,7 @@ class FlashMaskForwardSm90:
         self.num_stages = config.num_stages
         self.q_buffers = config.q_buffers
         self.uniform_tiles = config.uniform_tiles
+        self.diagonal_tiles = config.diagonal_tiles and causal
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
         self.num_consumer_wgs = config.num_consumer_wgs
@@ -318,6 +319,7 @@ class FlashMaskForwardSm90:
                     self.causal,
                     self.mask_width,
                     self.uniform_tiles,
+                    self.diagonal_tiles,
                     timeline,
                 )
         else:
@@ -707,7 +709,7 @@ class FlashMaskForwardSm90:
     ):
         """The element mask, on tiles the mask role listed PARTIAL only; the column boundaries come
         from smem (`bounds`, see `prefetch_bounds`) once all but the `newer_groups` latest cp.async
-        groups (the next entry's) have landed."""
+        groups (the next entry's) have landed. DIAGONAL_ONLY tiles: the causal comparison alone."""
         if (entry & PARTIAL) != 0:
             sBounds, _, wg = bounds
             cute.arch.cp_async_wait_group(newer_groups)
@@ -722,6 +724,9 @@ class FlashMaskForwardSm90:
                     apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds)
             else:
                 apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds)
+        if const_expr(self.diagonal_tiles):
+            if (entry & (PARTIAL | UNIFORM)) == DIAGONAL_ONLY:
+                apply_causal_diagonal(acc_S, s_coords, row_start, entry_tile(entry) * self.tile_n, causal_offset)
 
     @cute.jit
     def begin_turn(self, wg):

@@ -45,20 +45,34 @@ def _hidden(
 @cute.jit
 def _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offset, causal, width):
     """The mask of a tile whose keys share `bounds`: whether a row is hidden is decided once per
-    row; only the causal diagonal is left per element."""
-    first = bounds[0]
-    second = bounds[1] if cutlass.const_expr(width >= 2) else first
-    third = bounds[2] if cutlass.const_expr(width == 4) else first
-    fourth = bounds[3] if cutlass.const_expr(width == 4) else first
+    row; only the causal diagonal is left per element. `bounds` None: no row is hidden."""
+    if cutlass.const_expr(bounds is not None):
+        first = bounds[0]
+        second = bounds[1] if cutlass.const_expr(width >= 2) else first
+        third = bounds[2] if cutlass.const_expr(width == 4) else first
+        fourth = bounds[3] if cutlass.const_expr(width == 4) else first
     for q in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
         query = query_start + c_rows[q, 0][0]
-        # The key argument only feeds the causal part, tested per element below.
-        row_hidden = _hidden(query, query + causal_offset, first, second, third, fourth, causal_offset, causal, width)
+        row_hidden = False
+        if cutlass.const_expr(bounds is not None):
+            # The key argument only feeds the causal part, tested per element below.
+            key = query + causal_offset
+            row_hidden = _hidden(query, key, first, second, third, fourth, causal_offset, causal, width)
         for k in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
             hidden = row_hidden
             if cutlass.const_expr(causal):
                 hidden = hidden or key_start + c_rows[q, k][1] > query + causal_offset
             s_rows[q, k] = -Float32.inf if hidden else s_rows[q, k]
+
+
+@cute.jit
+def apply_causal_diagonal(
+    acc_S: cute.Tensor, coords: cute.Tensor, query_start: Int32, key_start: Int32, causal_offset: Int32
+):
+    """Set the scores of keys after their query (bottom-right aligned) to -inf: the whole mask of a
+    forward tile that no key's bounds reach (`DIAGONAL_ONLY`). `coords` as in `apply_column_mask`."""
+    rows = (acc_rows_view(acc_S), acc_rows_view(coords))
+    _apply_row_mask(*rows, None, query_start, key_start, causal_offset, causal=True, width=1)
 
 
 @cute.jit

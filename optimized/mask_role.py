@@ -26,6 +26,9 @@ PARTIAL = 1  # entry flag: the tile needs the element mask
 # Entry flag of a PARTIAL forward tile whose keys all have the same bounds (min == max of every
 # boundary column, no ragged end): its mask is a set of rows, read from one key's bounds.
 UNIFORM = 2
+# UNIFORM without PARTIAL (a causal forward tile, with `flag_diagonal`): no key's bounds reach the
+# tile's rows and no key is past the end, so only the causal diagonal cuts it: no bounds to read.
+DIAGONAL_ONLY = UNIFORM
 
 
 @cute.jit
@@ -104,8 +107,10 @@ def tile_flags(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
 ):
-    """(listed, partial, uniform) of the tile rows [row_start, row_end) x keys [key_start, key_start +
-    tile_n); uniform: every boundary column's min equals its max and no key is past the end.
+    """(listed, partial, uniform, diagonal_only) of the tile rows [row_start, row_end) x keys
+    [key_start, key_start + tile_n); uniform: every boundary column's min equals its max and no key
+    is past the end; diagonal_only: partial by the causal diagonal alone (no interval reaches the
+    rows, no key past the end).
 
     `bounds` holds the key block's min of each of the `width` boundary columns, then their max.
     A tile is SKIP when one interval covers all its rows for every key (or the causal part hides
@@ -133,11 +138,13 @@ def tile_flags(
     uniform = key_end == key_start + tile_n
     for w in cutlass.range_constexpr(width):
         uniform = uniform and bounds[w] == bounds[width + w]
+    touched_by_bounds = touched
     touched = touched or key_end < key_start + tile_n
     if const_expr(causal):
         covered = covered or key_start > row_end - 1 + causal_offset
         touched = touched or key_end - 1 > row_start + causal_offset
-    return not covered, touched, uniform
+    diagonal_only = touched and not touched_by_bounds and key_end == key_start + tile_n
+    return not covered, touched, uniform, diagonal_only
 
 
 @cute.jit
@@ -178,10 +185,12 @@ def list_key_tiles(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     flag_uniform: cutlass.Constexpr[bool],
+    flag_diagonal: cutlass.Constexpr[bool],
 ) -> Int32:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
     published from entry `position` on (PARTIAL tiles flagged UNIFORM where they are, if
-    `flag_uniform`); returns the position after END_OF_LIST."""
+    `flag_uniform`; DIAGONAL_ONLY instead of PARTIAL where they are, if `flag_diagonal`); returns
+    the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
     if const_expr(causal):
@@ -193,12 +202,14 @@ def list_key_tiles(
         tile = first + lane
         for w in cutlass.range_constexpr(2 * width):
             bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
-        listed, partial, uniform = tile_flags(
+        listed, partial, uniform, diagonal_only = tile_flags(
             bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset, causal, width
         )
         flags = Int32(partial)
         if const_expr(flag_uniform):
             flags = flags | (Int32(UNIFORM) if partial and uniform else Int32(0))
+        if const_expr(flag_diagonal):
+            flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
     _put_single(tile_list, position, END_OF_LIST)
     return position + 1
@@ -220,6 +231,7 @@ def list_work_tiles(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     flag_uniform: cutlass.Constexpr[bool],
+    flag_diagonal: cutlass.Constexpr[bool],
     timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
@@ -248,6 +260,7 @@ def list_work_tiles(
             causal,
             width,
             flag_uniform,
+            flag_diagonal,
         )
         if cute.arch.lane_idx() == 0:
             timeline.record(tiles_done, Event.LIST_END)
@@ -286,7 +299,7 @@ def list_query_tiles(
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
         tile = base + lane
         row_start = tile * tile_m
-        listed, partial, _ = tile_flags(
+        listed, partial, _, _ = tile_flags(
             bounds,
             row_start,
             cutlass.min(row_start + tile_m, seqlen_q),

@@ -17,6 +17,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         longest_tiles_first_waves=128,
         late_k_release=True,
         fmax_row_max=False,
+        diagonal_tiles=False,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         assert fwd_config(64, causal, width) == dataclasses.replace(chosen, tile_m=192, late_k_release=False)
@@ -63,6 +64,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "longest_tiles_first_waves": int,
         "late_k_release": bool,
         "fmax_row_max": bool,
+        "diagonal_tiles": bool,
         "lse_ahead": bool,
         "dq_first": bool,
         "longest_ctas_first_waves": int,
@@ -78,6 +80,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         longest_tiles_first_waves=128,
         late_k_release=False,
         fmax_row_max=False,
+        diagonal_tiles=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(
         lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
