@@ -135,7 +135,8 @@ def tile_flags(
         covered = hi0 <= row_start or lo1 >= row_end
         touched = lo0 < row_end or hi1 > row_start
     key_end = cutlass.min(key_start + tile_n, seqlen_k)
-    uniform = key_end == key_start + tile_n
+    complete = key_end == key_start + tile_n  # no key past the end
+    uniform = complete
     for w in cutlass.range_constexpr(width):
         uniform = uniform and bounds[w] == bounds[width + w]
     touched_by_bounds = touched
@@ -143,7 +144,7 @@ def tile_flags(
     if const_expr(causal):
         covered = covered or key_start > row_end - 1 + causal_offset
         touched = touched or key_end - 1 > row_start + causal_offset
-    diagonal_only = touched and not touched_by_bounds and key_end == key_start + tile_n
+    diagonal_only = touched and not touched_by_bounds and complete
     return not covered, touched, uniform, diagonal_only
 
 
