@@ -193,19 +193,19 @@ def test_fmax_row_max_gives_the_default_forwards_numbers(name):
 
 
 @pytest.mark.parametrize("name", ["causal", "causal_document", "sliding_window", "causal_blockwise"])
-@pytest.mark.parametrize("head_dim, seqlen", [(128, 1531), (64, 4096)])
-def test_diagonal_tiles_give_the_default_forwards_numbers(name, head_dim, seqlen):
-    """`diagonal_tiles`: the tiles only the causal diagonal cuts are masked by the comparison alone
-    instead of from their keys' bounds, the same -inf positions, so the default's outputs and LSE
-    bit for bit (GQA 4 on 2; a ragged length, whose last key tile stays PARTIAL)."""
+@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", [(128, 128, 1531), (64, 64, 4096), (192, 128, 1531)])
+def test_diagonal_tiles_give_the_bounds_masks_numbers(name, head_dim, head_dim_v, seqlen):
+    """`diagonal_tiles`: the tiles only the causal diagonal cuts, masked by the comparison alone,
+    get the same -inf positions as when masked from their keys' bounds, so the same outputs and
+    LSE bit for bit (GQA 4 on 2; a ragged length, whose last key tile stays PARTIAL)."""
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward
 
     scale = 1 / math.sqrt(head_dim)
     mask = masks.build(name, seqlen, batch=2, heads=4, seed=13, device="cuda")
-    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=13)
+    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=13, head_dim_v=head_dim_v)
     default = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
-    out, lse = forward(q, k, v, mask, scale, config=default)
+    out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(default, diagonal_tiles=False))
     diagonal = forward(q, k, v, mask, scale, config=dataclasses.replace(default, diagonal_tiles=True))
     assert torch.equal(out, diagonal[0]) and torch.equal(lse, diagonal[1])
 

@@ -328,19 +328,6 @@ def test_only_the_mask_role_reads_the_longest_first_order(tmp_path):
     assert " 0 HGMMA" not in summary and "serialized" not in summary, summary
 
 
-@pytest.mark.slow  # compiles and disassembles a forward, ~10 s
-def test_diagonal_tiles_build_keeps_its_wgmmas_in_flight(tmp_path):
-    """`diagonal_tiles` (causal documents' variant): no local memory, the loop's WGMMAs in flight."""
-    import sass_path
-
-    config = "dataclasses.replace(fwd_config(128, True, 1), diagonal_tiles=True)"
-    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    sass = compiled_sass(tmp_path, "diagonal", "FlashMaskForward", f"'bf16', 128, True, 1, {config}", setup)
-    assert "STL" not in sass and "LDL" not in sass
-    summary = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())))
-    assert " 0 HGMMA" not in summary and "serialized" not in summary, summary
-
-
 def test_backward_grid_order_build_compiles():
     """The build long grids run (the default compile is the longest-first one): key tile, KV head
     and batch from the 3-D grid."""

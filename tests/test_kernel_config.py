@@ -20,8 +20,13 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         diagonal_tiles=False,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
-        assert fwd_config(64, causal, width) == dataclasses.replace(chosen, tile_m=192, late_k_release=False)
-        assert fwd_config(128, causal, width) == dataclasses.replace(chosen, fmax_row_max=not causal)
+        diagonal = causal and width == 1
+        assert fwd_config(64, causal, width) == dataclasses.replace(
+            chosen, tile_m=192, late_k_release=False
+        )
+        assert fwd_config(128, causal, width) == dataclasses.replace(
+            chosen, fmax_row_max=not causal, diagonal_tiles=diagonal
+        )
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
 
@@ -50,7 +55,7 @@ def test_configs_are_frozen_validated_and_hashable():
         dataclasses.replace(config, num_stages=5)
     with pytest.raises(ValueError, match="tile_m must be 128 or 192"):
         dataclasses.replace(config, tile_m=64)
-    assert len({config, dataclasses.replace(config, persistent=False), fwd_config(128, True, 2)}) == 2
+    assert len({config, dataclasses.replace(config, persistent=False), fwd_config(128, True, 1)}) == 2
 
 
 def test_overrides_go_to_the_configuration_that_has_the_field():
