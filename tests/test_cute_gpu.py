@@ -203,7 +203,9 @@ def test_diagonal_tiles_give_the_bounds_masks_numbers(name, head_dim, head_dim_v
 
     scale = 1 / math.sqrt(head_dim)
     mask = masks.build(name, seqlen, batch=2, heads=4, seed=13, device="cuda")
-    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=13, head_dim_v=head_dim_v)
+    q, k, v, _ = random_inputs(
+        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=13, head_dim_v=head_dim_v
+    )
     default = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
     out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(default, diagonal_tiles=False))
     diagonal = forward(q, k, v, mask, scale, config=dataclasses.replace(default, diagonal_tiles=True))
