@@ -55,9 +55,6 @@ class FwdConfig:
     # Causal masks: a key tile that no key's bounds reach (only the diagonal cuts it) is listed as
     # such and masked by the causal comparison alone, without its bounds' cp.async, wait and barrier.
     diagonal_tiles: bool
-    # UNIFORM tiles' shared bounds published by the mask warp with the list entry (the key block's
-    # min), read with it, instead of one lane's cp.async behind the warpgroup's bounds barrier.
-    list_uniform_bounds: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -148,7 +145,6 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
-        list_uniform_bounds=False,
     )
 
 

@@ -36,7 +36,7 @@ from cutlass.memory import SmemAllocator
 from .config import FwdConfig
 from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
-from .mask import apply_causal_diagonal, apply_column_mask, apply_row_mask
+from .mask import apply_causal_diagonal, apply_column_mask
 from .mask_role import DIAGONAL_ONLY, END_OF_LIST, PARTIAL, UNIFORM, TileList, entry_tile, list_work_tiles
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
@@ -88,7 +88,6 @@ class FlashMaskForwardSm90:
         self.q_buffers = config.q_buffers
         self.uniform_tiles = config.uniform_tiles
         self.diagonal_tiles = config.diagonal_tiles and causal
-        self.list_uniform_bounds = config.list_uniform_bounds and config.uniform_tiles
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
         self.num_consumer_wgs = config.num_consumer_wgs
@@ -178,7 +177,6 @@ class FlashMaskForwardSm90:
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
             tile_ring: cute.struct.MemRange[Int32, TileList.slots]
-            tile_ring_bounds: cute.struct.MemRange[Int32, TileList.slots * w if self.list_uniform_bounds else 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -267,13 +265,8 @@ class FlashMaskForwardSm90:
         )
         pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, k_bytes, consumer_warps)
         pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, v_bytes, consumer_warps)
-        ring_bounds = None
-        if const_expr(self.list_uniform_bounds):
-            ring_bounds = storage.tile_ring_bounds.get_tensor(
-                cute.make_layout((TileList.slots, self.mask_width), stride=(self.mask_width, 1))
-            )
         tile_list = TileList(
-            storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)), storage.mbar_tiles.data_ptr(), ring_bounds
+            storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)), storage.mbar_tiles.data_ptr()
         )
         tile_list.init(1 + 4 * self.num_consumer_wgs, warp_idx, self.num_threads // 32)  # read by producer, consumers
         cute.arch.mbarrier_init_fence()
@@ -603,19 +596,17 @@ class FlashMaskForwardSm90:
         previous work tile's Q buffer (`free_previous_q`: the pipeline, that buffer's state, and whether
         this thread does it). Returns the K and V pipeline states and the position after END_OF_LIST.
         `bounds`: the warpgroup's (smem buffers, lane, warpgroup) for `prefetch_bounds`."""
-        uniform = self.entry_bounds()
-        entry = tile_list.read_with_bounds(position, uniform)
+        entry = tile_list.read(position)
         if entry != END_OF_LIST:
             self.prefetch_bounds(bounds, entry, position, mask_args)
             acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg, free_previous_q)
             k_state.advance()
-            self.mask_scores(acc_S, entry, position, bounds, uniform, *mask_args)
+            self.mask_scores(acc_S, entry, position, bounds, *mask_args)
             softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)  # O is zero: no rescale
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             position += 1
-            entry = tile_list.read_with_bounds(position, uniform)
+            entry = tile_list.read(position)
             self.prefetch_bounds(bounds, entry, position, mask_args)
-            next_uniform = self.entry_bounds()
             while entry != END_OF_LIST:
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
                 pipe_k.consumer_wait(k_state)  # K_j comes before V_{j-1}: start the QK before waiting for V
@@ -624,13 +615,13 @@ class FlashMaskForwardSm90:
                 pipe_v.consumer_wait(v_state)
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
-                next_entry = tile_list.read_with_bounds(position + 1, next_uniform)
+                next_entry = tile_list.read(position + 1)
                 self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
                 if const_expr(not self.late_k_release):
                     pipe_k.consumer_release(k_state)
                     k_state.advance()
-                self.mask_scores(acc_S, entry, position, bounds, uniform, *mask_args, newer_groups=1)
+                self.mask_scores(acc_S, entry, position, bounds, *mask_args, newer_groups=1)
                 if const_expr(self.late_k_release):  # keeps the PV's wait below the softmax
                     pipe_k.consumer_release(k_state)
                     k_state.advance()
@@ -642,8 +633,6 @@ class FlashMaskForwardSm90:
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 position += 1
                 entry = next_entry
-                if const_expr(uniform is not None):
-                    uniform.store(next_uniform.load())
             pipe_v.consumer_wait(v_state)
             self.begin_turn(wg)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
@@ -655,12 +644,6 @@ class FlashMaskForwardSm90:
             self.end_turn(wg)  # no key tile: hand over the (empty) first turn
             self.free_q(*free_previous_q)
         return k_state, v_state, position + 1
-
-    def entry_bounds(self) -> cute.Tensor | None:
-        """Registers for a list entry's boundaries (`list_uniform_bounds`), else None."""
-        if const_expr(self.list_uniform_bounds):
-            return cute.make_rmem_tensor((self.mask_width,), Int32)
-        return None
 
     @cute.jit
     def scores_alone(self, tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, state, wg, free_previous_q) -> cute.Tensor:
@@ -695,9 +678,7 @@ class FlashMaskForwardSm90:
         _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
         if entry != END_OF_LIST and (entry & PARTIAL) != 0:
             copies = True
-            if const_expr(self.list_uniform_bounds):  # a UNIFORM tile's bounds came with its entry
-                copies = (entry & UNIFORM) == 0
-            elif const_expr(self.uniform_tiles):  # a UNIFORM tile's keys share the first key's bounds
+            if const_expr(self.uniform_tiles):  # a UNIFORM tile's keys share the first key's bounds
                 copies = (entry & UNIFORM) == 0 or lane == 0
             if copies:
                 key = cutlass.min(entry_tile(entry) * self.tile_n + lane, seqlen_k - 1)
@@ -717,7 +698,6 @@ class FlashMaskForwardSm90:
         entry,
         position,
         bounds,
-        uniform,
         s_coords,
         mRowIndices,
         mask_batch,
@@ -729,18 +709,8 @@ class FlashMaskForwardSm90:
     ):
         """The element mask, on tiles the mask role listed PARTIAL only; the column boundaries come
         from smem (`bounds`, see `prefetch_bounds`) once all but the `newer_groups` latest cp.async
-        groups (the next entry's) have landed; a UNIFORM tile's from the entry's `uniform` registers
-        where the list carries them (no wait, no barrier). DIAGONAL_ONLY tiles: the causal
-        comparison alone."""
-        uniform_from_list = False
-        if const_expr(self.list_uniform_bounds):
-            uniform_from_list = (entry & (PARTIAL | UNIFORM)) == (PARTIAL | UNIFORM)
-            if uniform_from_list:
-                key_start = entry_tile(entry) * self.tile_n
-                apply_row_mask(
-                    acc_S, s_coords, uniform, row_start, key_start, causal_offset, self.causal, self.mask_width
-                )
-        if (entry & PARTIAL) != 0 and not uniform_from_list:
+        groups (the next entry's) have landed. DIAGONAL_ONLY tiles: the causal comparison alone."""
+        if (entry & PARTIAL) != 0:
             sBounds, _, wg = bounds
             cute.arch.cp_async_wait_group(newer_groups)
             cute.arch.barrier(barrier_id=self.bounds_barrier + wg, number_of_threads=128)

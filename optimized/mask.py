@@ -66,25 +66,6 @@ def _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offse
 
 
 @cute.jit
-def apply_row_mask(
-    acc_S: cute.Tensor,
-    coords: cute.Tensor,
-    bounds: cute.Tensor,
-    query_start: Int32,
-    key_start: Int32,
-    causal_offset: Int32,
-    causal: cutlass.Constexpr[bool],
-    width: cutlass.Constexpr[int],
-):
-    """The mask of a forward tile whose keys all have the boundaries `bounds` (a UNIFORM tile; any
-    tensor of `width` values, e.g. registers): a set of rows, and the causal diagonal. `coords` as
-    in `apply_column_mask`."""
-    _apply_row_mask(
-        acc_rows_view(acc_S), acc_rows_view(coords), bounds, query_start, key_start, causal_offset, causal, width
-    )
-
-
-@cute.jit
 def apply_causal_diagonal(
     acc_S: cute.Tensor, coords: cute.Tensor, query_start: Int32, key_start: Int32, causal_offset: Int32
 ):

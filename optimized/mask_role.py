@@ -43,13 +43,10 @@ class TileList:
 
     One writer lane per entry (the mask warp); `readers` warps each read every entry and release
     its slot right after (one arrive per warp), so the mask warp may run up to `slots` entries ahead.
-    With `bounds`, each entry carries its key block's boundaries (the min of each boundary column):
-    a UNIFORM tile's keys all have them, so its readers need no copy of their own.
     """
 
     ring: cute.Tensor  # Int32 smem, (slots,)
     full: cute.Pointer  # Int64 smem, 2 * slots: the full barriers, then the empty ones
-    bounds: cute.Tensor | None = None  # Int32 smem, (slots, width)
     slots = 64
 
     @property
@@ -80,31 +77,18 @@ class TileList:
             cute.arch.mbarrier_wait(self.empty + position % self.slots, (position // self.slots) % 2)
 
     @cute.jit
-    def put(self, position: Int32, entry: Int32, bounds: cute.Tensor | None = None) -> None:
-        """Write entry number `position` (one lane; after `wait_free` of it or a later position), with
-        its key block's boundary minima `bounds` (the first `width` values) where the list has them
-        (headers and END_OF_LIST carry none)."""
+    def put(self, position: Int32, entry: Int32) -> None:
+        """Write entry number `position` (one lane; after `wait_free` of it or a later position)."""
         slot = position % self.slots
-        if const_expr(self.bounds is not None and bounds is not None):
-            for w in cutlass.range_constexpr(cute.size(self.bounds, mode=[1])):
-                self.bounds[slot, w] = bounds[w]
         self.ring[slot] = entry
         cute.arch.mbarrier_arrive(self.full + slot)
 
     @cute.jit
     def read(self, position: Int32) -> Int32:
         """Entry number `position`, read by a whole warp (END_OF_LIST after the last tile)."""
-        return self.read_with_bounds(position, None)
-
-    @cute.jit
-    def read_with_bounds(self, position: Int32, bounds: cute.Tensor | None) -> Int32:
-        """`read`, also copying the entry's boundaries into `bounds` (registers) if given."""
         slot = position % self.slots
         cute.arch.mbarrier_wait(self.full + slot, (position // self.slots) % 2)
         entry = self.ring[slot]
-        if const_expr(bounds is not None):
-            for w in cutlass.range_constexpr(cute.size(bounds)):
-                bounds[w] = self.bounds[slot, w]
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(self.empty + slot)
@@ -165,11 +149,8 @@ def tile_flags(
 
 
 @cute.jit
-def _publish_batch(
-    tile_list: TileList, position: Int32, tile: Int32, listed, flags: Int32, bounds: cute.Tensor | None = None
-) -> Int32:
-    """Publish the warp's listed tiles in lane order after `position` (with the lane's key block
-    `bounds` where the list carries them); return the next position.
+def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, flags: Int32) -> Int32:
+    """Publish the warp's listed tiles in lane order after `position`; return the next position.
 
     The whole warp waits once for room (not each lane on its own slot): a warp whose lanes wait on
     different barriers keeps waking up, and it shares its SM quarter with two consumer warps.
@@ -180,7 +161,7 @@ def _publish_batch(
     if count > 0:
         tile_list.wait_free(position + count - 1)
         if listed:
-            tile_list.put(position + cute.arch.popc(ballot & ((Int32(1) << lane) - 1)), (tile << 2) | flags, bounds)
+            tile_list.put(position + cute.arch.popc(ballot & ((Int32(1) << lane) - 1)), (tile << 2) | flags)
     return position + count
 
 
@@ -230,7 +211,7 @@ def list_key_tiles(
             flags = flags | (Int32(UNIFORM) if partial and uniform else Int32(0))
         if const_expr(flag_diagonal):
             flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
-        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags, bounds)
+        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
     _put_single(tile_list, position, END_OF_LIST)
     return position + 1
 

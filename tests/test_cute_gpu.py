@@ -212,26 +212,6 @@ def test_diagonal_tiles_give_the_bounds_masks_numbers(name, head_dim, head_dim_v
     assert torch.equal(out, diagonal[0]) and torch.equal(lse, diagonal[1])
 
 
-@pytest.mark.parametrize(
-    "name", ["causal_document", "document", "share_question", "causal_blockwise", "global_sliding_window"]
-)
-@pytest.mark.parametrize("head_dim, seqlen", [(128, 1531), (64, 4096)])
-def test_list_uniform_bounds_give_the_copied_bounds_numbers(name, head_dim, seqlen):
-    """`list_uniform_bounds`: a UNIFORM tile masked from the bounds its list entry carries gets the
-    same -inf positions as from a lane's copy in smem, so the same outputs and LSE bit for bit
-    (GQA 4 on 2; a ragged length)."""
-    from flashmask3.optimized import fwd_config
-    from flashmask3.optimized.interface import forward
-
-    scale = 1 / math.sqrt(head_dim)
-    mask = masks.build(name, seqlen, batch=2, heads=4, seed=29, device="cuda")
-    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=29)
-    default = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
-    out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(default, list_uniform_bounds=False))
-    listed = forward(q, k, v, mask, scale, config=dataclasses.replace(default, list_uniform_bounds=True))
-    assert torch.equal(out, listed[0]) and torch.equal(lse, listed[1])
-
-
 def test_deterministic_gradients_are_bitwise_equal():
     from flashmask3.optimized.interface import backward, forward
 
