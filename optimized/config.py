@@ -55,6 +55,9 @@ class FwdConfig:
     # Causal masks: a key tile that no key's bounds reach (only the diagonal cuts it) is listed as
     # such and masked by the causal comparison alone, without its bounds' cp.async, wait and barrier.
     diagonal_tiles: bool
+    # Causal masks: a PARTIAL key tile the causal diagonal does not cut is listed as such and masked
+    # by its keys' bounds alone, without the per-element causal comparison.
+    off_diagonal_tiles: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -145,6 +148,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
+        off_diagonal_tiles=False,
     )
 
 

@@ -37,7 +37,16 @@ from .config import FwdConfig
 from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_causal_diagonal, apply_column_mask
-from .mask_role import DIAGONAL_ONLY, END_OF_LIST, PARTIAL, UNIFORM, TileList, entry_tile, list_work_tiles
+from .mask_role import (
+    DIAGONAL_ONLY,
+    END_OF_LIST,
+    OFF_DIAGONAL,
+    PARTIAL,
+    UNIFORM,
+    TileList,
+    entry_tile,
+    list_work_tiles,
+)
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
 from .timeline import Event, Timeline
@@ -88,6 +97,7 @@ class FlashMaskForwardSm90:
         self.q_buffers = config.q_buffers
         self.uniform_tiles = config.uniform_tiles
         self.diagonal_tiles = config.diagonal_tiles and causal
+        self.off_diagonal_tiles = config.off_diagonal_tiles and causal
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
         self.num_consumer_wgs = config.num_consumer_wgs
@@ -320,6 +330,7 @@ class FlashMaskForwardSm90:
                     self.mask_width,
                     self.uniform_tiles,
                     self.diagonal_tiles,
+                    self.off_diagonal_tiles,
                     timeline,
                 )
         else:
@@ -709,7 +720,8 @@ class FlashMaskForwardSm90:
     ):
         """The element mask, on tiles the mask role listed PARTIAL only; the column boundaries come
         from smem (`bounds`, see `prefetch_bounds`) once all but the `newer_groups` latest cp.async
-        groups (the next entry's) have landed. DIAGONAL_ONLY tiles: the causal comparison alone."""
+        groups (the next entry's) have landed. DIAGONAL_ONLY tiles: the causal comparison alone;
+        OFF_DIAGONAL tiles: the bounds alone."""
         if (entry & PARTIAL) != 0:
             sBounds, _, wg = bounds
             cute.arch.cp_async_wait_group(newer_groups)
@@ -717,16 +729,30 @@ class FlashMaskForwardSm90:
             tile_bounds = sBounds[None, None, position % 2]
             key_start = entry_tile(entry) * self.tile_n
             mask = (acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start, key_start, seqlen_k, causal_offset)
-            if const_expr(self.uniform_tiles):
-                if (entry & UNIFORM) != 0:
-                    apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds, uniform=True)
+            if const_expr(self.off_diagonal_tiles):
+                if (entry & OFF_DIAGONAL) != 0:
+                    self.mask_partial(mask, tile_bounds, entry, diagonal=False)
                 else:
-                    apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds)
+                    self.mask_partial(mask, tile_bounds, entry, diagonal=True)
             else:
-                apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds)
+                self.mask_partial(mask, tile_bounds, entry, diagonal=True)
         if const_expr(self.diagonal_tiles):
             if (entry & (PARTIAL | UNIFORM)) == DIAGONAL_ONLY:
                 apply_causal_diagonal(acc_S, s_coords, row_start, entry_tile(entry) * self.tile_n, causal_offset)
+
+    @cute.jit
+    def mask_partial(self, mask, tile_bounds, entry, diagonal: cutlass.Constexpr[bool]):
+        """A PARTIAL tile's element mask from its bounds in smem: per row where UNIFORM; the causal
+        comparison only if `diagonal`."""
+        if const_expr(self.uniform_tiles):
+            if (entry & UNIFORM) != 0:
+                apply_column_mask(
+                    *mask, self.causal, self.mask_width, tile_bounds=tile_bounds, uniform=True, diagonal=diagonal
+                )
+            else:
+                apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds, diagonal=diagonal)
+        else:
+            apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds, diagonal=diagonal)
 
     @cute.jit
     def begin_turn(self, wg):

@@ -29,23 +29,28 @@ def _hidden(
     causal_offset,
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
+    diagonal: cutlass.Constexpr[bool] = True,
 ):
-    """Whether (query, key) is masked, given the key's 1, 2 or 4 boundaries (unused ones repeat)."""
+    """Whether (query, key) is masked, given the key's 1, 2 or 4 boundaries (unused ones repeat);
+    not `diagonal`: the caller knows the causal part hides nothing here, so it is not tested."""
     if cutlass.const_expr(causal and width == 1):
-        hidden = query >= first or key > query + causal_offset
+        hidden = query >= first
     elif cutlass.const_expr(causal):
-        hidden = (query >= first and query < second) or key > query + causal_offset
+        hidden = query >= first and query < second
     elif cutlass.const_expr(width == 2):
         hidden = query >= first or query < second
     else:
         hidden = (query >= first and query < second) or (query >= third and query < fourth)
+    if cutlass.const_expr(causal and diagonal):
+        hidden = hidden or key > query + causal_offset
     return hidden
 
 
 @cute.jit
-def _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offset, causal, width):
+def _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offset, causal, width, diagonal=True):
     """The mask of a tile whose keys share `bounds`: whether a row is hidden is decided once per
-    row; only the causal diagonal is left per element. `bounds` None: no row is hidden."""
+    row; only the causal diagonal is left per element (none unless `diagonal`). `bounds` None: no
+    row is hidden."""
     if cutlass.const_expr(bounds is not None):
         first = bounds[0]
         second = bounds[1] if cutlass.const_expr(width >= 2) else first
@@ -56,11 +61,10 @@ def _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offse
         row_hidden = False
         if cutlass.const_expr(bounds is not None):
             # The key argument only feeds the causal part, tested per element below.
-            key = query + causal_offset
-            row_hidden = _hidden(query, key, first, second, third, fourth, causal_offset, causal, width)
+            row_hidden = _hidden(query, None, first, second, third, fourth, causal_offset, causal, width, False)
         for k in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
             hidden = row_hidden
-            if cutlass.const_expr(causal):
+            if cutlass.const_expr(causal and diagonal):
                 hidden = hidden or key_start + c_rows[q, k][1] > query + causal_offset
             s_rows[q, k] = -Float32.inf if hidden else s_rows[q, k]
 
@@ -91,6 +95,7 @@ def apply_column_mask(
     keys_on_rows: cutlass.Constexpr[bool] = False,
     tile_bounds: cute.Tensor | None = None,
     uniform: cutlass.Constexpr[bool] = False,
+    diagonal: cutlass.Constexpr[bool] = True,
 ) -> None:
     """Set hidden scores of the thread's fragment to -inf.
 
@@ -100,12 +105,14 @@ def apply_column_mask(
     each of the thread's keys are loaded once, from `tile_bounds` (the tile's (key, boundary) copy
     in smem) when given. `uniform` (forward, with `tile_bounds`): every key of the tile has the
     bounds of `tile_bounds` row 0 and none is past the end, so the mask is a set of rows (and the
-    causal diagonal).
+    causal diagonal). Not `diagonal` (forward, causal): the causal diagonal does not cut the tile
+    (`OFF_DIAGONAL`), so no element is tested against it.
     """
     s_rows = acc_rows_view(acc_S)
     c_rows = acc_rows_view(coords)
     if cutlass.const_expr(uniform):
-        _apply_row_mask(s_rows, c_rows, tile_bounds[0, None], query_start, key_start, causal_offset, causal, width)
+        bounds = tile_bounds[0, None]
+        _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offset, causal, width, diagonal)
         return
     key_mode = 0 if cutlass.const_expr(keys_on_rows) else 1
     for k in cutlass.range_constexpr(cute.size(s_rows, mode=[key_mode])):
@@ -123,5 +130,6 @@ def apply_column_mask(
         for q in cutlass.range_constexpr(cute.size(s_rows, mode=[1 - key_mode])):
             r, c = (k, q) if cutlass.const_expr(keys_on_rows) else (q, k)
             query = query_start + (c_rows[r, c][1] if cutlass.const_expr(keys_on_rows) else c_rows[r, c][0])
-            hidden = not in_range or _hidden(query, key, first, second, third, fourth, causal_offset, causal, width)
+            hidden = _hidden(query, key, first, second, third, fourth, causal_offset, causal, width, diagonal)
+            hidden = not in_range or hidden
             s_rows[r, c] = -Float32.inf if hidden else s_rows[r, c]

@@ -5,7 +5,8 @@ warp also draws: tile_scheduler.py; the backward: one key tile) and walks the ti
 The mask warp classifies those 32 at a time, one per lane, from the
 per-key-block min/max of the boundary vectors (`block_minmax`, computed once per call on the GPU;
 FlashMask's rule, exactly `ColumnMask.block_classes`): SKIP tiles are left out, the others are
-published in order as `tile << 2 | flags` (PARTIAL, UNIFORM) into a small smem ring (`TileList`),
+published in order as `tile << FLAG_BITS | flags` (PARTIAL, UNIFORM, OFF_DIAGONAL) into a small smem
+ring (`TileList`),
 then -1. The TMA
 producer reads the ring (and in the forward the consumer warps too; the backward's producer hands
 each entry on with its Q stage), so skipped tiles cost neither loads nor MMAs and UNMASKED tiles
@@ -29,12 +30,16 @@ UNIFORM = 2
 # UNIFORM without PARTIAL (a causal forward tile, with `flag_diagonal`): no key's bounds reach the
 # tile's rows and no key is past the end, so only the causal diagonal cuts it: no bounds to read.
 DIAGONAL_ONLY = UNIFORM
+# Entry flag of a PARTIAL causal forward tile that the causal diagonal does not cut (with
+# `flag_off_diagonal`): its keys' bounds alone mask it, no per-element causal comparison.
+OFF_DIAGONAL = 4
+FLAG_BITS = 3  # an entry is its tile index shifted past the flags
 
 
 @cute.jit
 def entry_tile(entry: Int32) -> Int32:
     """The tile index of a list entry."""
-    return entry >> 2
+    return entry >> FLAG_BITS
 
 
 @dataclass(frozen=True)
@@ -107,10 +112,10 @@ def tile_flags(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
 ):
-    """(listed, partial, uniform, diagonal_only) of the tile rows [row_start, row_end) x keys
-    [key_start, key_start + tile_n); uniform: every boundary column's min equals its max and no key
-    is past the end; diagonal_only: partial by the causal diagonal alone (no interval reaches the
-    rows, no key past the end).
+    """(listed, partial, uniform, diagonal_only, on_diagonal) of the tile rows [row_start, row_end) x
+    keys [key_start, key_start + tile_n); uniform: every boundary column's min equals its max and no
+    key is past the end; diagonal_only: partial by the causal diagonal alone (no interval reaches
+    the rows, no key past the end); on_diagonal: the causal diagonal cuts it (False when not causal).
 
     `bounds` holds the key block's min of each of the `width` boundary columns, then their max.
     A tile is SKIP when one interval covers all its rows for every key (or the causal part hides
@@ -141,11 +146,13 @@ def tile_flags(
         uniform = uniform and bounds[w] == bounds[width + w]
     touched_by_bounds = touched
     touched = touched or key_end < key_start + tile_n
+    on_diagonal = False
     if const_expr(causal):
         covered = covered or key_start > row_end - 1 + causal_offset
-        touched = touched or key_end - 1 > row_start + causal_offset
+        on_diagonal = key_end - 1 > row_start + causal_offset
+        touched = touched or on_diagonal
     diagonal_only = touched and not touched_by_bounds and complete
-    return not covered, touched, uniform, diagonal_only
+    return not covered, touched, uniform, diagonal_only, on_diagonal
 
 
 @cute.jit
@@ -161,7 +168,7 @@ def _publish_batch(tile_list: TileList, position: Int32, tile: Int32, listed, fl
     if count > 0:
         tile_list.wait_free(position + count - 1)
         if listed:
-            tile_list.put(position + cute.arch.popc(ballot & ((Int32(1) << lane) - 1)), (tile << 2) | flags)
+            tile_list.put(position + cute.arch.popc(ballot & ((Int32(1) << lane) - 1)), (tile << FLAG_BITS) | flags)
     return position + count
 
 
@@ -187,11 +194,12 @@ def list_key_tiles(
     width: cutlass.Constexpr[int],
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
+    flag_off_diagonal: cutlass.Constexpr[bool],
 ) -> Int32:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
     published from entry `position` on (PARTIAL tiles flagged UNIFORM where they are, if
-    `flag_uniform`; DIAGONAL_ONLY instead of PARTIAL where they are, if `flag_diagonal`); returns
-    the position after END_OF_LIST."""
+    `flag_uniform`, and OFF_DIAGONAL where they are, if `flag_off_diagonal`; DIAGONAL_ONLY instead
+    of PARTIAL where they are, if `flag_diagonal`); returns the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
     if const_expr(causal):
@@ -203,12 +211,14 @@ def list_key_tiles(
         tile = first + lane
         for w in cutlass.range_constexpr(2 * width):
             bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
-        listed, partial, uniform, diagonal_only = tile_flags(
+        listed, partial, uniform, diagonal_only, on_diagonal = tile_flags(
             bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset, causal, width
         )
         flags = Int32(partial)
         if const_expr(flag_uniform):
             flags = flags | (Int32(UNIFORM) if partial and uniform else Int32(0))
+        if const_expr(flag_off_diagonal):
+            flags = flags | (Int32(OFF_DIAGONAL) if partial and not on_diagonal else Int32(0))
         if const_expr(flag_diagonal):
             flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
@@ -233,6 +243,7 @@ def list_work_tiles(
     width: cutlass.Constexpr[int],
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
+    flag_off_diagonal: cutlass.Constexpr[bool],
     timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
@@ -262,6 +273,7 @@ def list_work_tiles(
             width,
             flag_uniform,
             flag_diagonal,
+            flag_off_diagonal,
         )
         if cute.arch.lane_idx() == 0:
             timeline.record(tiles_done, Event.LIST_END)
@@ -300,7 +312,7 @@ def list_query_tiles(
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
         tile = base + lane
         row_start = tile * tile_m
-        listed, partial, _, _ = tile_flags(
+        listed, partial, _, _, _ = tile_flags(
             bounds,
             row_start,
             cutlass.min(row_start + tile_m, seqlen_q),

@@ -18,6 +18,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         late_k_release=True,
         fmax_row_max=False,
         diagonal_tiles=False,
+        off_diagonal_tiles=False,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         diagonal = causal and width == 1
@@ -68,6 +69,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "late_k_release": bool,
         "fmax_row_max": bool,
         "diagonal_tiles": bool,
+        "off_diagonal_tiles": bool,
         "lse_ahead": bool,
         "dq_first": bool,
         "longest_ctas_first_waves": int,
@@ -84,6 +86,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         late_k_release=False,
         fmax_row_max=False,
         diagonal_tiles=False,
+        off_diagonal_tiles=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(
         lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
