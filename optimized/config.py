@@ -134,7 +134,10 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     masks, so not there); on the causal masks with one bound per key, the tiles only the diagonal
     cuts masked without their bounds (sliding window +5.2% at 8K, +0.9-1.1% at 32K, the others
     within +-0.7%; on causal_blockwise, two bounds, -0.9% at 32K, so not there; not at 192-row
-    tiles either, whose consumers it makes spill more)."""
+    tiles either, whose consumers it makes spill more); on the causal masks with two bounds per key
+    at 128-row tiles, the partial tiles the diagonal does not cut masked by their bounds alone
+    (causal_blockwise +0.7-1.7% at 8K and 32K, qk_sparse -0.2 to -0.4%; with one bound it gains
+    on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%)."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
@@ -148,7 +151,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
-        off_diagonal_tiles=False,
+        off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
     )
 
 

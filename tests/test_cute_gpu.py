@@ -215,8 +215,8 @@ def test_diagonal_tiles_give_the_bounds_masks_numbers(name, head_dim, head_dim_v
 @pytest.mark.parametrize(
     "name", ["sliding_window", "causal_document", "share_question", "causal_blockwise", "qk_sparse", "random_eviction"]
 )
-@pytest.mark.parametrize("head_dim, seqlen", [(128, 1531), (64, 4096)])
-def test_off_diagonal_tiles_give_the_full_masks_numbers(name, head_dim, seqlen):
+@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", [(128, 128, 1531), (64, 64, 4096), (192, 128, 1531)])
+def test_off_diagonal_tiles_give_the_full_masks_numbers(name, head_dim, head_dim_v, seqlen):
     """`off_diagonal_tiles`: PARTIAL tiles the causal diagonal does not cut, masked by their bounds
     alone, get the same -inf positions as with the causal comparison, so the same outputs and LSE
     bit for bit (GQA 4 on 2; a ragged length)."""
@@ -225,7 +225,9 @@ def test_off_diagonal_tiles_give_the_full_masks_numbers(name, head_dim, seqlen):
 
     scale = 1 / math.sqrt(head_dim)
     mask = masks.build(name, seqlen, batch=2, heads=4, seed=31, device="cuda")
-    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=31)
+    q, k, v, _ = random_inputs(
+        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=31, head_dim_v=head_dim_v
+    )
     default = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
     out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(default, off_diagonal_tiles=False))
     bounds_only = forward(q, k, v, mask, scale, config=dataclasses.replace(default, off_diagonal_tiles=True))
