@@ -36,6 +36,10 @@ PEER_NAMES = {
 
 # The README's result tables: title, then the files (oldest first) in bench/results/.
 README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "Forward, S = 8K, the causal masks on the current kernels (diagonal-only and off-diagonal tiles)",
+        ("fwd_bench_8k_causal_masks_peers.json",),
+    ),
     ("Forward, S = 8K, the column-mask kernels", ("fwd_bench_v14_8k_fmv3_cudnn.json",)),
     ("Forward + backward, S = 8K, the column-mask kernels", ("bwd_bench_v14_8k_fmv3_cudnn.json",)),
     ("Forward, S = 32K, the column-mask kernels (the previous kernels)", ("fwd_bench_v13_32k_fmv3_cudnn.json",)),
