@@ -48,8 +48,9 @@ H200 rank-by-rank timings (scripts/cp_calibrate.py, bench/results/cp_calibration
 the last term being the cost of each extra KV chunk in the union call (gathering it, its mask
 and tile plan); the fixed part (~1.8 ms per rank call) is the robust finding. It was fitted on
 one forward call per rank; `predict(..., fit=RankTimeFit())` charges it per call of every scheme,
-the backward's per-load term scaled by its FLOPs and rate (its fixed and per-chunk costs are
-assumed the forward's: unmeasured).
+the backward's per-load term scaled by its FLOPs and rate, its fixed and per-chunk costs assumed
+the forward's, unless the fit carries the backward's own (`RankTimeFit.from_calibration` of a
+calibration on `cp_rank_times.py --backward` timings).
 """
 
 from __future__ import annotations
@@ -87,9 +88,37 @@ class RankTimeFit:
     fixed_s: float = 1.77e-3
     per_load_s: float = 0.465e-6  # per unit of `chunk_loads` (a 128 x 128 tile x 32 heads at 577 TFLOP/s)
     per_needed_chunk_s: float = 2.5e-6
+    # The backward call's, where measured (`cp_rank_times.py --backward`); None: the forward's fixed
+    # and per-chunk costs, its per-load cost scaled by the backward's FLOPs and rate.
+    bwd_fixed_s: float | None = None
+    bwd_per_load_s: float | None = None
+    bwd_per_needed_chunk_s: float | None = None
 
     def seconds(self, load: float, needed_chunks: int) -> float:
         return self.fixed_s + self.per_load_s * load + self.per_needed_chunk_s * needed_chunks
+
+    def backward_seconds(self, load: float, needed_chunks: int, hw: Hardware) -> float:
+        """A backward call on the same chunks as a forward call of `load`."""
+        fixed = self.fixed_s if self.bwd_fixed_s is None else self.bwd_fixed_s
+        per_load = self.per_load_s * BACKWARD_FLOPS * hw.tflops / hw.bwd_tflops
+        per_load = per_load if self.bwd_per_load_s is None else self.bwd_per_load_s
+        per_chunk = self.per_needed_chunk_s if self.bwd_per_needed_chunk_s is None else self.bwd_per_needed_chunk_s
+        return fixed + per_load * load + per_chunk * needed_chunks
+
+    @classmethod
+    def from_calibration(cls, calibration: dict) -> RankTimeFit:
+        """The fit of a `scripts/cp_calibrate.py` result: its "kernel_rate_slope" fit, and its
+        "backward_kernel_rate_slope" where the timings had the backward."""
+        forward = calibration["fits"]["kernel_rate_slope"]["coef"]
+        backward = calibration["fits"].get("backward_kernel_rate_slope", {}).get("coef", {})
+        return cls(
+            forward["fixed_s"],
+            forward["per_load_s"],
+            forward["per_needed_chunk_s"],
+            backward.get("fixed_s"),
+            backward.get("per_load_s"),
+            backward.get("per_needed_chunk_s"),
+        )
 
 
 def received_chunk_load(
@@ -153,7 +182,7 @@ def predict(
         if not chunks:
             return 0.0
         if fit is not None:
-            return fit.seconds(weight * (BACKWARD_FLOPS * hw.tflops / hw.bwd_tflops if backward else 1.0), chunks)
+            return fit.backward_seconds(weight, chunks, hw) if backward else fit.seconds(weight, chunks)
         flops = weight * flops_per_weight * (BACKWARD_FLOPS if backward else 1.0)
         return flops / ((hw.bwd_tflops if backward else hw.tflops) * 1e12)
 

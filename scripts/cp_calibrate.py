@@ -6,7 +6,9 @@ For every measured rank (scripts/cp_rank_times.py), recompute on the CPU its wor
 `chunk_loads` of its chunks) and the number of KV chunks its queries need, then least-squares fit
     rank seconds = fixed + per_load * load + per_needed_chunk * needed
 (and, for comparison, without the needed-chunk term, and with the per-load slope pinned to the
-kernel's measured rate; the last is the one the cost model uses, `RankTimeFit`). Prints the fits
+kernel's measured rate; the last is the one the cost model uses, `RankTimeFit`); where the timings
+have the backward call too (`cp_rank_times.py --backward`), the same pinned fit of it at the
+backward kernel's rate (`RankTimeFit.from_calibration` reads both). Prints the fits
 (R^2) and, per mask / CP size / assignment, the measured imbalance (max / mean rank time) next to
 the tile-count model and the pinned fit. Writes runs/cp_calibration.json ($OUT/ if set; the
 committed fit is in bench/results/).
@@ -38,6 +40,30 @@ def rank_features(row: dict, tokens_per_rank: int, chunk: int) -> np.ndarray:
     return np.array([[loads[list(plan.assignment[r])].sum(), sum(map(bool, layout.needs[r]))] for r in range(world)])
 
 
+KERNEL_RATE_TFLOPS = 577.0
+"""The forward kernel's sustained rate on unmasked work (`Hardware.tflops`)."""
+BACKWARD_RATE_TFLOPS = 533.0
+"""The backward kernel's (`Hardware.bwd_tflops`), on 2.5x the forward's FLOPs."""
+
+
+def fit_summary(design: np.ndarray, y: np.ndarray, coef: np.ndarray, names: list[str]) -> dict:
+    """The fit's coefficients by name, R^2 and RMS error."""
+    residual = y - design @ coef
+    return {
+        "coef": dict(zip(names, np.asarray(coef, dtype=float).tolist())),
+        "r2": float(1 - (residual**2).sum() / ((y - y.mean()) ** 2).sum()),
+        "rms_error_s": float(np.sqrt((residual**2).mean())),
+    }
+
+
+def pinned_slope_fit(design: np.ndarray, y: np.ndarray, per_load_s: float) -> dict:
+    """fixed + per_needed_chunk * needed fitted with the per-load slope pinned to `per_load_s`: the
+    free slope comes out faster than the kernel ever ran, trading off against the chunk term."""
+    coef = np.linalg.lstsq(design[:, [0, 2]], y - per_load_s * design[:, 1], rcond=None)[0]
+    full = np.array([coef[0], per_load_s, coef[1]])
+    return fit_summary(design, y, full, ["fixed_s", "per_load_s", "per_needed_chunk_s"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rank_times", help="JSON written by scripts/cp_rank_times.py")
@@ -52,38 +78,34 @@ def main() -> None:
     fits = {}
     for name, cols in (("load_only", [0, 1]), ("load_and_needed_chunks", [0, 1, 2])):
         coef = np.linalg.lstsq(design[:, cols], y, rcond=None)[0]
-        residual = y - design[:, cols] @ coef
-        fits[name] = {
-            "coef": dict(zip(["fixed_s", "per_load_s", "per_needed_chunk_s"], coef.tolist())),
-            "r2": float(1 - (residual**2).sum() / ((y - y.mean()) ** 2).sum()),
-            "rms_error_s": float(np.sqrt((residual**2).mean())),
-        }
-    # The same with the per-load slope pinned to the kernel's measured rate (577 TFLOP/s, 32 heads):
-    # the free slope comes out faster than the kernel ever ran, trading off against the chunk term.
-    pinned = 32 * 4 * 128**3 / 577e12
-    coef = np.linalg.lstsq(design[:, [0, 2]], y - pinned * design[:, 1], rcond=None)[0]
-    residual = y - pinned * design[:, 1] - design[:, [0, 2]] @ coef
-    fits["kernel_rate_slope"] = {
-        "coef": {"fixed_s": coef[0], "per_load_s": pinned, "per_needed_chunk_s": coef[1]},
-        "r2": float(1 - (residual**2).sum() / ((y - y.mean()) ** 2).sum()),
-        "rms_error_s": float(np.sqrt((residual**2).mean())),
-    }
+        fits[name] = fit_summary(design[:, cols], y, coef, ["fixed_s", "per_load_s", "per_needed_chunk_s"][: len(cols)])
+    tile_flops = 32 * 4 * 128**3  # one unit of `chunk_loads`: a 128 x 128 tile x 32 heads
+    fits["kernel_rate_slope"] = pinned_slope_fit(design, y, tile_flops / (KERNEL_RATE_TFLOPS * 1e12))
+    backward = all("rank_bwd_ms" in row for row in measured["rows"])
+    if backward:  # the backward call, fitted the same way (`RankTimeFit`'s bwd_ fields)
+        y_bwd = np.concatenate([np.array(row["rank_bwd_ms"]) * 1e-3 for row in measured["rows"]])
+        per_load = 2.5 * tile_flops / (BACKWARD_RATE_TFLOPS * 1e12)
+        fits["backward_kernel_rate_slope"] = pinned_slope_fit(design, y_bwd, per_load)
     coef = np.array(list(fits["kernel_rate_slope"]["coef"].values()))
     rows = []
     for row, f in zip(measured["rows"], features):
         times = np.array(row["rank_ms"])
         fitted = np.c_[np.ones(len(f)), f] @ coef
-        rows.append(
-            {
-                "mask": row["mask"],
-                "ranks": row["ranks"],
-                "assignment": row["assignment"],
-                "measured": float(times.max() / times.mean()),
-                "tile_model": float(f[:, 0].max() / f[:, 0].mean()),
-                "fitted_model": float(fitted.max() / fitted.mean()),
-                "needed_chunks": [int(f[:, 1].min()), int(f[:, 1].max())],
-            }
-        )
+        entry = {
+            "mask": row["mask"],
+            "ranks": row["ranks"],
+            "assignment": row["assignment"],
+            "measured": float(times.max() / times.mean()),
+            "tile_model": float(f[:, 0].max() / f[:, 0].mean()),
+            "fitted_model": float(fitted.max() / fitted.mean()),
+            "needed_chunks": [int(f[:, 1].min()), int(f[:, 1].max())],
+        }
+        if backward:
+            bwd_coef = np.array(list(fits["backward_kernel_rate_slope"]["coef"].values()))
+            bwd_times, bwd_fitted = np.array(row["rank_bwd_ms"]), np.c_[np.ones(len(f)), f] @ bwd_coef
+            entry["measured_bwd"] = float(bwd_times.max() / bwd_times.mean())
+            entry["fitted_bwd_model"] = float(bwd_fitted.max() / bwd_fitted.mean())
+        rows.append(entry)
     result = {
         "commit": git_commit(),
         "command": " ".join(["python", *sys.argv]),

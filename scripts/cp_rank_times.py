@@ -1,11 +1,14 @@
 """Per-rank compute of mask-aware CP, emulated rank by rank on one GPU (no communication).
 
     python scripts/cp_rank_times.py --ranks 4,8 --masks causal,causal_document,document,share_question
+    python scripts/cp_rank_times.py --ranks 4,8,16,32 --backward   # the backward call too
 
 For each mask, CP size R and assignment (zigzag, balanced), every rank's local attention (its
 queries against every KV chunk it needs, localized masks, LSE merge) runs in turn on the one GPU
 and is timed with CUDA events; the spread max/mean of the rank times is the load imbalance a real
-run would see. 8K tokens per rank, hidden 4096 (32 query heads x 128, 8 kv heads), bf16.
+run would see. With `--backward`, also each rank's backward call over the same chunks (from the
+merged out and LSE, as CP's backward makes it): `rank_bwd_ms`, which scripts/cp_calibrate.py fits
+as the forward's. 8K tokens per rank, hidden 4096 (32 query heads x 128, 8 kv heads), bf16.
 Writes JSON to $OUT (or runs/) and prints a table.
 """
 
@@ -27,19 +30,32 @@ from flashmask3.bench import git_commit, progress, result_json, results_dir
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def rank_seconds(q, held, layout, rank, backend, scale, repeats: int) -> float:
-    """Median seconds of one rank's local attention over all the chunks it needs."""
-    attn = _LocalAttention(layout, rank, backend, scale, CPStats())
-    attn.forward(q, held, None, "compute")  # warm-up (compiles on first use)
+def median_seconds(call, repeats: int) -> float:
+    """Median seconds of `call()` over `repeats` runs after one warm-up (compiles on first use)."""
+    call()
     times = []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        attn.forward(q, held, None, "compute")
+        call()
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def rank_seconds(q, held, layout, rank, backend, scale, repeats: int, backward: bool) -> tuple[float, float | None]:
+    """Median seconds of one rank's local attention over all the chunks it needs, forward and (if
+    `backward`) backward."""
+    attn = _LocalAttention(layout, rank, backend, scale, CPStats())
+    forward_s = median_seconds(lambda: attn.forward(q, held, None, "compute"), repeats)
+    if not backward:
+        return forward_s, None
+    out, lse = attn.finish(attn.forward(q, held, None, "compute"), q)
+    out = out.to(q.dtype)
+    dout = torch.randn_like(out)
+    backward_s = median_seconds(lambda: attn.backward(dout, q, out, lse, held, {}, None, "compute"), repeats)
+    return forward_s, backward_s
 
 
 def main() -> None:
@@ -50,6 +66,7 @@ def main() -> None:
     parser.add_argument("--masks", default="causal,causal_document,document,share_question")
     parser.add_argument("--backend", default="cute")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--backward", action="store_true", help="time each rank's backward call too")
     args = parser.parse_args()
     device = "cuda"
     scale = 1 / math.sqrt(HEAD_DIM)
@@ -68,7 +85,7 @@ def main() -> None:
                 start = time.perf_counter()
                 layout = _Layout(mask, plan, CPConfig(backend=args.backend))
                 layout_s = time.perf_counter() - start
-                times = []
+                times, backward_times = [], []
                 for rank in range(world):
                     q = plan.shard(q_all, rank)
                     held = {
@@ -76,7 +93,11 @@ def main() -> None:
                         for c in range(plan.num_chunks)
                         if layout.needs[rank][c]
                     }
-                    times.append(rank_seconds(q, held, layout, rank, args.backend, scale, args.repeats))
+                    forward_s, backward_s = rank_seconds(
+                        q, held, layout, rank, args.backend, scale, args.repeats, args.backward
+                    )
+                    times.append(forward_s)
+                    backward_times.append(backward_s)
                 mean = sum(times) / world
                 row = {
                     "mask": name,
@@ -87,6 +108,9 @@ def main() -> None:
                     "modeled_imbalance": imbalance(loads, plan.assignment),
                     "layout_s": layout_s,
                 }
+                if args.backward:
+                    row["rank_bwd_ms"] = [t * 1e3 for t in backward_times]
+                    row["measured_bwd_imbalance"] = max(backward_times) * world / sum(backward_times)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     out_dir = results_dir()

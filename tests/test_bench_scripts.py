@@ -958,3 +958,44 @@ def test_overheads_takes_the_shape_options(monkeypatch, tmp_path):
     ]
     assert [(r["ctas"], r["tiles_per_cta"]) for r in backward["rows"]] == [(4 * 2, 8), (4 * 4, 16)]
     assert {(r["batch"], r["heads"], r["kv_heads"]) for r in forward["rows"] + backward["rows"]} == {(1, 16, 4)}
+
+
+def test_cp_calibrate_fits_the_backward_call_at_its_kernel_rate(tmp_path, monkeypatch):
+    """Rank times made by the pinned-slope model, forward and backward: the fits recover both
+    fixed and per-chunk costs, and the rows carry the backward's measured imbalance."""
+    import json
+    import sys
+
+    import cp_calibrate
+    import numpy as np
+
+    forward, backward = (1.5e-3, 4e-6), (2.5e-3, 9e-6)  # (fixed, per needed chunk) seconds
+    tile_flops = 32 * 4 * 128**3
+    rate = {
+        "rank_ms": (forward, tile_flops / (cp_calibrate.KERNEL_RATE_TFLOPS * 1e12)),
+        "rank_bwd_ms": (backward, 2.5 * tile_flops / (cp_calibrate.BACKWARD_RATE_TFLOPS * 1e12)),
+    }
+    rows = []
+    for mask, assignment in (("causal_document", "balanced"), ("causal", "zigzag"), ("share_question", "zigzag")):
+        row = {"mask": mask, "ranks": 4, "assignment": assignment}
+        features = cp_calibrate.rank_features(row, 1024, 256)
+        for key, ((fixed, per_chunk), per_load) in rate.items():
+            seconds = fixed + per_load * features[:, 0] + per_chunk * features[:, 1]
+            row[key] = (seconds * 1e3).tolist()
+        rows.append(row)
+    source = tmp_path / "rank_times.json"
+    source.write_text(json.dumps({"commit": "abc", "rows": rows}))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(sys, "argv", ["cp_calibrate.py", str(source), "--tokens-per-rank", "1024", "--chunk", "256"])
+    cp_calibrate.main()
+    result = json.loads((tmp_path / "out" / "cp_calibration.json").read_text())
+    for name, (fixed, per_chunk) in (("kernel_rate_slope", forward), ("backward_kernel_rate_slope", backward)):
+        coef = result["fits"][name]["coef"]
+        assert (coef["fixed_s"], coef["per_needed_chunk_s"]) == (
+            pytest.approx(fixed, rel=1e-3),
+            pytest.approx(per_chunk, rel=1e-3),
+        )
+    for row, measured in zip(result["rows"], rows):
+        times = np.array(measured["rank_bwd_ms"])
+        assert row["measured_bwd"] == pytest.approx(times.max() / times.mean(), rel=1e-3)  # JSON rounds
+        assert row["fitted_bwd_model"] == pytest.approx(row["measured_bwd"], rel=1e-3)

@@ -1,5 +1,6 @@
 """Context parallelism: plans, localization, the balancer, and CP attention on gloo processes."""
 
+import dataclasses
 import importlib
 import itertools
 import os
@@ -1045,6 +1046,30 @@ def test_cost_model_charges_the_fit_per_kernel_call():
     for rank, per_rank in enumerate(rate["per_rank"]):
         load = loads[list(plan.assignment[rank])].sum()
         assert per_rank["compute_s"] == pytest.approx(load * (1 + BACKWARD_FLOPS * 577 / 533), rel=1e-3)
+
+
+def test_cost_model_charges_a_measured_backward_fit_its_own_costs():
+    import json
+    from pathlib import Path
+
+    from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
+
+    mask = masks.build("causal_document", 8192, seed=2)
+    plan = make_plan(8192, 4, 2, "balanced", chunk_loads(mask, 1024))
+    forward_only = RankTimeFit(fixed_s=1e-3, per_load_s=0.0, per_needed_chunk_s=0.0)
+    measured = dataclasses.replace(forward_only, bwd_fixed_s=3e-3, bwd_per_load_s=0.0, bwd_per_needed_chunk_s=0.0)
+    assumed = predict(mask, plan, "allgather", 32, 8, 128, Hardware(ranks_per_node=4), fit=forward_only)
+    own = predict(mask, plan, "allgather", 32, 8, 128, Hardware(ranks_per_node=4), fit=measured)
+    for a, b in zip(assumed["per_rank"], own["per_rank"]):  # one call each way: 1 + 1 ms, then 1 + 3 ms
+        assert (a["compute_s"], b["compute_s"]) == (pytest.approx(2e-3), pytest.approx(4e-3))
+    calibration = json.loads(Path("bench/results/cp_calibration.json").read_text())
+    committed = RankTimeFit.from_calibration(calibration)  # forward-only timings: the backward assumed
+    assert committed.bwd_fixed_s is None and committed.per_load_s == pytest.approx(RankTimeFit().per_load_s, rel=1e-3)
+    calibration["fits"]["backward_kernel_rate_slope"] = {
+        "coef": {"fixed_s": 2e-3, "per_load_s": 1e-6, "per_needed_chunk_s": 3e-6}
+    }
+    both = RankTimeFit.from_calibration(calibration)
+    assert both.backward_seconds(10.0, 2, Hardware()) == pytest.approx(2e-3 + 1e-5 + 6e-6)
 
 
 def test_cost_model_stages_the_fetch_as_the_code_does():
