@@ -5,8 +5,8 @@ work tiles that its mask role draws (tile_scheduler.py). 3 warpgroups (4 with 19
 the tuning choices come as a `FwdConfig`, config.py):
   - warpgroup 0, warp 1: the mask role (mask_role.py). Draws the CTA's next work tile, classifies
     its key tiles from the per-key-block min/max of the mask and publishes a header with the work
-    tile, then the key tiles not fully masked, each flagged PARTIAL or not, into a smem ring the
-    other warps read.
+    tile, then the key tiles not fully masked with their flags (mask_role.py), into a smem ring
+    the other warps read.
   - warpgroup 0, warp 0: producer. TMA-loads each work tile's Q into one of two Q buffers, so the
     next work tile's Q lands while this one runs, then K and V of each listed key tile (K of tile
     j+1 before V of tile j) into a `num_stages`-deep mbarrier pipeline that runs on across work tiles.

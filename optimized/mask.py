@@ -32,7 +32,7 @@ def _hidden(
     diagonal: cutlass.Constexpr[bool] = True,
 ):
     """Whether (query, key) is masked, given the key's 1, 2 or 4 boundaries (unused ones repeat);
-    not `diagonal`: the caller knows the causal part hides nothing here, so it is not tested."""
+    not `diagonal`: the causal part is left out (it hides nothing here, or the caller tests it)."""
     if cutlass.const_expr(causal and width == 1):
         hidden = query >= first
     elif cutlass.const_expr(causal):
@@ -60,8 +60,10 @@ def _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offse
         query = query_start + c_rows[q, 0][0]
         row_hidden = False
         if cutlass.const_expr(bounds is not None):
-            # The key argument only feeds the causal part, tested per element below.
-            row_hidden = _hidden(query, None, first, second, third, fourth, causal_offset, causal, width, False)
+            # No key: the causal part is tested per element below.
+            row_hidden = _hidden(
+                query, None, first, second, third, fourth, causal_offset, causal, width, diagonal=False
+            )
         for k in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
             hidden = row_hidden
             if cutlass.const_expr(causal and diagonal):

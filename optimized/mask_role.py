@@ -2,13 +2,11 @@
 
 Each CTA works on tiles of one dimension (the forward: query tiles, persistently, which the mask
 warp also draws: tile_scheduler.py; the backward: one key tile) and walks the tiles of the other.
-The mask warp classifies those 32 at a time, one per lane, from the
-per-key-block min/max of the boundary vectors (`block_minmax`, computed once per call on the GPU;
-FlashMask's rule, exactly `ColumnMask.block_classes`): SKIP tiles are left out, the others are
-published in order as `tile << FLAG_BITS | flags` (PARTIAL, UNIFORM, OFF_DIAGONAL) into a small smem
-ring (`TileList`),
-then -1. The TMA
-producer reads the ring (and in the forward the consumer warps too; the backward's producer hands
+The mask warp classifies those 32 at a time, one per lane, from the per-key-block min/max of the
+boundary vectors (`block_minmax`, computed once per call on the GPU; FlashMask's rule, exactly
+`ColumnMask.block_classes`): SKIP tiles are left out, the others are published in order as
+`tile << FLAG_BITS | flags` (PARTIAL, UNIFORM, OFF_DIAGONAL) into a small smem ring (`TileList`),
+then -1. The TMA producer reads the ring (and in the forward the consumer warps too; the backward's producer hands
 each entry on with its Q stage), so skipped tiles cost neither loads nor MMAs and UNMASKED tiles
 cost no mask arithmetic.
 """

@@ -38,6 +38,20 @@ def test_head_dim_192_takes_one_q_buffer_and_longest_first_only_on_short_lists()
         assert config.longest_tiles_first_waves == 64 < fwd_config(128, causal, width).longest_tiles_first_waves
 
 
+def test_the_causal_masks_diagonal_choices_follow_their_bounds_at_128_row_tiles():
+    """Diagonal-only tiles on the one-bound causal masks, off-diagonal tiles on the two-bound ones,
+    at head dims 128 and 192 (128-row tiles); neither at head dim 64 nor without the causal part."""
+    for head_dim in (128, 192):
+        choices = {(c, w): fwd_config(head_dim, c, w) for c, w in ((True, 1), (True, 2), (False, 2), (False, 4))}
+        assert {k: (v.diagonal_tiles, v.off_diagonal_tiles) for k, v in choices.items()} == {
+            (True, 1): (True, False),
+            (True, 2): (False, True),
+            (False, 2): (False, False),
+            (False, 4): (False, False),
+        }
+    assert not any(fwd_config(64, True, w).diagonal_tiles or fwd_config(64, True, w).off_diagonal_tiles for w in (1, 2))
+
+
 def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
     for head_dim in (64, 128):
         assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
