@@ -234,6 +234,26 @@ def test_off_diagonal_tiles_give_the_full_masks_numbers(name, head_dim, head_dim
     assert torch.equal(out, bounds_only[0]) and torch.equal(lse, bounds_only[1])
 
 
+@pytest.mark.parametrize("width", [1, 2])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1531), (1531, 1000)])
+def test_diagonal_flags_keep_the_numbers_with_unequal_lengths(width, seqlen_q, seqlen_k):
+    """Both causal tile flags (diagonal-only, off-diagonal) on random causal masks with Sq != Sk
+    (the diagonal bottom-right aligned, query tiles that see no key): bit for bit the outputs and
+    LSE of masking every PARTIAL tile from its bounds with the causal comparison."""
+    from conftest import random_column_mask
+    from flashmask3.optimized import fwd_config
+    from flashmask3.optimized.interface import forward
+
+    gen = torch.Generator().manual_seed(37 + width)
+    mask = random_column_mask(gen, 2, 4, seqlen_q, seqlen_k, True, width).to("cuda")
+    q, k, v, _ = random_inputs(2, seqlen_q, seqlen_k, 4, 2, 128, torch.bfloat16, "cuda", seed=37)
+    plain = dataclasses.replace(fwd_config(128, True, width), diagonal_tiles=False, off_diagonal_tiles=False)
+    out, lse = forward(q, k, v, mask, 1 / math.sqrt(128), config=plain)
+    flagged = dataclasses.replace(plain, diagonal_tiles=True, off_diagonal_tiles=True)
+    flagged_out, flagged_lse = forward(q, k, v, mask, 1 / math.sqrt(128), config=flagged)
+    assert torch.equal(out, flagged_out) and torch.equal(lse, flagged_lse)
+
+
 def test_deterministic_gradients_are_bitwise_equal():
     from flashmask3.optimized.interface import backward, forward
 
