@@ -57,9 +57,13 @@ def fit_summary(design: np.ndarray, y: np.ndarray, coef: np.ndarray, names: list
 
 
 def pinned_slope_fit(design: np.ndarray, y: np.ndarray, per_load_s: float) -> dict:
-    """fixed + per_needed_chunk * needed fitted with the per-load slope pinned to `per_load_s`: the
-    free slope comes out faster than the kernel ever ran, trading off against the chunk term."""
-    coef = np.linalg.lstsq(design[:, [0, 2]], y - per_load_s * design[:, 1], rcond=None)[0]
+    """fixed + per_needed_chunk * needed fitted with the per-load slope pinned to `per_load_s` (the
+    free slope trades off against the chunk term); a chunk cannot save time, so where its term
+    comes out negative the fixed cost is fitted alone."""
+    rest = y - per_load_s * design[:, 1]
+    coef = np.linalg.lstsq(design[:, [0, 2]], rest, rcond=None)[0]
+    if coef[1] < 0:
+        coef = np.array([rest.mean(), 0.0])
     full = np.array([coef[0], per_load_s, coef[1]])
     return fit_summary(design, y, full, ["fixed_s", "per_load_s", "per_needed_chunk_s"])
 
