@@ -999,3 +999,18 @@ def test_cp_calibrate_fits_the_backward_call_at_its_kernel_rate(tmp_path, monkey
         times = np.array(measured["rank_bwd_ms"])
         assert row["measured_bwd"] == pytest.approx(times.max() / times.mean(), rel=1e-3)  # JSON rounds
         assert row["fitted_bwd_model"] == pytest.approx(row["measured_bwd"], rel=1e-3)
+
+
+def test_cp_calibrate_never_fits_a_chunk_that_saves_time():
+    """Rank times that fall with the needed chunks (the pinned slope too slow for the kernel): the
+    per-chunk term is 0 and the fixed cost the mean of the rest, not a negative chunk cost."""
+    import cp_calibrate
+    import numpy as np
+
+    load, needed = np.array([10.0, 20.0, 30.0, 40.0]), np.array([2.0, 5.0, 3.0, 8.0])
+    design = np.c_[np.ones(4), load, needed]
+    y = 1e-3 + 2e-6 * load - 1e-5 * needed
+    coef = cp_calibrate.pinned_slope_fit(design, y, 2e-6)["coef"]
+    assert coef["per_needed_chunk_s"] == 0.0
+    assert coef["fixed_s"] == pytest.approx(1e-3 - 1e-5 * needed.mean())
+    assert coef["per_load_s"] == 2e-6
