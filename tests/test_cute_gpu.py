@@ -192,46 +192,43 @@ def test_fmax_row_max_gives_the_default_forwards_numbers(name):
     assert torch.equal(out, out_fmax) and torch.equal(lse, lse_fmax)
 
 
-@pytest.mark.parametrize("name", ["causal", "causal_document", "sliding_window", "causal_blockwise"])
-@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", [(128, 128, 1531), (64, 64, 4096), (192, 128, 1531)])
-def test_diagonal_tiles_give_the_bounds_masks_numbers(name, head_dim, head_dim_v, seqlen):
-    """`diagonal_tiles`: the tiles only the causal diagonal cuts, masked by the comparison alone,
-    get the same -inf positions as when masked from their keys' bounds, so the same outputs and
-    LSE bit for bit (GQA 4 on 2; a ragged length, whose last key tile stays PARTIAL)."""
+def assert_a_field_keeps_the_forwards_numbers(field: str, name: str, head_dim, head_dim_v, seqlen, seed: int):
+    """The chosen forward with `field` off and on, on mask `name` (GQA 4 on 2; bf16): the same
+    outputs and LSE bit for bit."""
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward
 
     scale = 1 / math.sqrt(head_dim)
-    mask = masks.build(name, seqlen, batch=2, heads=4, seed=13, device="cuda")
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=seed, device="cuda")
     q, k, v, _ = random_inputs(
-        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=13, head_dim_v=head_dim_v
+        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=seed, head_dim_v=head_dim_v
     )
     default = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
-    out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(default, diagonal_tiles=False))
-    diagonal = forward(q, k, v, mask, scale, config=dataclasses.replace(default, diagonal_tiles=True))
-    assert torch.equal(out, diagonal[0]) and torch.equal(lse, diagonal[1])
+    out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(default, **{field: False}))
+    changed = forward(q, k, v, mask, scale, config=dataclasses.replace(default, **{field: True}))
+    assert torch.equal(out, changed[0]) and torch.equal(lse, changed[1])
+
+
+_HEAD_DIMS = [(128, 128, 1531), (64, 64, 4096), (192, 128, 1531)]  # (q/k, v, a ragged length)
+
+
+@pytest.mark.parametrize("name", ["causal", "causal_document", "sliding_window", "causal_blockwise"])
+@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", _HEAD_DIMS)
+def test_diagonal_tiles_give_the_bounds_masks_numbers(name, head_dim, head_dim_v, seqlen):
+    """`diagonal_tiles`: the tiles only the causal diagonal cuts, masked by the comparison alone,
+    get the same -inf positions as when masked from their keys' bounds (the ragged last key tile
+    stays PARTIAL)."""
+    assert_a_field_keeps_the_forwards_numbers("diagonal_tiles", name, head_dim, head_dim_v, seqlen, seed=13)
 
 
 @pytest.mark.parametrize(
     "name", ["sliding_window", "causal_document", "share_question", "causal_blockwise", "qk_sparse", "random_eviction"]
 )
-@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", [(128, 128, 1531), (64, 64, 4096), (192, 128, 1531)])
+@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", _HEAD_DIMS)
 def test_off_diagonal_tiles_give_the_full_masks_numbers(name, head_dim, head_dim_v, seqlen):
     """`off_diagonal_tiles`: PARTIAL tiles the causal diagonal does not cut, masked by their bounds
-    alone, get the same -inf positions as with the causal comparison, so the same outputs and LSE
-    bit for bit (GQA 4 on 2; a ragged length)."""
-    from flashmask3.optimized import fwd_config
-    from flashmask3.optimized.interface import forward
-
-    scale = 1 / math.sqrt(head_dim)
-    mask = masks.build(name, seqlen, batch=2, heads=4, seed=31, device="cuda")
-    q, k, v, _ = random_inputs(
-        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=31, head_dim_v=head_dim_v
-    )
-    default = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
-    out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(default, off_diagonal_tiles=False))
-    bounds_only = forward(q, k, v, mask, scale, config=dataclasses.replace(default, off_diagonal_tiles=True))
-    assert torch.equal(out, bounds_only[0]) and torch.equal(lse, bounds_only[1])
+    alone, get the same -inf positions as with the causal comparison."""
+    assert_a_field_keeps_the_forwards_numbers("off_diagonal_tiles", name, head_dim, head_dim_v, seqlen, seed=31)
 
 
 @pytest.mark.parametrize("width", [1, 2])
