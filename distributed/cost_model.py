@@ -43,14 +43,12 @@ ring's step s, X one K/V block and Y one dK/dV block to the next rank:
 Overlap efficiency = the part of the transfer time hidden under compute, both directions.
 
 `RankTimeFit`: the mask-aware rank's measured compute time is not tiles / rate alone. Fitted on the
-H200 rank-by-rank timings (scripts/cp_calibrate.py, bench/results/cp_calibration.json), it is
+H200 rank-by-rank timings of the forward and the backward call (scripts/cp_rank_times.py
+--backward, scripts/cp_calibrate.py, bench/results/cp_calibration_fwd_bwd_h200.json), each is
     seconds = fixed + per_load * (its chunks' workload) + per_needed_chunk * (KV chunks it needs),
 the last term being the cost of each extra KV chunk in the union call (gathering it, its mask
-and tile plan); the fixed part (~1.8 ms per rank call) is the robust finding. It was fitted on
-one forward call per rank; `predict(..., fit=RankTimeFit())` charges it per call of every scheme,
-the backward's per-load term scaled by its FLOPs and rate, its fixed and per-chunk costs assumed
-the forward's, unless the fit carries the backward's own (`RankTimeFit.from_calibration` of a
-calibration on `cp_rank_times.py --backward` timings).
+and tile plan): 0.18 ms fixed forward, 0.36 ms backward. `predict(..., fit=RankTimeFit())`
+charges it per call of every scheme (`RankTimeFit.from_calibration` reads another calibration).
 """
 
 from __future__ import annotations
@@ -80,19 +78,21 @@ class Hardware:
 
 @dataclass(frozen=True)
 class RankTimeFit:
-    """A rank's local attention time (forward, 8K queries, 32 x 128 query heads, 8 KV heads, bf16)
-    fitted to the H200 rank-by-rank measurements; defaults from bench/results/cp_calibration.json
-    ("kernel_rate_slope": the per-load slope pinned to the kernel's rate; a free slope fits a little
-    better, R^2 0.974 vs 0.959, but implies a rate beyond the kernel's and so over-predicts dense masks)."""
+    """A rank's local attention call (8K queries, 32 x 128 query heads, 8 KV heads, bf16) fitted to
+    the H200 rank-by-rank measurements of today's kernels, forward and backward
+    (bench/results/cp_calibration_fwd_bwd_h200.json, scripts/cp_calibrate.py). Forward: the free fit
+    ("load_and_needed_chunks", R^2 0.999; pinned to 577 TFLOP/s it would need a negative fixed cost:
+    the kernel outruns that rate). Backward: the per-load slope pinned to the backward kernel's rate
+    ("backward_kernel_rate_slope", R^2 0.997; the free slope is within 2% of it)."""
 
-    fixed_s: float = 1.77e-3
-    per_load_s: float = 0.465e-6  # per unit of `chunk_loads` (a 128 x 128 tile x 32 heads at 577 TFLOP/s)
-    per_needed_chunk_s: float = 2.5e-6
-    # The backward call's, where measured (`cp_rank_times.py --backward`); None: the forward's fixed
-    # and per-chunk costs, its per-load cost scaled by the backward's FLOPs and rate.
-    bwd_fixed_s: float | None = None
-    bwd_per_load_s: float | None = None
-    bwd_per_needed_chunk_s: float | None = None
+    fixed_s: float = 0.183e-3
+    per_load_s: float = 0.390e-6  # per unit of `chunk_loads` (a 128 x 128 tile x 32 heads)
+    per_needed_chunk_s: float = 12.4e-6
+    # The backward call's; None: the forward's fixed and per-chunk costs, its per-load cost scaled
+    # by the backward's FLOPs and rate.
+    bwd_fixed_s: float | None = 0.359e-3
+    bwd_per_load_s: float | None = 1.259e-6
+    bwd_per_needed_chunk_s: float | None = 0.70e-6
 
     def seconds(self, load: float, needed_chunks: int) -> float:
         return self.fixed_s + self.per_load_s * load + self.per_needed_chunk_s * needed_chunks
@@ -106,18 +106,21 @@ class RankTimeFit:
         return fixed + per_load * load + per_chunk * needed_chunks
 
     @classmethod
-    def from_calibration(cls, calibration: dict) -> RankTimeFit:
-        """The fit of a `scripts/cp_calibrate.py` result: its "kernel_rate_slope" fit, and its
-        "backward_kernel_rate_slope" where the timings had the backward."""
-        forward = calibration["fits"]["kernel_rate_slope"]["coef"]
-        backward = calibration["fits"].get("backward_kernel_rate_slope", {}).get("coef", {})
+    def from_calibration(
+        cls, calibration: dict, forward: str = "load_and_needed_chunks", backward: str = "backward_kernel_rate_slope"
+    ) -> RankTimeFit:
+        """The fits named `forward` and `backward` of a `scripts/cp_calibrate.py` result; without a
+        backward fit (forward-only timings) the backward is derived from the forward."""
+        fits = calibration["fits"]
+        coef = {"per_needed_chunk_s": 0.0, **fits[forward]["coef"]}
+        bwd = fits[backward]["coef"] if backward in fits else {}
         return cls(
-            forward["fixed_s"],
-            forward["per_load_s"],
-            forward["per_needed_chunk_s"],
-            backward.get("fixed_s"),
-            backward.get("per_load_s"),
-            backward.get("per_needed_chunk_s"),
+            coef["fixed_s"],
+            coef["per_load_s"],
+            coef["per_needed_chunk_s"],
+            bwd.get("fixed_s"),
+            bwd.get("per_load_s"),
+            bwd.get("per_needed_chunk_s"),
         )
 
 

@@ -14,8 +14,8 @@ with --stage-chunks N too, mask_aware fetching its remote K/V in stages of at mo
 rank (`CPConfig(stage_chunks=N)`, flat routing, balanced plan): its TFLOP/s per GPU, overlap and
 the K/V MB a rank holds at peak (own + two stages), next to one stage's (own + every remote chunk),
 the largest rank's each. `--call-ms` replaces the fixed cost the model charges every kernel call
-(default the fit's, `RankTimeFit.fixed_s`, measured on mask-aware union calls that include their
-host-side mask work): the dense masks' comparison with the ring rests on it. Writes JSON to
+(default the fit's, `RankTimeFit.fixed_s` / `bwd_fixed_s`, measured on mask-aware union calls that
+include their host-side mask work): the dense masks' comparison with the ring rests on it. Writes JSON to
 cp_report_<K>k_per_rank.json in $OUT or runs/ (or --out; the committed one is bench/results/),
 prints a table.
 """
@@ -23,6 +23,7 @@ prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -99,7 +100,9 @@ def main() -> None:
         parser.error("--call-ms goes with --model (it changes the cost model only)")
     if args.call_ms is not None and args.call_ms < 0:
         parser.error(f"--call-ms takes a number of ms >= 0, got {args.call_ms}")
-    fit = RankTimeFit() if args.call_ms is None else RankTimeFit(fixed_s=args.call_ms / 1e3)
+    fit = RankTimeFit()
+    if args.call_ms is not None:
+        fit = dataclasses.replace(fit, fixed_s=args.call_ms / 1e3, bwd_fixed_s=args.call_ms / 1e3)
     if args.stage_chunks is not None and (args.stage_chunks < 1 or not args.model):
         parser.error(f"--stage-chunks takes a positive int and goes with --model, got {args.stage_chunks}")
     out = args.out or results_dir() / f"cp_report_{args.tokens_per_rank // 1024}k_per_rank.json"

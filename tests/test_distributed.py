@@ -999,7 +999,7 @@ def test_cost_model_follows_the_codes_calls_phases_and_overlap():
     from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
 
     chunk_bytes = 2 * 128 * 64 * 2
-    fit = RankTimeFit(fixed_s=1e-3, per_load_s=0.0, per_needed_chunk_s=0.0)
+    fit = RankTimeFit(1e-3, 0.0, 0.0, *_BACKWARD_AS_FORWARD)
     mask, plan = masks.build("full", 1024), make_plan(1024, 4, 2, "zigzag")
 
     def modeled(scheme, ranks_per_node=8, hold=False):
@@ -1028,20 +1028,32 @@ def test_cost_model_follows_the_codes_calls_phases_and_overlap():
     assert modeled("allgather") == dict(forward=7, backward=6 + 1 + 12, total=26, compute=2, comm=24, hidden=0)
 
 
+_BACKWARD_AS_FORWARD = (None, None, None)  # a RankTimeFit's backward fields: derived from the forward
+
+
 def test_cost_model_charges_the_fit_per_kernel_call():
     from flashmask3.distributed.cost_model import BACKWARD_FLOPS, Hardware, RankTimeFit, predict
 
     mask = masks.build("share_question", 8192, seed=2)
     plan = make_plan(8192, 4, 2, "balanced", chunk_loads(mask, 1024))
     layout = context_parallel._Layout(mask, plan, CPConfig())
-    fit = RankTimeFit(fixed_s=1e-3, per_load_s=0.0, per_needed_chunk_s=5e-5)
+    fit = RankTimeFit(1e-3, 0.0, 5e-5, *_BACKWARD_AS_FORWARD)
     result = predict(mask, plan, "mask_aware", 32, 8, 128, Hardware(), fit=fit)
     for rank, per_rank in enumerate(result["per_rank"]):
         needed = layout.needed(rank, range(plan.num_chunks))
         calls = len({c in plan.assignment[rank] for c in needed})  # own chunks, remote chunks, or both
         assert per_rank["compute_s"] == pytest.approx(2 * (calls * 1e-3 + 5e-5 * len(needed)), rel=1e-12)
     # The per-load term: forward at the kernel's rate, backward 2.5x the FLOPs at its own rate.
-    rate = predict(mask, plan, "allgather", 32, 8, 128, Hardware(ranks_per_node=4), fit=RankTimeFit(0.0, 1.0, 0.0))
+    rate = predict(
+        mask,
+        plan,
+        "allgather",
+        32,
+        8,
+        128,
+        Hardware(ranks_per_node=4),
+        fit=RankTimeFit(0.0, 1.0, 0.0, *_BACKWARD_AS_FORWARD),
+    )
     loads = chunk_loads(mask, 1024)
     for rank, per_rank in enumerate(rate["per_rank"]):
         load = loads[list(plan.assignment[rank])].sum()
@@ -1056,15 +1068,18 @@ def test_cost_model_charges_a_measured_backward_fit_its_own_costs():
 
     mask = masks.build("causal_document", 8192, seed=2)
     plan = make_plan(8192, 4, 2, "balanced", chunk_loads(mask, 1024))
-    forward_only = RankTimeFit(fixed_s=1e-3, per_load_s=0.0, per_needed_chunk_s=0.0)
+    forward_only = RankTimeFit(1e-3, 0.0, 0.0, *_BACKWARD_AS_FORWARD)
     measured = dataclasses.replace(forward_only, bwd_fixed_s=3e-3, bwd_per_load_s=0.0, bwd_per_needed_chunk_s=0.0)
     assumed = predict(mask, plan, "allgather", 32, 8, 128, Hardware(ranks_per_node=4), fit=forward_only)
     own = predict(mask, plan, "allgather", 32, 8, 128, Hardware(ranks_per_node=4), fit=measured)
     for a, b in zip(assumed["per_rank"], own["per_rank"]):  # one call each way: 1 + 1 ms, then 1 + 3 ms
         assert (a["compute_s"], b["compute_s"]) == (pytest.approx(2e-3), pytest.approx(4e-3))
     calibration = json.loads(Path("bench/results/cp_calibration.json").read_text())
-    committed = RankTimeFit.from_calibration(calibration)  # forward-only timings: the backward assumed
-    assert committed.bwd_fixed_s is None and committed.per_load_s == pytest.approx(RankTimeFit().per_load_s, rel=1e-3)
+    committed = RankTimeFit.from_calibration(calibration, forward="kernel_rate_slope")  # forward-only timings
+    assert committed.bwd_fixed_s is None and committed.per_load_s == pytest.approx(0.465e-6, rel=1e-3)
+    both_ways = json.loads(Path("bench/results/cp_calibration_fwd_bwd_h200.json").read_text())
+    measured = dataclasses.astuple(RankTimeFit.from_calibration(both_ways))
+    assert measured == pytest.approx(dataclasses.astuple(RankTimeFit()), rel=1e-2)  # the defaults
     calibration["fits"]["backward_kernel_rate_slope"] = {
         "coef": {"fixed_s": 2e-3, "per_load_s": 1e-6, "per_needed_chunk_s": 3e-6}
     }
@@ -1078,7 +1093,7 @@ def test_cost_model_stages_the_fetch_as_the_code_does():
     from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
 
     chunk_bytes = 2 * 128 * 64 * 2
-    fit = RankTimeFit(fixed_s=3e-3, per_load_s=0.0, per_needed_chunk_s=0.0)
+    fit = RankTimeFit(3e-3, 0.0, 0.0, *_BACKWARD_AS_FORWARD)
     hw = Hardware(ranks_per_node=8, nvlink_bps=chunk_bytes * 500, inter_node_bps=chunk_bytes * 50)
     mask, plan = masks.build("full", 1024), make_plan(1024, 2, 4, "contiguous")
     keys = ("forward_s", "backward_s", "total_s", "compute_s", "comm_s", "hidden_s")
@@ -1127,7 +1142,7 @@ def test_cost_model_takes_the_stages_in_ring_order():
     from flashmask3.distributed.cost_model import Hardware, RankTimeFit, predict
 
     chunk_bytes = 2 * 128 * 64 * 2
-    fit = RankTimeFit(fixed_s=3e-3, per_load_s=0.0, per_needed_chunk_s=0.0)
+    fit = RankTimeFit(3e-3, 0.0, 0.0, *_BACKWARD_AS_FORWARD)
     hw = Hardware(ranks_per_node=8, nvlink_bps=chunk_bytes * 500, inter_node_bps=chunk_bytes * 50)
     mask, plan = masks.build("full", 512), make_plan(512, 4, 1, "contiguous")
     result = predict(mask, plan, "mask_aware", 1, 1, 64, hw, fit=fit, stage_chunks=1)
