@@ -433,13 +433,13 @@ def test_the_balancer_counts_communication_where_asked():
     mask = masks.build("causal_document", 65536, seed=1)
     loads, visibility = chunk_loads(mask, 2048), chunk_visibility(mask, 2048)
     chunk_comm = received_chunk_load(2048, 8, 128)  # 8 MiB of bf16 K/V at 50 GB/s, in load units
-    assert chunk_comm == pytest.approx(360.8, abs=0.1)
+    assert chunk_comm == pytest.approx(430.2, abs=0.1)
     compute_only = balance(loads, 8)
     assert balance(loads, 8, visibility=visibility, chunk_comm=0.0) == compute_only
     counted = balance(loads, 8, visibility=visibility, chunk_comm=chunk_comm)
     assert counted == make_plan(65536, 8, 4, "balanced", loads, visibility, chunk_comm).assignment
-    # 43 remote chunks received instead of 62 for a larger top load: the largest cost drops by a fifth.
-    for assignment, largest_cost, received in ((compute_only, 6110.8, 62), (counted, 4909.6, 43)):
+    # 44 remote chunks received instead of 62 for a larger top load: the largest cost drops by a quarter.
+    for assignment, largest_cost, received in ((compute_only, 6874.0, 62), (counted, 5197.1, 44)):
         costs = rank_costs(assignment, loads, visibility, chunk_comm)
         assert max(costs) == pytest.approx(largest_cost, abs=0.1)
         assert round((sum(costs) - loads.sum()) / chunk_comm) == received
