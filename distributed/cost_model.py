@@ -100,8 +100,9 @@ class RankTimeFit:
     def backward_seconds(self, load: float, needed_chunks: int, hw: Hardware) -> float:
         """A backward call on the same chunks as a forward call of `load`."""
         fixed = self.fixed_s if self.bwd_fixed_s is None else self.bwd_fixed_s
-        per_load = self.per_load_s * BACKWARD_FLOPS * hw.tflops / hw.bwd_tflops
-        per_load = per_load if self.bwd_per_load_s is None else self.bwd_per_load_s
+        per_load = self.bwd_per_load_s
+        if per_load is None:
+            per_load = self.per_load_s * BACKWARD_FLOPS * hw.tflops / hw.bwd_tflops
         per_chunk = self.per_needed_chunk_s if self.bwd_per_needed_chunk_s is None else self.bwd_per_needed_chunk_s
         return fixed + per_load * load + per_chunk * needed_chunks
 

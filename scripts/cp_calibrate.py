@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from flashmask3.distributed import CPConfig, chunk_loads, make_plan
 from flashmask3.distributed.context_parallel import _Layout
+from flashmask3.distributed.cost_model import BACKWARD_FLOPS, Hardware
 from flashmask3.reference import masks
 
 from flashmask3.bench import git_commit, result_json, results_dir
@@ -38,12 +39,6 @@ def rank_features(row: dict, tokens_per_rank: int, chunk: int) -> np.ndarray:
     plan = make_plan(seqlen, world, tokens_per_rank // chunk, row["assignment"], loads)
     layout = _Layout(mask, plan, CPConfig(backend="reference"))
     return np.array([[loads[list(plan.assignment[r])].sum(), sum(map(bool, layout.needs[r]))] for r in range(world)])
-
-
-KERNEL_RATE_TFLOPS = 577.0
-"""The forward kernel's sustained rate on unmasked work (`Hardware.tflops`)."""
-BACKWARD_RATE_TFLOPS = 533.0
-"""The backward kernel's (`Hardware.bwd_tflops`), on 2.5x the forward's FLOPs."""
 
 
 def fit_summary(design: np.ndarray, y: np.ndarray, coef: np.ndarray, names: list[str]) -> dict:
@@ -84,11 +79,12 @@ def main() -> None:
         coef = np.linalg.lstsq(design[:, cols], y, rcond=None)[0]
         fits[name] = fit_summary(design[:, cols], y, coef, ["fixed_s", "per_load_s", "per_needed_chunk_s"][: len(cols)])
     tile_flops = 32 * 4 * 128**3  # one unit of `chunk_loads`: a 128 x 128 tile x 32 heads
-    fits["kernel_rate_slope"] = pinned_slope_fit(design, y, tile_flops / (KERNEL_RATE_TFLOPS * 1e12))
+    hw = Hardware()  # the kernels' sustained rates on unmasked work
+    fits["kernel_rate_slope"] = pinned_slope_fit(design, y, tile_flops / (hw.tflops * 1e12))
     backward = all("rank_bwd_ms" in row for row in measured["rows"])
     if backward:  # the backward call, fitted the same way (`RankTimeFit`'s bwd_ fields)
         y_bwd = np.concatenate([np.array(row["rank_bwd_ms"]) * 1e-3 for row in measured["rows"]])
-        per_load = 2.5 * tile_flops / (BACKWARD_RATE_TFLOPS * 1e12)
+        per_load = BACKWARD_FLOPS * tile_flops / (hw.bwd_tflops * 1e12)
         fits["backward_kernel_rate_slope"] = pinned_slope_fit(design, y_bwd, per_load)
     coef = np.array(list(fits["kernel_rate_slope"]["coef"].values()))
     rows = []

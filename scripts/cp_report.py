@@ -15,9 +15,9 @@ rank (`CPConfig(stage_chunks=N)`, flat routing, balanced plan): its TFLOP/s per 
 the K/V MB a rank holds at peak (own + two stages), next to one stage's (own + every remote chunk),
 the largest rank's each. `--call-ms` replaces the fixed cost the model charges every kernel call
 (default the fit's, `RankTimeFit.fixed_s` / `bwd_fixed_s`, measured on mask-aware union calls that
-include their host-side mask work): the dense masks' comparison with the ring rests on it. Writes JSON to
-cp_report_<K>k_per_rank.json in $OUT or runs/ (or --out; the committed one is bench/results/),
-prints a table.
+include their host-side mask work): the dense masks' comparison with the ring rests on it. Writes
+JSON to cp_report_<K>k_per_rank.json in $OUT or runs/ (or --out; the committed one is
+bench/results/), prints a table.
 """
 
 from __future__ import annotations

@@ -968,12 +968,13 @@ def test_cp_calibrate_fits_the_backward_call_at_its_kernel_rate(tmp_path, monkey
 
     import cp_calibrate
     import numpy as np
+    from flashmask3.distributed.cost_model import Hardware
 
     forward, backward = (1.5e-3, 4e-6), (2.5e-3, 9e-6)  # (fixed, per needed chunk) seconds
     tile_flops = 32 * 4 * 128**3
     rate = {
-        "rank_ms": (forward, tile_flops / (cp_calibrate.KERNEL_RATE_TFLOPS * 1e12)),
-        "rank_bwd_ms": (backward, 2.5 * tile_flops / (cp_calibrate.BACKWARD_RATE_TFLOPS * 1e12)),
+        "rank_ms": (forward, tile_flops / (Hardware().tflops * 1e12)),
+        "rank_bwd_ms": (backward, 2.5 * tile_flops / (Hardware().bwd_tflops * 1e12)),
     }
     rows = []
     for mask, assignment in (("causal_document", "balanced"), ("causal", "zigzag"), ("share_question", "zigzag")):
