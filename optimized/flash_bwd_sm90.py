@@ -44,6 +44,7 @@ from cutlass.memory import SmemAllocator
 from .config import BwdConfig
 from .hopper import (
     assume_aligned,
+    check_smem_fits,
     convert_to_16bit,
     select_modes,
     smem_layout,
@@ -230,25 +231,28 @@ class FlashMaskBackwardSm90:
 
         profiled_slots = len(STEP_SEGMENTS) if const_expr(mTimeline is not None) else 1
 
+        # The 1024-byte aligned tiles first and the small fields after them, so no padding sits
+        # between tiles: the 80-row step's tiles take 224 of the 227 KB.
         @cute.struct
         class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
             tile_ring: cute.struct.MemRange[Int32, TileList.slots]
             stage_entries: cute.struct.MemRange[Int32, self.num_stages]  # the list entry each Q stage holds
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             # The profiled build's cycle accumulators (one unused slot in the default build).
             step_cycles: cute.struct.MemRange[cutlass.Int64, profiled_slots]
 
+        check_smem_fits(SharedStorage.size_in_bytes(), f"the backward with {self.tile_m}-row steps")
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         if const_expr(mCtaOrder is not None):
             grid = (cute.size(mCtaOrder.shape[0]), 1, 1)

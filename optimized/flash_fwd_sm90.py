@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from .config import FwdConfig
-from .hopper import assume_aligned, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
+from .hopper import assume_aligned, check_smem_fits, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_causal_diagonal, apply_column_mask
 from .mask_role import (
@@ -192,6 +192,7 @@ class FlashMaskForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sBounds: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(bounds_layout)], 16]
 
+        check_smem_fits(SharedStorage.size_in_bytes(), f"the forward with {self.tile_m}-row tiles")
         num_ctas = cutlass.min(self.work_tiles(mQ, None).total, max_ctas)
         self.kernel(
             tma_mQ,

@@ -13,6 +13,16 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+SMEM_PER_CTA = 232448
+"""The most dynamic shared memory one CTA may take on sm_90 (227 KB)."""
+
+
+def check_smem_fits(storage_bytes: int, kernel: str) -> None:
+    """Fail at compile time, naming the kernel, where its shared storage exceeds `SMEM_PER_CTA`
+    (the launch would fail with an invalid-configuration error)."""
+    if storage_bytes > SMEM_PER_CTA:
+        raise ValueError(f"{kernel} needs {storage_bytes} bytes of shared memory, over the {SMEM_PER_CTA} of sm_90")
+
 
 def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     """The tensor with its modes reordered (e.g. [B, S, H, D] -> (S, D, H, B))."""
