@@ -217,7 +217,8 @@ class FlashMaskBackwardSm90:
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, sKV_layout, (self.tile_n, self.head_dim))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (self.tile_n, self.head_dim))
         # LSE and Delta of a query tile ride on Q's and dO's barriers.
-        s_row_layout = cute.make_layout((self.tile_m, self.num_stages))
+        # Each stage 128-byte aligned, as a TMA destination must be (80 rows: stride 96).
+        s_row_layout = cute.make_layout((self.tile_m, self.num_stages), stride=(1, -(-self.tile_m // 32) * 32))
         tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(load_op, mLSE, cute.make_layout(self.tile_m), (self.tile_m,))
         tma_delta, tma_mDelta = cpasync.make_tiled_tma_atom(
             load_op, mDelta, cute.make_layout(self.tile_m), (self.tile_m,)
