@@ -81,10 +81,6 @@ class FwdConfig:
 class BwdConfig:
     """The backward's choices (flash_bwd_sm90.py)."""
 
-    # Query rows per step: 64, or 80 at head dim 128 (FA3's non-causal step: 25% more work per
-    # step and per read of K/V from smem; dQ is then computed transposed, dQ^T = K^T dS^T, as 80 is
-    # not a multiple of WGMMA's 64-row M).
-    step_rows: int
     # The thread's LSE values into registers before the S GEMM is issued, not read from smem after
     # it (the loads then queue behind the GEMMs' operand reads); 16 more live registers.
     lse_ahead: bool
@@ -106,8 +102,6 @@ class BwdConfig:
     longest_ctas_first_buckets: int
 
     def __post_init__(self) -> None:
-        if self.step_rows not in (64, 80):
-            raise ValueError(f"step_rows must be 64 or 80, got {self.step_rows}")
         if self.longest_ctas_first_waves < 0:
             raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
         if self.longest_ctas_first_buckets < 0:
@@ -166,7 +160,6 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
     spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
     return BwdConfig(
-        step_rows=64,
         lse_ahead=mask_width < 4,
         dq_first=True,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,

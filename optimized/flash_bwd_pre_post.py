@@ -6,10 +6,7 @@ kernel over (query tile, head, batch):
   dQ accumulator tile;
 - postprocess: dQ = scale * accumulator in the input dtype, each thread reading back the slots its
   twin thread of the main kernel wrote (register-fragment order, 16-byte loads) and storing them in
-  place through smem (stmatrix, transposing where the main kernel computed dQ^T) and one TMA store
-  per tile.
-
-Both take the main kernel's query rows per step (`tile_m`, its `BwdConfig.step_rows`).
+  place through smem (stmatrix) and one TMA store per tile.
 """
 
 from __future__ import annotations
@@ -26,19 +23,18 @@ from cutlass.memory import SmemAllocator
 
 from .flash_bwd_sm90 import FlashMaskBackwardSm90
 from .hopper import assume_aligned, select_modes, smem_layout, tma_tiles
-from .layout import transpose_view
 
 LOG2_E = math.log2(math.e)
 
 
 class BackwardPreprocess:
     threads_per_row = 4
+    tile_m = FlashMaskBackwardSm90.tile_m  # the main kernel's query rows per step
+    num_threads = tile_m * threads_per_row
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.tile_m = tile_m
-        self.num_threads = tile_m * self.threads_per_row
 
     @cute.jit
     def __call__(
@@ -94,10 +90,9 @@ class BackwardPostprocess:
     main = FlashMaskBackwardSm90  # whose dQ accumulator this reads back
     num_threads = 128 * main.num_consumer_wgs
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.tile_m = tile_m
 
     @cute.jit
     def __call__(
@@ -108,9 +103,9 @@ class BackwardPostprocess:
         stream: cuda.CUstream,
     ):
         mdQ = select_modes(assume_aligned(mdQ), [1, 3, 2, 0])  # (Sq, D, Hq, B)
-        s_layout = smem_layout(self.dtype, self.tile_m, self.head_dim)
+        s_layout = smem_layout(self.dtype, self.main.tile_m, self.head_dim)
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.tile_m, self.head_dim)
+            cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.main.tile_m, self.head_dim)
         )
 
         @cute.struct
@@ -123,8 +118,8 @@ class BackwardPostprocess:
             tma_mdQ,
             tma_dq,
             softmax_scale,
-            self.main.dq_tiled_mma(self.dtype, self.head_dim, self.tile_m),
-            self.main.dq_slot_layout(self.head_dim, self.tile_m),
+            self.main.dq_tiled_mma(self.dtype, self.head_dim),
+            self.main.dq_slot_layout(self.head_dim),
             s_layout,
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
@@ -152,29 +147,26 @@ class BackwardPostprocess:
         # The thread holds the fragment its twin thread of the main kernel computed: view it as
         # that accumulator, scale, convert, and store it in place through smem (stmatrix + TMA,
         # which leaves out rows past seqlen_q).
-        transposed = self.main.dq_transposed(self.tile_m)
         acc = cute.make_rmem_tensor(
-            tiled_mma_dq.get_slice(tidx).partition_shape_C(self.main.dq_tile_shape(self.head_dim, self.tile_m)),
-            self.dtype,
+            tiled_mma_dq.get_slice(tidx).partition_shape_C((self.main.tile_m, self.head_dim)), self.dtype
         )
         acc.store((cute.make_tensor(values.iterator, acc.layout).load() * softmax_scale).to(self.dtype))
         st_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=transposed, num_matrices=4), self.dtype),
-            tiled_mma_dq,
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_dq
         )
         thr_copy = st_copy.get_slice(tidx)
-        cute.copy(st_copy, thr_copy.retile(acc), thr_copy.partition_D(transpose_view(sdQ) if transposed else sdQ))
+        cute.copy(st_copy, thr_copy.retile(acc), thr_copy.partition_D(sdQ))
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         if tidx == 0:
-            g = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            g = cute.local_tile(mdQ[None, None, head, batch], (self.main.tile_m, self.head_dim), (m_block, 0))
             t_s, t_g = tma_tiles(tma_dq, sdQ, g)
             cute.copy(tma_dq, t_s, t_g)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
-def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int, stream) -> tuple[list, list]:
+def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, stream) -> tuple[list, list]:
     """Fake arguments (symbolic sizes; `stream`, a fake one) to compile the preprocess and the
     postprocess without a GPU."""
     b, sq, h, tm = (cute.sym_int32() for _ in range(4))
@@ -184,6 +176,6 @@ def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, tile_m: in
         return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=16)
 
     q_like = fake(dtype, (b, sq, h, head_dim))
-    accum = fake(Float32, (b, h, tm, tile_m * head_dim))
+    accum = fake(Float32, (b, h, tm, FlashMaskBackwardSm90.tile_m * head_dim))
     rows = fake(Float32, (b, h, sq))
     return [q_like, q_like, rows, rows, rows, accum, stream], [accum, q_like, Float32(0.1), stream]

@@ -1,8 +1,8 @@
 """Mask-aware attention backward for Hopper (sm_90a) in the CuTe DSL.
 
 Column-parallel, FlashAttention-2/3 style: one CTA per (key tile of 128, KV head, batch) keeps
-K, V and the dK, dV accumulators on chip and walks the query tiles (`tile_m` = 64 or 80 rows, one per
-step) that can see it, for every query head of its KV group (so GQA sums dK/dV in registers, no extra pass). The
+K, V and the dK, dV accumulators on chip and walks the query tiles (`tile_m` = 64 rows) that can see
+it, for every query head of its KV group (so GQA sums dK/dV in registers, no extra pass). The
 tuning choices come as a `BwdConfig` (config.py).
 
 Warpgroup 0, warp 1 is the mask role (mask_role.py): per query head, it classifies the query tiles
@@ -16,8 +16,7 @@ thread's fragment are keys and each thread loads the mask bounds of only its own
     P^T = exp2(S^T * scale * log2 e - LSE * log2 e)  (element mask only on PARTIAL tiles)
     dV += P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q   (RS-WGMMA: P^T, dS^T stay in registers)
     dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
-                                                     warpgroups each take half of the head dim;
-                                                     80-row steps compute dQ^T = K^T dS^T)
+                                                     warpgroups each take half of the head dim)
 and add dQ_tile into an fp32 dQ accumulator in global memory: each thread writes its fragment to smem
 as is, and one bulk reduce-add per warpgroup moves it (the accumulator keeps the fragment order;
 the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In deterministic mode the
@@ -83,6 +82,7 @@ def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int)
 class FlashMaskBackwardSm90:
     """Compile-time configuration and kernel of the backward pass."""
 
+    tile_m = 64  # query rows per step
     tile_n = 128  # keys per CTA, 64 per consumer warpgroup
     num_consumer_wgs = tile_n // 64
     num_threads = 128 * (num_consumer_wgs + 1)
@@ -101,10 +101,7 @@ class FlashMaskBackwardSm90:
     ):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
-        if config.step_rows % 64 != 0 and head_dim != 128:
-            raise ValueError(f"step_rows={config.step_rows} needs head_dim 128 (dQ^T's rows), got {head_dim}")
         self.dtype = dtype
-        self.tile_m = config.step_rows
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width
@@ -112,26 +109,9 @@ class FlashMaskBackwardSm90:
         self.dq_first = config.dq_first
         self.deterministic = deterministic
 
-    @staticmethod
-    def dq_transposed(tile_m: int) -> bool:
-        """Whether steps of `tile_m` rows compute dQ^T = K^T dS^T (head dim on WGMMA's M, split
-        between the warpgroups) rather than dQ = dS K (queries on M)."""
-        return tile_m % 64 != 0
-
     @classmethod
-    def dq_tiled_mma(cls, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int) -> cute.TiledMma:
-        """dQ = dS K (queries x head dim) or, `dq_transposed`, dQ^T = K^T dS^T (head dim x
-        queries); either way the warpgroups each take half of the head dim."""
-        if cls.dq_transposed(tile_m):
-            return sm90.make_trivial_tiled_mma(
-                dtype,
-                dtype,
-                warpgroup.OperandMajorMode.MN,
-                warpgroup.OperandMajorMode.K,
-                Float32,
-                atom_layout_mnk=(cls.num_consumer_wgs, 1, 1),
-                tiler_mn=(head_dim // cls.num_consumer_wgs, tile_m),
-            )
+    def dq_tiled_mma(cls, dtype: Type[cutlass.Numeric], head_dim: int) -> cute.TiledMma:
+        """dQ = dS K: queries x head dim, the warpgroups each taking half of the head dim."""
         return sm90.make_trivial_tiled_mma(
             dtype,
             dtype,
@@ -143,17 +123,12 @@ class FlashMaskBackwardSm90:
         )
 
     @classmethod
-    def dq_tile_shape(cls, head_dim: int, tile_m: int) -> tuple[int, int]:
-        """The (M, N) of the dQ product: (queries, head dim), or (head dim, queries) transposed."""
-        return (head_dim, tile_m) if cls.dq_transposed(tile_m) else (tile_m, head_dim)
-
-    @classmethod
-    def dq_slot_layout(cls, head_dim: int, tile_m: int) -> cute.Layout:
+    def dq_slot_layout(cls, head_dim: int) -> cute.Layout:
         """(4, thread in warpgroup, value / 4, warpgroup) -> slot of a dQ tile kept in register-fragment
         order: 4 consecutive floats per thread (one 16-byte store), threads side by side, so smem
         writes are conflict-free and each warpgroup's half is one contiguous block for a 1-D bulk
         reduce-add. The accumulator in global memory keeps this order; the postprocess undoes it."""
-        values = tile_m * head_dim // (128 * cls.num_consumer_wgs)
+        values = cls.tile_m * head_dim // (128 * cls.num_consumer_wgs)
         return cute.make_layout((4, 128, values // 4, cls.num_consumer_wgs), stride=(1, 4, 512, 128 * values))
 
     @cute.jit
@@ -186,7 +161,7 @@ class FlashMaskBackwardSm90:
         sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages)
         sKV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim)
         sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
-        sdQ_layout = self.dq_slot_layout(self.head_dim, self.tile_m)
+        sdQ_layout = self.dq_slot_layout(self.head_dim)
         q_tile = cute.select(sQ_layout, mode=[0, 1])
         wgs = self.num_consumer_wgs
         # S^T, dP^T: keys x queries, the warpgroups split the keys.
@@ -210,15 +185,14 @@ class FlashMaskBackwardSm90:
             tiler_mn=(64, self.head_dim),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        tiled_mma_dq = self.dq_tiled_mma(self.dtype, self.head_dim, self.tile_m)
+        tiled_mma_dq = self.dq_tiled_mma(self.dtype, self.head_dim)
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, self.head_dim), 1)
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load_op, mdO, q_tile, (self.tile_m, self.head_dim), 1)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, sKV_layout, (self.tile_n, self.head_dim))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (self.tile_n, self.head_dim))
         # LSE and Delta of a query tile ride on Q's and dO's barriers.
-        # Each stage 128-byte aligned, as a TMA destination must be (80 rows: stride 96).
-        s_row_layout = cute.make_layout((self.tile_m, self.num_stages), stride=(1, -(-self.tile_m // 32) * 32))
+        s_row_layout = cute.make_layout((self.tile_m, self.num_stages))
         tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(load_op, mLSE, cute.make_layout(self.tile_m), (self.tile_m,))
         tma_delta, tma_mDelta = cpasync.make_tiled_tma_atom(
             load_op, mDelta, cute.make_layout(self.tile_m), (self.tile_m,)
@@ -232,28 +206,26 @@ class FlashMaskBackwardSm90:
 
         profiled_slots = len(STEP_SEGMENTS) if const_expr(mTimeline is not None) else 1
 
-        # The 1024-byte aligned tiles first and the small fields after them, so no padding sits
-        # between tiles: the 80-row step's tiles take 224 of the 227 KB.
         @cute.struct
         class SharedStorage:
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
             tile_ring: cute.struct.MemRange[Int32, TileList.slots]
             stage_entries: cute.struct.MemRange[Int32, self.num_stages]  # the list entry each Q stage holds
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             # The profiled build's cycle accumulators (one unused slot in the default build).
             step_cycles: cute.struct.MemRange[cutlass.Int64, profiled_slots]
 
-        check_smem_fits(SharedStorage.size_in_bytes(), f"the backward with {self.tile_m}-row steps")
+        check_smem_fits(SharedStorage.size_in_bytes(), "the backward")
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         if const_expr(mCtaOrder is not None):
             grid = (cute.size(mCtaOrder.shape[0]), 1, 1)
@@ -600,12 +572,8 @@ class FlashMaskBackwardSm90:
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
-        if const_expr(self.dq_transposed(self.tile_m)):  # dQ^T = K^T dS^T
-            tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
-            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
-        else:  # dQ = dS K
-            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         # dS^T from registers into sdS (where dQ's A operand reads dS), by transposing stmatrix.
         ds_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), tiled_mma_sdp
@@ -700,13 +668,8 @@ class FlashMaskBackwardSm90:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
                 clock = profile.mark(clock, BwdEvent.DS_BARRIER)
-                acc_dQ = cute.make_rmem_tensor(
-                    wg_dq.partition_shape_C(self.dq_tile_shape(self.head_dim, self.tile_m)), Float32
-                )
-                if const_expr(self.dq_transposed(self.tile_m)):
-                    wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, buf], zero_init=True)
-                else:
-                    wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
+                acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
                 rank = Int32(0)
                 if const_expr(self.deterministic):
                     rank = mDqRanks[mask_batch, mask_head, n_block, m_block]

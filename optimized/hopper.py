@@ -19,7 +19,7 @@ SMEM_PER_CTA = 232448
 
 def check_smem_fits(storage_bytes: int, kernel: str) -> None:
     """Fail at compile time, naming the kernel, where its shared storage exceeds `SMEM_PER_CTA`
-    (the launch would fail with an invalid-configuration error)."""
+    (the launch would fail with an invalid-configuration error, after the compile succeeded)."""
     if storage_bytes > SMEM_PER_CTA:
         raise ValueError(f"{kernel} needs {storage_bytes} bytes of shared memory, over the {SMEM_PER_CTA} of sm_90")
 

@@ -103,23 +103,21 @@ def _make_kernel(
     head_dim: int,
     causal: bool,
     width: int,
-    config: FwdConfig | BwdConfig | int,
+    config: FwdConfig | BwdConfig | None,
     direction: str = "fwd",
     deterministic: bool = False,
     head_dim_v: int | None = None,
 ):
     """The kernel object of `direction` ("fwd", "bwd", or the backward's "bwd_pre" / "bwd_post",
-    whose `config` is the main kernel's query rows per step, `BwdConfig.step_rows`); `head_dim_v`:
-    V's and O's head dim when not `head_dim` (the forward only)."""
+    which take no configuration); `head_dim_v`: V's and O's head dim when not `head_dim` (the
+    forward only)."""
     import cutlass
 
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
-        if not isinstance(config, int):
-            raise TypeError(f"{direction} takes the main kernel's step rows (an int), got {config!r}")
-        return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(cute_dtype, head_dim, config)
+        return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(cute_dtype, head_dim)
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
@@ -133,7 +131,7 @@ def _make_kernel(
     return FlashMaskForwardSm90(cute_dtype, head_dim, causal, width, config, head_dim_v)
 
 
-def _device_part(config: FwdConfig | BwdConfig | int) -> FwdConfig | BwdConfig | int:
+def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig | None:
     """`config` without its host-only choices (when to pass a work order; the kernel sees only
     whether one is passed), so changing them compiles nothing new."""
     if isinstance(config, FwdConfig):
@@ -149,7 +147,7 @@ def _launch(
     head_dim: int,
     causal: bool,
     width: int,
-    config: FwdConfig | BwdConfig | int,
+    config: FwdConfig | BwdConfig | None,
     tensors: list[torch.Tensor | None],
     scalars: list[float | int],
     deterministic: bool = False,
@@ -300,7 +298,7 @@ def backward(
     row_indices = mask.startend_row_indices.contiguous()
     width = row_indices.shape[-1]
     config = config or bwd_config(d, mask.causal, width)
-    tile_m = config.step_rows
+    tile_m = Kernel.tile_m
     tiles_m = -(-sq // tile_m)
     bounds = block_minmax(mask, Kernel.tile_n)
     # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
@@ -310,7 +308,7 @@ def backward(
     delta = torch.empty_like(lse2)
     dq_accum = torch.empty(b, hq, tiles_m, tile_m * d, dtype=torch.float32, device=q.device)
     prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum]
-    _launch("bwd_pre", q.dtype, d, False, 2, tile_m, prepared, [])
+    _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [])
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
@@ -329,7 +327,7 @@ def backward(
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic)
     dq = torch.empty_like(q)
-    _launch("bwd_post", q.dtype, d, False, 2, tile_m, [dq_accum, dq], [float(softmax_scale)])
+    _launch("bwd_post", q.dtype, d, False, 2, None, [dq_accum, dq], [float(softmax_scale)])
     return dq, dk, dv
 
 
@@ -398,6 +396,7 @@ def compile_check(
     row_indices = fake(cutlass.Int32, (bm, hm, sk, width))
     if direction == "bwd":
         from .flash_bwd_pre_post import prepost_compile_args
+        from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
         config = config or bwd_config(head_dim, causal, width)
         tensors = [
@@ -407,7 +406,7 @@ def compile_check(
             q_like,
             fake(cutlass.Float32, (b, hq, sq)),
             fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, hq, tm, config.step_rows * head_dim)),
+            fake(cutlass.Float32, (b, hq, tm, FlashMaskBackwardSm90.tile_m * head_dim)),
             kv_like,
             kv_like,
             row_indices,
@@ -441,8 +440,7 @@ def compile_check(
         kernel = _make_kernel(dtype, head_dim, causal, width, config, direction, deterministic, head_dim_v)
         cute.compile(kernel, *args, **flags)
         if direction == "bwd":
-            step_rows = config.step_rows
-            pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, step_rows, stream)
-            cute.compile(_make_kernel(dtype, head_dim, False, 2, step_rows, "bwd_pre"), *pre_args, **flags)
-            cute.compile(_make_kernel(dtype, head_dim, False, 2, step_rows, "bwd_post"), *post_args, **flags)
+            pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream)
+            cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_pre"), *pre_args, **flags)
+            cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_post"), *post_args, **flags)
         return time.perf_counter() - start

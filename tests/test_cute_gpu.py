@@ -53,29 +53,6 @@ def test_longest_first_orders_give_the_default_orders_numbers(name, mask_batch):
     torch.testing.assert_close(dq_lpt, dq, rtol=1e-2, atol=1e-3)  # fp32 adds in another order
 
 
-@pytest.mark.parametrize(
-    "name", ["full", "document", "causal_document", "global_sliding_window", "share_question", "random_eviction"]
-)
-def test_80_row_backward_steps_match_the_reference(name, monkeypatch):
-    """`step_rows=80` (dQ computed transposed, 80-row query tiles that do not divide the length
-    1531 nor align with the 128-key tiles): out, LSE, dQ, dK, dV against the fp64 reference within
-    the verify tolerance, GQA 4 on 2, per-batch masks; deterministic mode bit for bit twice."""
-    from flashmask3.optimized import bwd_config, interface
-
-    def rows_80(head_dim, causal, width):
-        return dataclasses.replace(bwd_config(head_dim, causal, width), step_rows=80, lse_ahead=False)
-
-    monkeypatch.setattr(interface, "bwd_config", rows_80)
-    mask = masks.build(name, 1531, batch=2, heads=4, seed=17, device="cuda")
-    q, k, v, dout = random_inputs(2, 1531, 1531, 4, 2, 128, torch.bfloat16, "cuda", seed=17)
-    report = compare("cute", q, k, v, mask, dout)
-    assert report.passed, report.failures()
-    scale = 1 / math.sqrt(128)
-    out, lse = interface.forward(q, k, v, mask, scale)
-    first, again = (interface.backward(dout, q, k, v, out, lse, mask, scale, deterministic=True) for _ in range(2))
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-
-
 @pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
 def test_late_k_release_gives_the_early_releases_numbers(name):
     """`late_k_release` (the default at head dim 128) moves only a pipeline release: the outputs and

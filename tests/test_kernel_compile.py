@@ -37,6 +37,16 @@ def test_unsupported_head_dims_and_tile_shapes_are_refused():
         compile_check("bf16", 128, True, 1, direction="bwd", head_dim_v=64)
 
 
+def test_a_config_over_the_shared_memory_is_refused_at_compile_time():
+    """Three K/V stages at head dim 192 would take 292 KB: refused by name when compiled, not by an
+    invalid-configuration error at the first launch."""
+    from flashmask3.optimized import compile_check, fwd_config
+
+    config = dataclasses.replace(fwd_config(192, True, 1), num_stages=3)
+    with pytest.raises(ValueError, match="the forward with 128-row tiles needs 299008 bytes of shared memory, over"):
+        compile_check("bf16", 192, True, 1, config=config, head_dim_v=128)
+
+
 @pytest.mark.parametrize("changes", [dict(num_stages=3), dict(persistent=False)])
 def test_forward_configs_compile(changes):
     """Three K/V stages; `persistent=False` changes only the grid (one CTA per work tile), which the
@@ -81,7 +91,7 @@ def test_backward_without_lse_ahead_compiles():
             128,
             True,
             1,
-            BwdConfig(step_rows=64, lse_ahead=False, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0),
+            BwdConfig(lse_ahead=False, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0),
             direction="bwd",
         )
         > 0
@@ -106,7 +116,7 @@ def test_launch_compiles_once_per_configuration_and_passes_torch_tensors(monkeyp
     monkeypatch.setattr(interface, "_compiled", {})
     out, dq = torch.zeros(2, 8, 2, 64, dtype=torch.float32), torch.zeros(2, 8, 2, 64, dtype=torch.bfloat16)
     for _ in range(2):
-        interface._launch("bwd_post", torch.bfloat16, 64, False, 2, 64, [out, dq], [0.125])
+        interface._launch("bwd_post", torch.bfloat16, 64, False, 2, None, [out, dq], [0.125])
     ((name, args, flags),) = compiled
     assert name == "BackwardPostprocess" and len(args) == 4 and len(calls) == 2
     assert flags == {"options": "--enable-tvm-ffi"}
@@ -139,7 +149,7 @@ def test_threads_launching_a_new_kernel_together_compile_it_once_and_one_at_a_ti
     out, dq = torch.zeros(2, 8, 2, 64, dtype=torch.float32), torch.zeros(2, 8, 2, 64, dtype=torch.bfloat16)
 
     def launch(head_dim):
-        interface._launch("bwd_post", torch.bfloat16, head_dim, False, 2, 64, [out, dq], [0.125])
+        interface._launch("bwd_post", torch.bfloat16, head_dim, False, 2, None, [out, dq], [0.125])
 
     threads = [threading.Thread(target=launch, args=(64 if i < 4 else 128,)) for i in range(6)]
     for thread in threads:
@@ -168,7 +178,7 @@ def test_the_backward_launches_longest_first_in_short_grids_when_not_determinist
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
     runs = [(4, False), (4, False), (3, False), (4, True)]  # (longest_ctas_first_waves, deterministic)
     for waves, deterministic in runs:
-        config = BwdConfig(step_rows=64, lse_ahead=True, dq_first=True, longest_ctas_first_waves=waves, longest_ctas_first_buckets=0)
+        config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=waves, longest_ctas_first_buckets=0)
         interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
     orders = [args[5][13] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
     assert sorted(orders[0].tolist()) == list(range(1 * 2 * 4))
@@ -333,7 +343,7 @@ def test_backward_grid_order_build_compiles():
     and batch from the 3-D grid."""
     from flashmask3.optimized import BwdConfig, compile_check
 
-    config = BwdConfig(step_rows=64, lse_ahead=True, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0)
+    config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0)
     assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
 
 

@@ -56,7 +56,6 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
     for head_dim in (64, 128):
         assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
         assert bwd_config(head_dim, False, 4) == BwdConfig(
-            step_rows=64,
             lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
         )
 
@@ -69,8 +68,6 @@ def test_configs_are_frozen_validated_and_hashable():
         dataclasses.replace(config, num_stages=5)
     with pytest.raises(ValueError, match="tile_m must be 128 or 192"):
         dataclasses.replace(config, tile_m=64)
-    with pytest.raises(ValueError, match="step_rows must be 64 or 80, got 96"):
-        dataclasses.replace(bwd_config(128, False, 2), step_rows=96)
     assert len({config, dataclasses.replace(config, persistent=False), fwd_config(128, True, 1)}) == 2
 
 
@@ -87,7 +84,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "fmax_row_max": bool,
         "diagonal_tiles": bool,
         "off_diagonal_tiles": bool,
-        "step_rows": int,
         "lse_ahead": bool,
         "dq_first": bool,
         "longest_ctas_first_waves": int,
@@ -107,7 +103,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         off_diagonal_tiles=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(
-        step_rows=64,
         lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
     )
     assert apply_overrides(fwd_config(64, True, 1), {}) == fwd_config(64, True, 1)

@@ -45,15 +45,14 @@ def wasted(steps: torch.Tensor, sms: int, fixed_us: float, step_us: float) -> tu
 
 def work_steps(mask, batch: int, heads: int, kv_heads: int, head_dim: int, forward: bool) -> torch.Tensor:
     """Steps per unit of work in the order the kernel takes them."""
-    from flashmask3.optimized.config import bwd_config, fwd_config
+    from flashmask3.optimized.config import fwd_config
     from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90 as Backward
     from flashmask3.optimized.flash_fwd_sm90 import FlashMaskForwardSm90 as Forward
     from flashmask3.optimized.tile_plan import backward_cta_steps, forward_tile_steps
 
-    variant = (head_dim, mask.causal, mask.startend_row_indices.shape[-1])
     if not forward:
-        return backward_cta_steps(mask, batch, heads, kv_heads, bwd_config(*variant).step_rows, Backward.tile_n)
-    tile_m = fwd_config(*variant).tile_m
+        return backward_cta_steps(mask, batch, heads, kv_heads, Backward.tile_m, Backward.tile_n)
+    tile_m = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]).tile_m
     steps = forward_tile_steps(mask, batch, heads, tile_m, Forward.tile_n)
     return steps.view(-1, -(-mask.seqlen_q // tile_m)).flip(1).flatten() if mask.causal else steps
 
