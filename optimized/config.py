@@ -81,6 +81,9 @@ class FwdConfig:
 class BwdConfig:
     """The backward's choices (flash_bwd_sm90.py)."""
 
+    # Q (with its LSE) and dO (with Delta) pipeline depth: 2 or 3 query tiles in smem, so the
+    # producer loads further ahead of the step that needs them.
+    q_stages: int
     # The thread's LSE values into registers before the S GEMM is issued, not read from smem after
     # it (the loads then queue behind the GEMMs' operand reads); 16 more live registers.
     lse_ahead: bool
@@ -102,6 +105,8 @@ class BwdConfig:
     longest_ctas_first_buckets: int
 
     def __post_init__(self) -> None:
+        if self.q_stages not in (2, 3):
+            raise ValueError(f"q_stages must be 2 or 3, got {self.q_stages}")
         if self.longest_ctas_first_waves < 0:
             raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
         if self.longest_ctas_first_buckets < 0:
@@ -160,6 +165,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
     spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
     return BwdConfig(
+        q_stages=2,
         lse_ahead=mask_width < 4,
         dq_first=True,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,

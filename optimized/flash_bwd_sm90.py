@@ -86,7 +86,6 @@ class FlashMaskBackwardSm90:
     tile_n = 128  # keys per CTA, 64 per consumer warpgroup
     num_consumer_wgs = tile_n // 64
     num_threads = 128 * (num_consumer_wgs + 1)
-    num_stages = 2  # Q and dO pipeline depth
     producer_regs = 24
     consumer_regs = 240
 
@@ -105,6 +104,7 @@ class FlashMaskBackwardSm90:
         self.head_dim = head_dim
         self.causal = causal
         self.mask_width = mask_width
+        self.num_stages = config.q_stages  # Q and dO pipeline depth
         self.lse_ahead = config.lse_ahead
         self.dq_first = config.dq_first
         self.deterministic = deterministic
@@ -206,22 +206,24 @@ class FlashMaskBackwardSm90:
 
         profiled_slots = len(STEP_SEGMENTS) if const_expr(mTimeline is not None) else 1
 
+        # The 1024-byte aligned tiles first and the small fields after them, so no padding sits
+        # between tiles: with three Q/dO stages the tiles take 224 of the 227 KB.
         @cute.struct
         class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
             tile_ring: cute.struct.MemRange[Int32, TileList.slots]
             stage_entries: cute.struct.MemRange[Int32, self.num_stages]  # the list entry each Q stage holds
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             # The profiled build's cycle accumulators (one unused slot in the default build).
             step_cycles: cute.struct.MemRange[cutlass.Int64, profiled_slots]
 

@@ -289,7 +289,9 @@ def test_backward_ablation_step_runs_both_configurations_with_the_changes(monkey
     assert step(1, 2, 3, 4) == ("dq", "dk", "dv")
     assert seen == [
         dataclasses.replace(fwd_config(64, True, 1), persistent=False),
-        BwdConfig(lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16),
+        BwdConfig(
+            q_stages=2, lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
+        ),
     ]
 
 

@@ -53,6 +53,27 @@ def test_longest_first_orders_give_the_default_orders_numbers(name, mask_batch):
     torch.testing.assert_close(dq_lpt, dq, rtol=1e-2, atol=1e-3)  # fp32 adds in another order
 
 
+@pytest.mark.parametrize("name", ["full", "causal_document", "global_sliding_window", "random_eviction"])
+def test_three_query_stages_give_the_two_stage_backwards_numbers(name):
+    """`q_stages=3` only lets the producer load further ahead: dK and dV bit for bit, dQ within the
+    fp32 add order's rounding, deterministic mode bit for bit (GQA 4 on 2, a ragged length)."""
+    from flashmask3.optimized import bwd_config
+    from flashmask3.optimized.interface import backward, forward
+
+    seqlen, scale = 1531, 1 / math.sqrt(128)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=19, device="cuda")
+    q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=19)
+    two = bwd_config(128, mask.causal, mask.startend_row_indices.shape[-1])
+    three = dataclasses.replace(two, q_stages=3)
+    out, lse = forward(q, k, v, mask, scale)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, mask, scale, config=two)
+    dq3, dk3, dv3 = backward(dout, q, k, v, out, lse, mask, scale, config=three)
+    assert torch.equal(dk, dk3) and torch.equal(dv, dv3)
+    torch.testing.assert_close(dq3, dq, rtol=1e-2, atol=1e-3)
+    deterministic = [backward(dout, q, k, v, out, lse, mask, scale, True, config=c) for c in (two, three)]
+    assert all(torch.equal(a, b) for a, b in zip(*deterministic))
+
+
 @pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
 def test_late_k_release_gives_the_early_releases_numbers(name):
     """`late_k_release` (the default at head dim 128) moves only a pipeline release: the outputs and

@@ -91,7 +91,9 @@ def test_backward_without_lse_ahead_compiles():
             128,
             True,
             1,
-            BwdConfig(lse_ahead=False, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0),
+            BwdConfig(
+                q_stages=2, lse_ahead=False, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0
+            ),
             direction="bwd",
         )
         > 0
@@ -178,7 +180,9 @@ def test_the_backward_launches_longest_first_in_short_grids_when_not_determinist
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
     runs = [(4, False), (4, False), (3, False), (4, True)]  # (longest_ctas_first_waves, deterministic)
     for waves, deterministic in runs:
-        config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=waves, longest_ctas_first_buckets=0)
+        config = BwdConfig(
+            q_stages=2, lse_ahead=True, dq_first=True, longest_ctas_first_waves=waves, longest_ctas_first_buckets=0
+        )
         interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
     orders = [args[5][13] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
     assert sorted(orders[0].tolist()) == list(range(1 * 2 * 4))
@@ -343,7 +347,9 @@ def test_backward_grid_order_build_compiles():
     and batch from the 3-D grid."""
     from flashmask3.optimized import BwdConfig, compile_check
 
-    config = BwdConfig(lse_ahead=True, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0)
+    config = BwdConfig(
+        q_stages=2, lse_ahead=True, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0
+    )
     assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
 
 

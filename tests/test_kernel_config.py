@@ -56,7 +56,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
     for head_dim in (64, 128):
         assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
         assert bwd_config(head_dim, False, 4) == BwdConfig(
-            lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
+            q_stages=2, lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
         )
 
 
@@ -68,6 +68,8 @@ def test_configs_are_frozen_validated_and_hashable():
         dataclasses.replace(config, num_stages=5)
     with pytest.raises(ValueError, match="tile_m must be 128 or 192"):
         dataclasses.replace(config, tile_m=64)
+    with pytest.raises(ValueError, match="q_stages must be 2 or 3, got 4"):
+        dataclasses.replace(bwd_config(128, False, 2), q_stages=4)
     assert len({config, dataclasses.replace(config, persistent=False), fwd_config(128, True, 1)}) == 2
 
 
@@ -84,6 +86,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "fmax_row_max": bool,
         "diagonal_tiles": bool,
         "off_diagonal_tiles": bool,
+        "q_stages": int,
         "lse_ahead": bool,
         "dq_first": bool,
         "longest_ctas_first_waves": int,
@@ -103,7 +106,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         off_diagonal_tiles=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(
-        lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
+        q_stages=2, lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
     )
     assert apply_overrides(fwd_config(64, True, 1), {}) == fwd_config(64, True, 1)
     with pytest.raises(ValueError, match="no kernel config field skip_tiles; the fields: tile_m, num_stages"):
