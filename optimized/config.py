@@ -161,11 +161,12 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
 
 
 def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
-    """The backward's configuration for this head dim and mask variant: the LSE ahead of the S GEMM
-    (+0.5-1.8%), except with four bounds per key (mask width 4), where its registers make ptxas
-    spill; the peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
+    """The backward's configuration for this head dim and mask variant: three Q/dO stages (+0.4-2.1%
+    fwd+bwd at the training shape, -0.8 to +0.8% at 8K); the LSE ahead of the S GEMM (+0.5-1.8%),
+    except with four bounds per key (mask width 4), where its registers make ptxas spill; the
+    peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
     return BwdConfig(
-        q_stages=2,
+        q_stages=3,
         lse_ahead=mask_width < 4,
         dq_first=True,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
