@@ -40,6 +40,10 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Forward, S = 8K, the causal masks on the current kernels (diagonal-only and off-diagonal tiles)",
         ("fwd_bench_8k_causal_masks_peers.json",),
     ),
+    (
+        "Forward + backward, S = 8K, every mask on the current kernels (three Q/dO stages)",
+        ("bwd_bench_8k_q_stages_3_peers.json",),
+    ),
     ("Forward, S = 8K, the column-mask kernels", ("fwd_bench_v14_8k_fmv3_cudnn.json",)),
     ("Forward + backward, S = 8K, the column-mask kernels", ("bwd_bench_v14_8k_fmv3_cudnn.json",)),
     ("Forward, S = 32K, the column-mask kernels (the previous kernels)", ("fwd_bench_v13_32k_fmv3_cudnn.json",)),
@@ -49,14 +53,13 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("Forward, S = 8K", ("fwd_bench_v12_8k_peers.json", "fwd_bench_v13_8k_fa4.json")),
     ("Forward, S = 32K and 128K", ("fwd_bench_v12_32k_peers.json", "fwd_bench_v13_128k_partial.json")),
-    ("Forward + backward, S = 8K", ("bwd_bench_v12_8k_peers.json",)),
     (
         "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads",
         ("fwd_bench_train_32k_fmax_peers.json",),
     ),
     (
-        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads",
-        ("bwd_bench_train_32k_length_classes.json",),
+        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (three Q/dO stages)",
+        ("bwd_bench_train_32k_q_stages_3.json",),
     ),
     (
         "Forward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 16 heads",
