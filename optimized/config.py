@@ -27,7 +27,9 @@ class FwdConfig:
     # Query rows per work tile, 64 per consumer warpgroup: 128 (two warpgroups in ping-pong) or, at
     # head dim 64 only, 192 (three in round-robin turns; at 128 their registers would not fit).
     tile_m: int
-    num_stages: int  # K/V pipeline depth: 2 or 3 (each stage is a K and a V buffer in smem)
+    # K/V pipeline depth: 2 or 3 (each stage is a K and a V buffer in smem; three fit at head dim
+    # 64 only: at 128 they would take 260 KB beside two Q buffers, the compile refuses them).
+    num_stages: int
     # Q buffers in smem, each holding a work tile's Q and then its O for the store: 2 (the next
     # tile's Q lands while this one's O is stored) or 1 (the next Q waits for the store to have
     # read it), where two do not fit beside the K/V stages (head dim 192).
@@ -103,6 +105,11 @@ class BwdConfig:
     # hit rate fell to 44% on causal documents (78% with the CTAs in KV-head order, which the
     # classes approximate).
     longest_ctas_first_buckets: int
+    # The exponentials of P^T computed before a PARTIAL step's element mask, which then sets the
+    # hidden elements of P^T to 0 (the same numbers: exp2 of a hidden -inf score is 0): with the
+    # mask's branch after them, ptxas can issue the exponentials while the dP GEMM runs, as FA4's
+    # branch-free step does; with the branch first it puts the dP wait above all of them.
+    exp_before_mask: bool
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -171,6 +178,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         dq_first=True,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
+        exp_before_mask=False,
     )
 
 

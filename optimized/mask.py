@@ -98,8 +98,10 @@ def apply_column_mask(
     tile_bounds: cute.Tensor | None = None,
     uniform: cutlass.Constexpr[bool] = False,
     diagonal: cutlass.Constexpr[bool] = True,
+    hidden_value: cutlass.Constexpr[float | None] = None,
 ) -> None:
-    """Set hidden scores of the thread's fragment to -inf.
+    """Set hidden scores of the thread's fragment to -inf (or to `hidden_value`: the backward
+    masking P after its exponentials sets 0).
 
     `coords` is the identity tensor of the tile partitioned like the accumulator: (query, key)
     coordinates, or (key, query) with `keys_on_rows` (the backward's transposed scores);
@@ -116,6 +118,7 @@ def apply_column_mask(
         bounds = tile_bounds[0, None]
         _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offset, causal, width, diagonal)
         return
+    fill = -Float32.inf if cutlass.const_expr(hidden_value is None) else Float32(hidden_value)
     key_mode = 0 if cutlass.const_expr(keys_on_rows) else 1
     for k in cutlass.range_constexpr(cute.size(s_rows, mode=[key_mode])):
         key_in_tile = c_rows[k, 0][0] if cutlass.const_expr(keys_on_rows) else c_rows[0, k][1]
@@ -134,4 +137,4 @@ def apply_column_mask(
             query = query_start + (c_rows[r, c][1] if cutlass.const_expr(keys_on_rows) else c_rows[r, c][0])
             hidden = _hidden(query, key, first, second, third, fourth, causal_offset, causal, width, diagonal)
             hidden = not in_range or hidden
-            s_rows[r, c] = -Float32.inf if hidden else s_rows[r, c]
+            s_rows[r, c] = fill if hidden else s_rows[r, c]

@@ -290,7 +290,12 @@ def test_backward_ablation_step_runs_both_configurations_with_the_changes(monkey
     assert seen == [
         dataclasses.replace(fwd_config(64, True, 1), persistent=False),
         BwdConfig(
-            q_stages=3, lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
+            q_stages=3,
+            lse_ahead=False,
+            dq_first=True,
+            longest_ctas_first_waves=16,
+            longest_ctas_first_buckets=16,
+            exp_before_mask=False,
         ),
     ]
 

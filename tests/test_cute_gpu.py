@@ -74,6 +74,26 @@ def test_three_query_stages_give_the_two_stage_backwards_numbers(name):
     assert all(torch.equal(a, b) for a, b in zip(*deterministic))
 
 
+@pytest.mark.parametrize("name", ["causal_document", "global_sliding_window", "share_question", "random_eviction"])
+def test_exp_before_mask_gives_the_default_backwards_numbers(name):
+    """`exp_before_mask` sets a hidden P to 0 after its exponential instead of its score to -inf
+    before it (exp2 of -inf is 0): the deterministic backward's dQ, dK, dV bit for bit (GQA 4 on 2,
+    a ragged length, every mask width among the masks)."""
+    from flashmask3.optimized import bwd_config
+    from flashmask3.optimized.interface import backward, forward
+
+    seqlen, scale = 1531, 1 / math.sqrt(128)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=23, device="cuda")
+    q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=23)
+    default = bwd_config(128, mask.causal, mask.startend_row_indices.shape[-1])
+    out, lse = forward(q, k, v, mask, scale)
+    grads = [
+        backward(dout, q, k, v, out, lse, mask, scale, True, config=dataclasses.replace(default, exp_before_mask=on))
+        for on in (False, True)
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
 def test_late_k_release_gives_the_early_releases_numbers(name):
     """`late_k_release` (the default at head dim 128) moves only a pipeline release: the outputs and

@@ -47,13 +47,20 @@ def test_a_config_over_the_shared_memory_is_refused_at_compile_time():
         compile_check("bf16", 192, True, 1, config=config, head_dim_v=128)
 
 
-@pytest.mark.parametrize("changes", [dict(num_stages=3), dict(persistent=False)])
-def test_forward_configs_compile(changes):
-    """Three K/V stages; `persistent=False` changes only the grid (one CTA per work tile), which the
-    launch decides: the same kernel compiles."""
+def test_the_forward_compiles_without_the_persistent_grid():
+    """`persistent=False` changes only the grid (one CTA per work tile), which the launch decides:
+    the same kernel compiles."""
     from flashmask3.optimized import compile_check, fwd_config
 
-    assert compile_check("bf16", 128, True, 1, dataclasses.replace(fwd_config(128, True, 1), **changes)) > 0
+    assert compile_check("bf16", 128, True, 1, dataclasses.replace(fwd_config(128, True, 1), persistent=False)) > 0
+
+
+def test_three_kv_stages_do_not_fit_at_head_dim_128():
+    from flashmask3.optimized import compile_check, fwd_config
+
+    config = dataclasses.replace(fwd_config(128, True, 1), num_stages=3)
+    with pytest.raises(ValueError, match="the forward with 128-row tiles needs 266240 bytes of shared memory"):
+        compile_check("bf16", 128, True, 1, config)
 
 
 @pytest.mark.parametrize("changes", [dict(tile_m=128), dict(num_stages=3)])
@@ -92,7 +99,12 @@ def test_backward_without_lse_ahead_compiles():
             True,
             1,
             BwdConfig(
-                q_stages=2, lse_ahead=False, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0
+                q_stages=2,
+                lse_ahead=False,
+                dq_first=True,
+                longest_ctas_first_waves=0,
+                longest_ctas_first_buckets=0,
+                exp_before_mask=False,
             ),
             direction="bwd",
         )
@@ -181,7 +193,12 @@ def test_the_backward_launches_longest_first_in_short_grids_when_not_determinist
     runs = [(4, False), (4, False), (3, False), (4, True)]  # (longest_ctas_first_waves, deterministic)
     for waves, deterministic in runs:
         config = BwdConfig(
-            q_stages=2, lse_ahead=True, dq_first=True, longest_ctas_first_waves=waves, longest_ctas_first_buckets=0
+            q_stages=2,
+            lse_ahead=True,
+            dq_first=True,
+            longest_ctas_first_waves=waves,
+            longest_ctas_first_buckets=0,
+            exp_before_mask=False,
         )
         interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
     orders = [args[5][13] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
@@ -293,6 +310,32 @@ def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[lis
     return loop, s_wait, pv_wait
 
 
+@pytest.mark.slow  # compiles and disassembles two backwards, ~12 s
+def test_exp_before_mask_puts_the_exponentials_under_the_dp_gemm(tmp_path):
+    """`exp_before_mask`: in the backward's step (head dim 128, causal, one bound), the 32
+    exponentials per thread sit between the wait for S^T (`wait_group 1`) and the wait for dP^T
+    (`wait_group 0`), while dP^T runs; none in the default build, where the PARTIAL branch comes
+    first. No local memory, the WGMMAs in flight either way."""
+    import sass_path
+
+    setup = "import dataclasses; from flashmask3.optimized import bwd_config"
+
+    def exponentials_under_dp(on: bool) -> int:
+        config = f"dataclasses.replace(bwd_config(128, True, 1), exp_before_mask={on})"
+        args = f"'bf16', 128, True, 1, {config}, direction='bwd'"
+        sass = compiled_sass(tmp_path, f"exp_before_mask_{on}", "FlashMaskBackward", args, setup)
+        assert "STL" not in sass and "LDL" not in sass
+        blocks = sass_path.hot_loop(sass_path.read_blocks(sass.splitlines()))
+        assert "serialized" not in sass_path.loop_summary(blocks)
+        loop = [inst for _, block in blocks for inst in block]
+        s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
+        dp_wait = next(i for i, inst in enumerate(loop) if i > s_wait and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst)
+        return sum("MUFU.EX2" in inst for inst in loop[s_wait:dp_wait])
+
+    assert exponentials_under_dp(False) == 0
+    assert exponentials_under_dp(True) == 32
+
+
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
 def test_late_k_release_puts_the_pv_wait_below_the_softmax(tmp_path):
     """`late_k_release`: in the forward's key-tile loop (head dim 128, no mask), the exponentials
@@ -348,7 +391,12 @@ def test_backward_grid_order_build_compiles():
     from flashmask3.optimized import BwdConfig, compile_check
 
     config = BwdConfig(
-        q_stages=2, lse_ahead=True, dq_first=True, longest_ctas_first_waves=0, longest_ctas_first_buckets=0
+        q_stages=2,
+        lse_ahead=True,
+        dq_first=True,
+        longest_ctas_first_waves=0,
+        longest_ctas_first_buckets=0,
+        exp_before_mask=False,
     )
     assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
 

@@ -56,7 +56,12 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
     for head_dim in (64, 128):
         assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
         assert bwd_config(head_dim, False, 4) == BwdConfig(
-            q_stages=3, lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
+            q_stages=3,
+            lse_ahead=False,
+            dq_first=True,
+            longest_ctas_first_waves=16,
+            longest_ctas_first_buckets=16,
+            exp_before_mask=False,
         )
 
 
@@ -91,6 +96,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "dq_first": bool,
         "longest_ctas_first_waves": int,
         "longest_ctas_first_buckets": int,
+        "exp_before_mask": bool,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
@@ -106,7 +112,12 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         off_diagonal_tiles=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == BwdConfig(
-        q_stages=3, lse_ahead=False, dq_first=True, longest_ctas_first_waves=16, longest_ctas_first_buckets=16
+        q_stages=3,
+        lse_ahead=False,
+        dq_first=True,
+        longest_ctas_first_waves=16,
+        longest_ctas_first_buckets=16,
+        exp_before_mask=False,
     )
     assert apply_overrides(fwd_config(64, True, 1), {}) == fwd_config(64, True, 1)
     with pytest.raises(ValueError, match="no kernel config field skip_tiles; the fields: tile_m, num_stages"):
