@@ -90,26 +90,10 @@ def test_deterministic_backward_compiles_for_sm90a():
 
 def test_backward_without_lse_ahead_compiles():
     """`lse_ahead=False`: the backward reads the LSE from smem after the S GEMM (chosen at mask width 4)."""
-    from flashmask3.optimized import BwdConfig, compile_check
+    from flashmask3.optimized import bwd_config, compile_check
 
-    assert (
-        compile_check(
-            "bf16",
-            128,
-            True,
-            1,
-            BwdConfig(
-                q_stages=2,
-                lse_ahead=False,
-                dq_first=True,
-                longest_ctas_first_waves=0,
-                longest_ctas_first_buckets=0,
-                exp_before_mask=False,
-            ),
-            direction="bwd",
-        )
-        > 0
-    )
+    config = dataclasses.replace(bwd_config(128, True, 1), lse_ahead=False)
+    assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
 
 
 def test_launch_compiles_once_per_configuration_and_passes_torch_tensors(monkeypatch):
@@ -179,7 +163,7 @@ def test_the_backward_launches_longest_first_in_short_grids_when_not_determinist
     its grid is at most that many waves and not `deterministic=True` (whose key tiles wait for the
     ones before them in grid order); the order is sorted once per mask."""
     import torch
-    from flashmask3.optimized import BwdConfig, interface
+    from flashmask3.optimized import bwd_config, interface
     from flashmask3.reference import masks
 
     launched = {}
@@ -192,13 +176,8 @@ def test_the_backward_launches_longest_first_in_short_grids_when_not_determinist
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
     runs = [(4, False), (4, False), (3, False), (4, True)]  # (longest_ctas_first_waves, deterministic)
     for waves, deterministic in runs:
-        config = BwdConfig(
-            q_stages=2,
-            lse_ahead=True,
-            dq_first=True,
-            longest_ctas_first_waves=waves,
-            longest_ctas_first_buckets=0,
-            exp_before_mask=False,
+        config = dataclasses.replace(
+            bwd_config(64, True, 1), longest_ctas_first_waves=waves, longest_ctas_first_buckets=0
         )
         interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
     orders = [args[5][13] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
@@ -388,16 +367,9 @@ def test_only_the_mask_role_reads_the_longest_first_order(tmp_path):
 def test_backward_grid_order_build_compiles():
     """The build long grids run (the default compile is the longest-first one): key tile, KV head
     and batch from the 3-D grid."""
-    from flashmask3.optimized import BwdConfig, compile_check
+    from flashmask3.optimized import bwd_config, compile_check
 
-    config = BwdConfig(
-        q_stages=2,
-        lse_ahead=True,
-        dq_first=True,
-        longest_ctas_first_waves=0,
-        longest_ctas_first_buckets=0,
-        exp_before_mask=False,
-    )
+    config = dataclasses.replace(bwd_config(128, True, 1), longest_ctas_first_waves=0)
     assert compile_check("bf16", 128, True, 1, config, direction="bwd") > 0
 
 
