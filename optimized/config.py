@@ -168,8 +168,9 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
 
 
 def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
-    """The backward's configuration for this head dim and mask variant: three Q/dO stages (+0.4-2.1%
-    fwd+bwd at the training shape, -0.8 to +0.8% at 8K); the LSE ahead of the S GEMM (+0.5-1.8%),
+    """The backward's configuration for this head dim and mask variant: three Q/dO stages (fwd+bwd
+    +0.3 to +2.2% on the document, share-question and prefix-LM masks at the training shape, -1.0%
+    on the global window there, -0.8 to +0.8% at 8K); the LSE ahead of the S GEMM (+0.5-1.8%),
     except with four bounds per key (mask width 4), where its registers make ptxas spill; the
     peers' step order (+0.7-2.4% fwd+bwd at 8K)."""
     return BwdConfig(

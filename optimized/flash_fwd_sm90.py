@@ -192,7 +192,11 @@ class FlashMaskForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sBounds: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(bounds_layout)], 16]
 
-        check_smem_fits(SharedStorage.size_in_bytes(), f"the forward with {self.tile_m}-row tiles")
+        check_smem_fits(
+            SharedStorage.size_in_bytes(),
+            f"the forward at head dim {self.head_dim} with tile_m={self.tile_m}, num_stages={self.num_stages}, "
+            f"q_buffers={self.q_buffers}",
+        )
         num_ctas = cutlass.min(self.work_tiles(mQ, None).total, max_ctas)
         self.kernel(
             tma_mQ,

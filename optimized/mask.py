@@ -112,6 +112,8 @@ def apply_column_mask(
     causal diagonal). Not `diagonal` (forward, causal): the causal diagonal does not cut the tile
     (`OFF_DIAGONAL`), so no element is tested against it.
     """
+    if cutlass.const_expr(uniform and hidden_value is not None):
+        raise ValueError("apply_column_mask: hidden_value is for the per-key mask, not with uniform=True")
     s_rows = acc_rows_view(acc_S)
     c_rows = acc_rows_view(coords)
     if cutlass.const_expr(uniform):

@@ -37,14 +37,22 @@ def test_unsupported_head_dims_and_tile_shapes_are_refused():
         compile_check("bf16", 128, True, 1, direction="bwd", head_dim_v=64)
 
 
-def test_a_config_over_the_shared_memory_is_refused_at_compile_time():
-    """Three K/V stages at head dim 192 would take 292 KB: refused by name when compiled, not by an
-    invalid-configuration error at the first launch."""
+@pytest.mark.parametrize(
+    "head_dim, head_dim_v, q_buffers, needed",
+    [(192, 128, 1, 299008), (128, None, 2, 266240)],
+)
+def test_a_config_over_the_shared_memory_is_refused_at_compile_time(head_dim, head_dim_v, q_buffers, needed):
+    """Three K/V stages take 292 KB at head dim 192 and 260 KB at 128 (two Q buffers): refused when
+    compiled, naming the fields to change, not by an invalid-configuration error at the first launch."""
     from flashmask3.optimized import compile_check, fwd_config
 
-    config = dataclasses.replace(fwd_config(192, True, 1), num_stages=3)
-    with pytest.raises(ValueError, match="the forward with 128-row tiles needs 299008 bytes of shared memory, over"):
-        compile_check("bf16", 192, True, 1, config=config, head_dim_v=128)
+    config = dataclasses.replace(fwd_config(head_dim, True, 1), num_stages=3)
+    message = (
+        f"the forward at head dim {head_dim} with tile_m=128, num_stages=3, q_buffers={q_buffers} "
+        f"needs {needed} bytes of shared memory, over the 232448 of sm_90"
+    )
+    with pytest.raises(ValueError, match=message):
+        compile_check("bf16", head_dim, True, 1, config=config, head_dim_v=head_dim_v)
 
 
 def test_the_forward_compiles_without_the_persistent_grid():
@@ -55,12 +63,21 @@ def test_the_forward_compiles_without_the_persistent_grid():
     assert compile_check("bf16", 128, True, 1, dataclasses.replace(fwd_config(128, True, 1), persistent=False)) > 0
 
 
-def test_three_kv_stages_do_not_fit_at_head_dim_128():
-    from flashmask3.optimized import compile_check, fwd_config
+@pytest.mark.parametrize(
+    "head_dim, causal, width, changes",
+    [
+        (128, True, 1, dict(q_stages=2)),
+        (128, False, 4, dict(exp_before_mask=True)),
+        (64, True, 2, dict(exp_before_mask=True)),
+    ],
+)
+def test_backward_configs_compile(head_dim, causal, width, changes):
+    """The backward's non-default choices compile: two Q/dO stages, and the exponentials before the
+    mask at mask width 4 (the LSE read from smem) and at head dim 64."""
+    from flashmask3.optimized import bwd_config, compile_check
 
-    config = dataclasses.replace(fwd_config(128, True, 1), num_stages=3)
-    with pytest.raises(ValueError, match="the forward with 128-row tiles needs 266240 bytes of shared memory"):
-        compile_check("bf16", 128, True, 1, config)
+    config = dataclasses.replace(bwd_config(head_dim, causal, width), **changes)
+    assert compile_check("bf16", head_dim, causal, width, config, direction="bwd") > 0
 
 
 @pytest.mark.parametrize("changes", [dict(tile_m=128), dict(num_stages=3)])
