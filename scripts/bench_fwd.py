@@ -5,7 +5,7 @@
     python scripts/bench_fwd.py bench --seqlens 32768 --peers fa4,flex_flash   # only these peers
     python scripts/bench_fwd.py bench --seqlens 32768 --batch 1 --heads 16 --kv-heads 4   # GQA, as in training
     python scripts/bench_fwd.py bench --head-dim 192 --head-dim-v 128 --heads 16   # MLA's head dims
-    python scripts/bench_fwd.py ablate --head-dim 64 --variants persistent=false num_stages=3+tile_m=128   # at head dim 64
+    python scripts/bench_fwd.py ablate --head-dim 64 --variants persistent=false num_stages=3+tile_m=128
 
 Correctness: out and LSE vs the fp64 reference within the verify/ tolerance (2x the error of the
 same computation in the input precision), on poisoned output buffers. Speed: CUDA events around each
