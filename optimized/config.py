@@ -105,11 +105,9 @@ class BwdConfig:
     # hit rate fell to 44% on causal documents (78% with the CTAs in KV-head order, which the
     # classes approximate).
     longest_ctas_first_buckets: int
-    # The exponentials of P^T computed before a PARTIAL step's element mask, which then sets the
-    # hidden elements of P^T to 0 (the same numbers: exp2 of a hidden -inf score is 0): with the
-    # mask's branch after them, ptxas can issue the exponentials while the dP GEMM runs, as FA4's
-    # branch-free step does; with the branch first it puts the dP wait above all of them.
-    exp_before_mask: bool
+    # Causal masks: the steps that only the causal diagonal cuts (no key's bounds reach their
+    # rows) masked by the causal comparison alone, without loading the keys' bounds.
+    diagonal_steps: bool
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -179,7 +177,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         dq_first=True,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
-        exp_before_mask=False,
+        diagonal_steps=False,
     )
 
 

@@ -52,8 +52,8 @@ from .hopper import (
     wgmma,
 )
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
-from .mask import apply_column_mask
-from .mask_role import END_OF_LIST, PARTIAL, TileList, entry_tile, list_query_tiles
+from .mask import apply_causal_diagonal, apply_column_mask
+from .mask_role import DIAGONAL_ONLY, END_OF_LIST, PARTIAL, TileList, entry_tile, list_query_tiles
 from .timeline import STEP_SEGMENTS, BwdEvent, StepProfile
 
 LOG2_E = math.log2(math.e)
@@ -107,7 +107,7 @@ class FlashMaskBackwardSm90:
         self.num_stages = config.q_stages  # Q and dO pipeline depth
         self.lse_ahead = config.lse_ahead
         self.dq_first = config.dq_first
-        self.exp_before_mask = config.exp_before_mask
+        self.diagonal_steps = config.diagonal_steps and causal
         self.deterministic = deterministic
 
     @classmethod
@@ -402,6 +402,7 @@ class FlashMaskBackwardSm90:
                         self.tile_n,
                         self.causal,
                         self.mask_width,
+                        self.diagonal_steps,
                     )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -625,19 +626,31 @@ class FlashMaskBackwardSm90:
                 wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
                 warpgroup.wait_group(1)
                 clock = profile.mark(clock, BwdEvent.WAIT_S)
-                mask_args = (acc_S, st_coords, mRowIndices, mask_batch, mask_head, query_start, key_start, seqlen_k)
-                mask_variant = (causal_offset, self.causal, self.mask_width)
-                if const_expr(not self.exp_before_mask):
-                    if (entry & PARTIAL) != 0:
-                        apply_column_mask(*mask_args, *mask_variant, keys_on_rows=True)
+                if const_expr(self.diagonal_steps):
+                    if (entry & DIAGONAL_ONLY) != 0:
+                        apply_causal_diagonal(
+                            acc_S, st_coords, query_start, key_start, causal_offset, keys_on_rows=True
+                        )
+                if (entry & PARTIAL) != 0:
+                    apply_column_mask(
+                        acc_S,
+                        st_coords,
+                        mRowIndices,
+                        mask_batch,
+                        mask_head,
+                        query_start,
+                        key_start,
+                        seqlen_k,
+                        causal_offset,
+                        self.causal,
+                        self.mask_width,
+                        keys_on_rows=True,
+                    )
                 p_rows = acc_rows_view(acc_S)
                 for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
                         lse_c = lse[c] if self.lse_ahead else sLSE[st_cols[0, c][1], state.index]
                         p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_c, fastmath=True)
-                if const_expr(self.exp_before_mask):
-                    if (entry & PARTIAL) != 0:
-                        apply_column_mask(*mask_args, *mask_variant, keys_on_rows=True, hidden_value=0.0)
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
                 dv_gemm = (acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index])  # dV += P^T dO

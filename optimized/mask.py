@@ -73,12 +73,26 @@ def _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offse
 
 @cute.jit
 def apply_causal_diagonal(
-    acc_S: cute.Tensor, coords: cute.Tensor, query_start: Int32, key_start: Int32, causal_offset: Int32
+    acc_S: cute.Tensor,
+    coords: cute.Tensor,
+    query_start: Int32,
+    key_start: Int32,
+    causal_offset: Int32,
+    keys_on_rows: cutlass.Constexpr[bool] = False,
 ):
     """Set the scores of keys after their query (bottom-right aligned) to -inf: the whole mask of a
-    forward tile that no key's bounds reach (`DIAGONAL_ONLY`). `coords` as in `apply_column_mask`."""
-    rows = (acc_rows_view(acc_S), acc_rows_view(coords))
-    _apply_row_mask(*rows, None, query_start, key_start, causal_offset, causal=True, width=1)
+    tile that no key's bounds reach (`DIAGONAL_ONLY`). `coords` and `keys_on_rows` as in
+    `apply_column_mask`."""
+    s_rows = acc_rows_view(acc_S)
+    c_rows = acc_rows_view(coords)
+    if cutlass.const_expr(not keys_on_rows):
+        _apply_row_mask(s_rows, c_rows, None, query_start, key_start, causal_offset, causal=True, width=1)
+        return
+    for k in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
+        key = key_start + c_rows[k, 0][0]
+        for q in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+            hidden = key > query_start + c_rows[k, q][1] + causal_offset
+            s_rows[k, q] = -Float32.inf if hidden else s_rows[k, q]
 
 
 @cute.jit
@@ -98,10 +112,8 @@ def apply_column_mask(
     tile_bounds: cute.Tensor | None = None,
     uniform: cutlass.Constexpr[bool] = False,
     diagonal: cutlass.Constexpr[bool] = True,
-    hidden_value: cutlass.Constexpr[float | None] = None,
 ) -> None:
-    """Set hidden scores of the thread's fragment to -inf (or to `hidden_value`: the backward
-    masking P after its exponentials sets 0).
+    """Set hidden scores of the thread's fragment to -inf.
 
     `coords` is the identity tensor of the tile partitioned like the accumulator: (query, key)
     coordinates, or (key, query) with `keys_on_rows` (the backward's transposed scores);
@@ -112,15 +124,12 @@ def apply_column_mask(
     causal diagonal). Not `diagonal` (forward, causal): the causal diagonal does not cut the tile
     (`OFF_DIAGONAL`), so no element is tested against it.
     """
-    if cutlass.const_expr(uniform and hidden_value is not None):
-        raise ValueError("apply_column_mask: hidden_value is for the per-key mask, not with uniform=True")
     s_rows = acc_rows_view(acc_S)
     c_rows = acc_rows_view(coords)
     if cutlass.const_expr(uniform):
         bounds = tile_bounds[0, None]
         _apply_row_mask(s_rows, c_rows, bounds, query_start, key_start, causal_offset, causal, width, diagonal)
         return
-    fill = -Float32.inf if cutlass.const_expr(hidden_value is None) else Float32(hidden_value)
     key_mode = 0 if cutlass.const_expr(keys_on_rows) else 1
     for k in cutlass.range_constexpr(cute.size(s_rows, mode=[key_mode])):
         key_in_tile = c_rows[k, 0][0] if cutlass.const_expr(keys_on_rows) else c_rows[0, k][1]
@@ -139,4 +148,4 @@ def apply_column_mask(
             query = query_start + (c_rows[r, c][1] if cutlass.const_expr(keys_on_rows) else c_rows[r, c][0])
             hidden = _hidden(query, key, first, second, third, fourth, causal_offset, causal, width, diagonal)
             hidden = not in_range or hidden
-            s_rows[r, c] = fill if hidden else s_rows[r, c]
+            s_rows[r, c] = -Float32.inf if hidden else s_rows[r, c]

@@ -25,7 +25,7 @@ PARTIAL = 1  # entry flag: the tile needs the element mask
 # Entry flag of a PARTIAL forward tile whose keys all have the same bounds (min == max of every
 # boundary column, no ragged end): its mask is a set of rows, read from one key's bounds.
 UNIFORM = 2
-# UNIFORM without PARTIAL (a causal forward tile, with `flag_diagonal`): no key's bounds reach the
+# UNIFORM without PARTIAL (a causal tile, with `flag_diagonal`): no key's bounds reach the
 # tile's rows and no key is past the end, so only the causal diagonal cuts it: no bounds to read.
 DIAGONAL_ONLY = UNIFORM
 # Entry flag of a PARTIAL causal forward tile that the causal diagonal does not cut (with
@@ -295,9 +295,11 @@ def list_query_tiles(
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
+    flag_diagonal: cutlass.Constexpr[bool] = False,
 ) -> Int32:
     """Backward mask warp: the query tiles that see the keys [key_start, key_start + tile_n), in
-    query order, published from entry `position` on; returns the position after END_OF_LIST."""
+    query order, published from entry `position` on (DIAGONAL_ONLY instead of PARTIAL where they
+    are, if `flag_diagonal`); returns the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
     for w in cutlass.range_constexpr(2 * width):
@@ -310,7 +312,7 @@ def list_query_tiles(
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
         tile = base + lane
         row_start = tile * tile_m
-        listed, partial, _, _, _ = tile_flags(
+        listed, partial, _, diagonal_only, _ = tile_flags(
             bounds,
             row_start,
             cutlass.min(row_start + tile_m, seqlen_q),
@@ -321,6 +323,9 @@ def list_query_tiles(
             causal,
             width,
         )
-        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, Int32(partial))
+        flags = Int32(partial)
+        if const_expr(flag_diagonal):
+            flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
+        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
     _put_single(tile_list, position, END_OF_LIST)
     return position + 1

@@ -74,21 +74,30 @@ def test_three_query_stages_give_the_two_stage_backwards_numbers(name):
     assert all(torch.equal(a, b) for a, b in zip(*deterministic))
 
 
-@pytest.mark.parametrize("name", ["causal_document", "global_sliding_window", "share_question", "random_eviction"])
-def test_exp_before_mask_gives_the_default_backwards_numbers(name):
-    """`exp_before_mask` sets a hidden P to 0 after its exponential instead of its score to -inf
-    before it (exp2 of -inf is 0): the deterministic backward's dQ, dK, dV bit for bit (GQA 4 on 2,
-    a ragged length, every mask width among the masks)."""
+@pytest.mark.parametrize(
+    "name, seqlen_q, seqlen_k",
+    [("causal", 1531, 1531), ("sliding_window", 1531, 1531), ("causal_document", 1531, 1531)]
+    + [(f"random_causal_{width}", sq, sk) for width in (1, 2) for sq, sk in ((1000, 1531), (1531, 1000))],
+)
+def test_diagonal_steps_give_the_default_backwards_numbers(name, seqlen_q, seqlen_k):
+    """`diagonal_steps` masks the steps only the causal diagonal cuts by the causal comparison alone:
+    the same elements hidden, so the deterministic backward's dQ, dK, dV bit for bit (GQA 4 on 2,
+    ragged lengths, both causal mask widths, Sq != Sk with the diagonal bottom-right aligned)."""
+    from conftest import random_column_mask
     from flashmask3.optimized import bwd_config
     from flashmask3.optimized.interface import backward, forward
 
-    seqlen, scale = 1531, 1 / math.sqrt(128)
-    mask = masks.build(name, seqlen, batch=2, heads=4, seed=23, device="cuda")
-    q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=23)
+    if name.startswith("random_causal_"):
+        gen = torch.Generator().manual_seed(29)
+        mask = random_column_mask(gen, 2, 4, seqlen_q, seqlen_k, True, int(name[-1])).to("cuda")
+    else:
+        mask = masks.build(name, seqlen_k, batch=2, heads=4, seed=29, device="cuda")
+    q, k, v, dout = random_inputs(2, seqlen_q, seqlen_k, 4, 2, 128, torch.bfloat16, "cuda", seed=29)
+    scale = 1 / math.sqrt(128)
     default = bwd_config(128, mask.causal, mask.startend_row_indices.shape[-1])
     out, lse = forward(q, k, v, mask, scale)
     grads = [
-        backward(dout, q, k, v, out, lse, mask, scale, True, config=dataclasses.replace(default, exp_before_mask=on))
+        backward(dout, q, k, v, out, lse, mask, scale, True, config=dataclasses.replace(default, diagonal_steps=on))
         for on in (False, True)
     ]
     assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -67,13 +67,13 @@ def test_the_forward_compiles_without_the_persistent_grid():
     "head_dim, causal, width, changes",
     [
         (128, True, 1, dict(q_stages=2)),
-        (128, False, 4, dict(exp_before_mask=True)),
-        (64, True, 2, dict(exp_before_mask=True)),
+        (128, True, 2, dict(diagonal_steps=True)),
+        (64, True, 1, dict(diagonal_steps=True)),
     ],
 )
 def test_backward_configs_compile(head_dim, causal, width, changes):
-    """The backward's non-default choices compile: two Q/dO stages, and the exponentials before the
-    mask at mask width 4 (the LSE read from smem) and at head dim 64."""
+    """The backward's non-default choices compile: two Q/dO stages, and the diagonal-only steps at
+    both head dims and both causal mask widths."""
     from flashmask3.optimized import bwd_config, compile_check
 
     config = dataclasses.replace(bwd_config(head_dim, causal, width), **changes)
@@ -307,29 +307,29 @@ def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[lis
 
 
 @pytest.mark.slow  # compiles and disassembles two backwards, ~12 s
-def test_exp_before_mask_puts_the_exponentials_under_the_dp_gemm(tmp_path):
-    """`exp_before_mask`: in the backward's step (head dim 128, causal, one bound), the 32
-    exponentials per thread sit between the wait for S^T (`wait_group 1`) and the wait for dP^T
-    (`wait_group 0`), while dP^T runs; none in the default build, where the PARTIAL branch comes
-    first. No local memory, the WGMMAs in flight either way."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_diagonal_steps_keep_the_loop_in_registers(tmp_path, head_dim):
+    """`diagonal_steps` (sliding window's variant: causal, one bound) adds a branch to the
+    backward's step without spilling or serializing its WGMMAs; the step's unmasked path loads no
+    more than the default's."""
     import sass_path
 
     setup = "import dataclasses; from flashmask3.optimized import bwd_config"
 
-    def exponentials_under_dp(on: bool) -> int:
-        config = f"dataclasses.replace(bwd_config(128, True, 1), exp_before_mask={on})"
-        args = f"'bf16', 128, True, 1, {config}, direction='bwd'"
-        sass = compiled_sass(tmp_path, f"exp_before_mask_{on}", "FlashMaskBackward", args, setup)
+    def loop_of(on: bool) -> tuple[list[str], str]:
+        config = f"dataclasses.replace(bwd_config({head_dim}, True, 1), diagonal_steps={on})"
+        args = f"'bf16', {head_dim}, True, 1, {config}, direction='bwd'"
+        sass = compiled_sass(tmp_path, f"diagonal_steps_{head_dim}_{on}", "FlashMaskBackward", args, setup)
         assert "STL" not in sass and "LDL" not in sass
         blocks = sass_path.hot_loop(sass_path.read_blocks(sass.splitlines()))
-        assert "serialized" not in sass_path.loop_summary(blocks)
-        loop = [inst for _, block in blocks for inst in block]
-        s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
-        dp_wait = next(i for i, inst in enumerate(loop) if i > s_wait and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst)
-        return sum("MUFU.EX2" in inst for inst in loop[s_wait:dp_wait])
+        summary = sass_path.loop_summary(blocks)
+        assert "serialized" not in summary
+        return [inst for _, block in blocks for inst in block], summary
 
-    assert exponentials_under_dp(False) == 0
-    assert exponentials_under_dp(True) == 32
+    default, _ = loop_of(False)
+    diagonal, _ = loop_of(True)
+    assert sum("LDG" in inst for inst in diagonal) == sum("LDG" in inst for inst in default)
+    assert sum("HGMMA" in inst for inst in diagonal) == sum("HGMMA" in inst for inst in default)
 
 
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s

@@ -61,7 +61,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             dq_first=True,
             longest_ctas_first_waves=16,
             longest_ctas_first_buckets=16,
-            exp_before_mask=False,
+            diagonal_steps=False,
         )
 
 
@@ -96,7 +96,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "dq_first": bool,
         "longest_ctas_first_waves": int,
         "longest_ctas_first_buckets": int,
-        "exp_before_mask": bool,
+        "diagonal_steps": bool,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
