@@ -7,13 +7,14 @@ tuning choices come as a `BwdConfig` (config.py).
 
 Warpgroup 0, warp 1 is the mask role (mask_role.py): per query head, it classifies the query tiles
 against the key tile from the key block's min/max and publishes the ones not fully masked, flagged
-PARTIAL or not, into a smem ring. Warp 0 is the producer (TMA: K and V once, then Q and dO of each
+PARTIAL, DIAGONAL_ONLY (causal: only the diagonal cuts it, no key's bounds are needed) or neither,
+into a smem ring. Warp 0 is the producer (TMA: K and V once, then Q and dO of each
 listed query tile through `num_stages`-deep mbarrier pipelines); it writes each entry beside its Q
 stage, so the consumers read it after the Q wait (a head's end is a stage without bytes).
 Warpgroups 1-2 are consumers, 64 keys each. They work on the transposed scores, so the rows of a
 thread's fragment are keys and each thread loads the mask bounds of only its own two keys:
     S^T = K Q^T, dP^T = V dO^T                      (SS-WGMMA)
-    P^T = exp2(S^T * scale * log2 e - LSE * log2 e)  (element mask only on PARTIAL tiles)
+    P^T = exp2(S^T * scale * log2 e - LSE * log2 e)  (element mask only on PARTIAL/DIAGONAL_ONLY tiles)
     dV += P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q   (RS-WGMMA: P^T, dS^T stay in registers)
     dQ_tile = dS K                                  (SS-WGMMA from dS written to smem; the two
                                                      warpgroups each take half of the head dim)

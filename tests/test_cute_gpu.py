@@ -76,20 +76,21 @@ def test_three_query_stages_give_the_two_stage_backwards_numbers(name):
 
 @pytest.mark.parametrize(
     "name, seqlen_q, seqlen_k",
-    [("causal", 1531, 1531), ("sliding_window", 1531, 1531), ("causal_document", 1531, 1531)]
-    + [(f"random_causal_{width}", sq, sk) for width in (1, 2) for sq, sk in ((1000, 1531), (1531, 1000))],
+    [(name, 1531, 1531) for name in ("causal", "sliding_window", "causal_document", "causal_blockwise")]
+    + [(f"plain_causal_{width}", sq, sk) for width in (1, 2) for sq, sk in ((1000, 1024), (1531, 1000), (1000, 1531))],
 )
 def test_diagonal_steps_give_the_default_backwards_numbers(name, seqlen_q, seqlen_k):
     """`diagonal_steps` masks the steps only the causal diagonal cuts by the causal comparison alone:
     the same elements hidden, so the deterministic backward's dQ, dK, dV bit for bit (GQA 4 on 2,
-    ragged lengths, both causal mask widths, Sq != Sk with the diagonal bottom-right aligned)."""
-    from conftest import random_column_mask
+    ragged lengths, both causal mask widths; plain causal masks with Sq != Sk, the diagonal
+    bottom-right aligned, and a ragged query tile among their diagonal-only steps)."""
     from flashmask3.optimized import bwd_config
     from flashmask3.optimized.interface import backward, forward
+    from flashmask3.reference import ColumnMask
 
-    if name.startswith("random_causal_"):
-        gen = torch.Generator().manual_seed(29)
-        mask = random_column_mask(gen, 2, 4, seqlen_q, seqlen_k, True, int(name[-1])).to("cuda")
+    if name.startswith("plain_causal_"):
+        bounds = torch.full((2, 1, seqlen_k, int(name[-1])), seqlen_q, dtype=torch.int32, device="cuda")
+        mask = ColumnMask(bounds, True, seqlen_q)
     else:
         mask = masks.build(name, seqlen_k, batch=2, heads=4, seed=29, device="cuda")
     q, k, v, dout = random_inputs(2, seqlen_q, seqlen_k, 4, 2, 128, torch.bfloat16, "cuda", seed=29)
