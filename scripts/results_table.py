@@ -44,8 +44,19 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Forward + backward, S = 8K, every mask on the current kernels (three Q/dO stages)",
         ("bwd_bench_8k_q_stages_3_peers.json",),
     ),
-    ("Forward, S = 8K, the column-mask kernels", ("fwd_bench_v14_8k_fmv3_cudnn.json",)),
-    ("Forward + backward, S = 8K, the column-mask kernels", ("bwd_bench_v14_8k_fmv3_cudnn.json",)),
+    (
+        "Forward + backward, S = 8K, every mask against FA4, Flex Triton and cuDNN (diagonal-only steps)",
+        ("bwd_bench_8k_diagonal_steps_fa4_flex_cudnn.json", "bwd_bench_8k_diagonal_steps_sparse_cudnn_flex.json"),
+    ),
+    (
+        "Forward + backward, S = 8K, against cuDNN's interval-mask attention (diagonal-only steps)",
+        ("bwd_bench_8k_diagonal_steps_cudnn_flex.json",),
+    ),
+    ("Forward, S = 8K, the column-mask kernels (earlier kernels)", ("fwd_bench_v14_8k_fmv3_cudnn.json",)),
+    (
+        "Forward + backward, S = 8K, the column-mask kernels (earlier kernels)",
+        ("bwd_bench_v14_8k_fmv3_cudnn.json",),
+    ),
     ("Forward, S = 32K, the column-mask kernels (the previous kernels)", ("fwd_bench_v13_32k_fmv3_cudnn.json",)),
     (
         "Forward + backward, S = 32K, the column-mask kernels (the previous kernels)",
