@@ -89,10 +89,6 @@ class BwdConfig:
     # The thread's LSE values into registers before the S GEMM is issued, not read from smem after
     # it (the loads then queue behind the GEMMs' operand reads); 16 more live registers.
     lse_ahead: bool
-    # The step in FA3's order: dS to smem before the dV GEMM, the dQ GEMM before dK's, and the dQ
-    # add while dK runs (dO released once dV is done, Q once dK is); off: dV and dK are issued as
-    # soon as P and dS exist and one wait covers all three GEMMs before the dQ add.
-    dq_first: bool
     # The CTAs launched in order of their query-tile steps, most first (a 1-D grid through a host
     # permutation), so few long CTAs are left for the last wave, when the grid is at most this many
     # waves of one CTA per SM (0: never). In a longer grid the tail is a small share and the grid
@@ -169,13 +165,13 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     """The backward's configuration for this head dim and mask variant: three Q/dO stages (fwd+bwd
     +0.3 to +2.2% on the document, share-question and prefix-LM masks at the training shape, -1.0%
     on the global window there, -0.8 to +0.8% at 8K); the LSE ahead of the S GEMM (+0.5-1.8%),
-    except with four bounds per key (mask width 4), where its registers make ptxas spill; the
-    peers' step order (+0.7-2.4% fwd+bwd at 8K); on causal masks, the steps only the diagonal cuts
-    masked without their keys' bounds (-0.1 to +1.6%, +0.5% on average over three shapes)."""
+    except with four bounds per key (mask width 4), where its registers make ptxas spill; on causal
+    masks, the steps only the diagonal cuts masked without their keys' bounds (-0.1 to +1.6%, +0.5%
+    on average over three shapes). The step itself is in the peers' order (dV after dS is in smem,
+    dQ before dK, the dQ add while dK runs: +0.7-2.4% fwd+bwd at 8K over issuing dV and dK first)."""
     return BwdConfig(
         q_stages=3,
         lse_ahead=mask_width < 4,
-        dq_first=True,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
         diagonal_steps=causal,

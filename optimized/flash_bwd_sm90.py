@@ -107,7 +107,6 @@ class FlashMaskBackwardSm90:
         self.mask_width = mask_width
         self.num_stages = config.q_stages  # Q and dO pipeline depth
         self.lse_ahead = config.lse_ahead
-        self.dq_first = config.dq_first
         self.diagonal_steps = config.diagonal_steps and causal
         self.deterministic = deterministic
 
@@ -658,8 +657,6 @@ class FlashMaskBackwardSm90:
                 clock = profile.mark(clock, BwdEvent.SOFTMAX)
                 warpgroup.wait_group(0)
                 clock = profile.mark(clock, BwdEvent.WAIT_DP)
-                if const_expr(not self.dq_first):
-                    wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
@@ -667,14 +664,13 @@ class FlashMaskBackwardSm90:
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 convert_to_16bit(acc_dP, rdS)  # once: the stmatrix and the dK GEMM read the same registers
                 dk_gemm = (acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index])  # dK += dS^T Q
-                if const_expr(not self.dq_first):
-                    wgmma(tiled_mma_dkv, *dk_gemm, zero_init=False)
                 # dS to smem (double-buffered: the barrier of this step also proves both
                 # warpgroups finished reading the other buffer in the previous step).
                 buf = step % 2
                 cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, buf])
-                if const_expr(self.dq_first):
-                    wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
+                # The peers' order: dV issued after dS is in smem, dQ before dK, and the dQ add
+                # while dK runs (dO released once dV is done, Q once dK is).
+                wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
                 cute.arch.fence_view_async_shared()
                 clock = profile.mark(clock, BwdEvent.DS)
                 if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
@@ -687,23 +683,15 @@ class FlashMaskBackwardSm90:
                 if const_expr(self.deterministic):
                     rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
                 dq_target = (m_block, head, batch, rank)
-                if const_expr(self.dq_first):
-                    wgmma(tiled_mma_dkv, *dk_gemm, zero_init=False)
-                    warpgroup.wait_group(1)  # dV and dQ done, dK may still run
-                    pipe_do.consumer_release(state)
-                    clock = profile.mark(clock, BwdEvent.WAIT_DQ)
-                    self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
-                    clock = profile.mark(clock, BwdEvent.ADD_DQ)
-                    warpgroup.wait_group(0)
-                    pipe_q.consumer_release(state)
-                    clock = profile.mark(clock, BwdEvent.WAIT_DK)
-                else:
-                    warpgroup.wait_group(0)
-                    pipe_q.consumer_release(state)
-                    pipe_do.consumer_release(state)
-                    clock = profile.mark(clock, BwdEvent.WAIT_DQ)
-                    self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
-                    clock = profile.mark(clock, BwdEvent.ADD_DQ)
+                wgmma(tiled_mma_dkv, *dk_gemm, zero_init=False)
+                warpgroup.wait_group(1)  # dV and dQ done, dK may still run
+                pipe_do.consumer_release(state)
+                clock = profile.mark(clock, BwdEvent.WAIT_DQ)
+                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
+                clock = profile.mark(clock, BwdEvent.ADD_DQ)
+                warpgroup.wait_group(0)
+                pipe_q.consumer_release(state)
+                clock = profile.mark(clock, BwdEvent.WAIT_DK)
                 state.advance()
                 step += 1
                 entry = self.next_entry(pipe_q, state, stage_entries)

@@ -65,7 +65,7 @@ class BwdEvent(IntEnum):
     DS_BARRIER = 10  # lane 0's wait for the last dQ add to read sdQ, the barrier between warpgroups
     WAIT_DQ = 11  # the dQ GEMM (and dK's) issued, the wait for dQ
     ADD_DQ = 12  # dQ to smem, the warpgroup barrier, the reduce-add issued
-    WAIT_DK = 13  # the wait for dK (dq_first), the stage releases
+    WAIT_DK = 13  # the wait for dK, the stage releases
     NEXT_ENTRY = 14  # the next query tile's Q barrier and its entry, from Q's stage
 
 

@@ -1,7 +1,7 @@
 """Where the kernels' time goes, per CTA: the timeline builds' event stamps, summarized (and drawn).
 
     python scripts/timeline.py --mask sliding_window --seqlen 8192 [--kernel persistent=false]
-    python scripts/timeline.py --backward --mask full --seqlen 8192 [--kernel dq_first=false]
+    python scripts/timeline.py --backward --mask full --seqlen 8192 [--kernel q_stages=2]
 
 Runs the forward once at 128K tokens (B = 128K/S, H = 4096/D, bf16) in the build that stamps each
 role's events (`optimized/timeline.py`), then per work tile: the consumers' wait before it (from

@@ -58,7 +58,6 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
         assert bwd_config(head_dim, False, 4) == BwdConfig(
             q_stages=3,
             lse_ahead=False,
-            dq_first=True,
             longest_ctas_first_waves=16,
             longest_ctas_first_buckets=16,
             diagonal_steps=False,
@@ -93,7 +92,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "off_diagonal_tiles": bool,
         "q_stages": int,
         "lse_ahead": bool,
-        "dq_first": bool,
         "longest_ctas_first_waves": int,
         "longest_ctas_first_buckets": int,
         "diagonal_steps": bool,

@@ -172,7 +172,6 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
         "bwd": {
             "q_stages": 3,
             "lse_ahead": True,
-            "dq_first": True,
             "longest_ctas_first_waves": 16,
             "longest_ctas_first_buckets": 16,
             "diagonal_steps": True,
@@ -185,7 +184,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
     chosen = (
         "fwd tile_m=192 num_stages=2 q_buffers=2 persistent=False uniform_tiles=True longest_tiles_first_waves=128"
         " late_k_release=False fmax_row_max=False diagonal_tiles=False off_diagonal_tiles=False;"
-        " bwd q_stages=3 lse_ahead=True dq_first=True longest_ctas_first_waves=16 longest_ctas_first_buckets=16"
+        " bwd q_stages=3 lse_ahead=True longest_ctas_first_waves=16 longest_ctas_first_buckets=16"
         " diagonal_steps=True"
     )
     assert f"kernel=no_persistent: {chosen}" in printed
