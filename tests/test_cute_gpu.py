@@ -282,18 +282,25 @@ def test_off_diagonal_tiles_give_the_full_masks_numbers(name, head_dim, head_dim
     assert_a_field_keeps_the_forwards_numbers("off_diagonal_tiles", name, head_dim, head_dim_v, seqlen, seed=31)
 
 
+@pytest.mark.parametrize("kind", ["random", "plain"])
 @pytest.mark.parametrize("width", [1, 2])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1531), (1531, 1000)])
-def test_diagonal_flags_keep_the_numbers_with_unequal_lengths(width, seqlen_q, seqlen_k):
-    """Both causal tile flags (diagonal-only, off-diagonal) on random causal masks with Sq != Sk
-    (the diagonal bottom-right aligned, query tiles that see no key): bit for bit the outputs and
-    LSE of masking every PARTIAL tile from its bounds with the causal comparison."""
+def test_diagonal_flags_keep_the_numbers_with_unequal_lengths(kind, width, seqlen_q, seqlen_k):
+    """Both causal tile flags (diagonal-only, off-diagonal) with Sq != Sk (the diagonal bottom-right
+    aligned, query tiles that see no key), on random causal masks (partial tiles off the diagonal)
+    and on plain causal ones (tiles only the diagonal cuts): bit for bit the outputs and LSE of
+    masking every PARTIAL tile from its bounds with the causal comparison."""
     from conftest import random_column_mask
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward
+    from flashmask3.reference import ColumnMask
 
-    gen = torch.Generator().manual_seed(37 + width)
-    mask = random_column_mask(gen, 2, 4, seqlen_q, seqlen_k, True, width).to("cuda")
+    if kind == "plain":
+        bounds = torch.full((2, 1, seqlen_k, width), seqlen_q, dtype=torch.int32, device="cuda")
+        mask = ColumnMask(bounds, True, seqlen_q)
+    else:
+        gen = torch.Generator().manual_seed(37 + width)
+        mask = random_column_mask(gen, 2, 4, seqlen_q, seqlen_k, True, width).to("cuda")
     q, k, v, _ = random_inputs(2, seqlen_q, seqlen_k, 4, 2, 128, torch.bfloat16, "cuda", seed=37)
     plain = dataclasses.replace(fwd_config(128, True, width), diagonal_tiles=False, off_diagonal_tiles=False)
     out, lse = forward(q, k, v, mask, 1 / math.sqrt(128), config=plain)
