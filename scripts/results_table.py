@@ -45,6 +45,10 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("bwd_bench_8k_q_stages_3_peers.json",),
     ),
     (
+        "Forward, S = 8K, every mask against FA4 native, cuDNN flex_attention and Flex Triton",
+        ("fwd_bench_8k_fa4_cudnn_flex_flex.json",),
+    ),
+    (
         "Forward + backward, S = 8K, every mask against FA4, Flex Triton and cuDNN (diagonal-only steps)",
         ("bwd_bench_8k_diagonal_steps_fa4_flex_cudnn.json", "bwd_bench_8k_diagonal_steps_sparse_cudnn_flex.json"),
     ),
