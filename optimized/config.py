@@ -168,7 +168,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     except with four bounds per key (mask width 4), where its registers make ptxas spill; on causal
     masks, the steps only the diagonal cuts masked without their keys' bounds (-0.1 to +1.6%, +0.5%
     on average over three shapes). The step itself is in the peers' order (dV after dS is in smem,
-    dQ before dK, the dQ add while dK runs: +0.7-2.4% fwd+bwd at 8K over issuing dV and dK first)."""
+    dQ before dK, the dQ add while dK runs: +1.1-1.4% fwd+bwd at 8K over issuing dV and dK first)."""
     return BwdConfig(
         q_stages=3,
         lse_ahead=mask_width < 4,
