@@ -27,6 +27,10 @@ class FwdConfig:
     # Query rows per work tile, 64 per consumer warpgroup: 128 (two warpgroups in ping-pong) or, at
     # head dim 64 only, 192 (three in round-robin turns; at 128 their registers would not fit).
     tile_m: int
+    # Keys per key tile, a multiple of 16 up to 128: 128, or 64 at head dim 256, where a 128-key
+    # tile's scores would not fit in registers beside O's 128 values per thread. The host's key-block
+    # min/max and the tile lists follow it.
+    tile_n: int
     # K/V pipeline depth: 2 or 3 (each stage is a K and a V buffer in smem; three fit at head dim
     # 64 only: at 128 they would take 260 KB beside two Q buffers, the compile refuses them).
     num_stages: int
@@ -64,6 +68,8 @@ class FwdConfig:
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
             raise ValueError(f"tile_m must be 128 or 192, got {self.tile_m}")
+        if self.tile_n % 16 != 0 or not 16 <= self.tile_n <= 128:
+            raise ValueError(f"tile_n must be a multiple of 16 from 16 to 128, got {self.tile_n}")
         if self.num_stages not in (2, 3):
             raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
         if self.q_buffers not in (1, 2):
@@ -134,8 +140,10 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     persistent grid (up to +21% over one CTA per work tile on the short-list masks, even on the
     dense ones); uniform partial tiles masked per row (+1-4% on the document-like masks at 8K, 0 on
     full); at 128-row tiles the K stage released after the mask (+0.5-4.5% on every mask, bit for bit
-    the same numbers); one Q buffer at head dim 192, where two do not fit beside two K/V stages,
-    and its work tiles longest first only up to 64 per SM; at head dim 128 the row maxima by fmax
+    the same numbers); one Q buffer at head dims 192 and 256, where two do not fit beside two K/V
+    stages, and their work tiles longest first only up to 64 per SM; 64-key tiles at head dim 256
+    (FA4's SM90 choice there is 80; a 64-key tile keeps the scores' registers beside O's 128 per
+    thread and two K/V stages in smem; not yet run on a GPU); at head dim 128 the row maxima by fmax
     chains on the non-causal variants (+0.9-2.4% on full and document; -0.1 to -2.4% on the causal
     masks, so not there); on the causal masks with one bound per key, the tiles only the diagonal
     cuts masked without their bounds (sliding window +5.2% at 8K, +0.9-1.1% at 32K, the others
@@ -147,12 +155,13 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
+        tile_n=64 if head_dim == 256 else 128,
         num_stages=2,
         q_buffers=1 if head_dim > 128 else 2,
         persistent=True,
         uniform_tiles=True,
         longest_tiles_first_waves=(
-            LONGEST_TILES_FIRST_WAVES_HEAD_DIM_192 if head_dim == 192 else LONGEST_TILES_FIRST_WAVES
+            LONGEST_TILES_FIRST_WAVES_HEAD_DIM_192 if head_dim > 128 else LONGEST_TILES_FIRST_WAVES
         ),
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,

@@ -61,8 +61,6 @@ _MMA_TURN = 1
 class FlashMaskForwardSm90:
     """Compile-time configuration and kernel of the forward pass."""
 
-    tile_n = 128  # keys per key tile (the host's key-block min/max are per 128 keys)
-
     def __init__(
         self,
         dtype: Type[cutlass.Numeric],
@@ -73,16 +71,16 @@ class FlashMaskForwardSm90:
         head_dim_v: int | None = None,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        if head_dim not in (64, 128, 192):
-            raise ValueError(f"head_dim must be 64, 128 or 192 for the cute backend, got {head_dim}")
-        if head_dim == 192 and config.q_buffers != 1:
+        if head_dim not in (64, 128, 192, 256):
+            raise ValueError(f"head_dim must be 64, 128, 192 or 256 for the cute backend, got {head_dim}")
+        if head_dim > 128 and config.q_buffers != 1:
             raise ValueError(
-                "head_dim 192 needs q_buffers=1 (two Q buffers do not fit beside two K/V stages), "
+                f"head_dim {head_dim} needs q_buffers=1 (two Q buffers do not fit beside two K/V stages), "
                 f"got q_buffers={config.q_buffers}"
             )
-        if head_dim_v not in (64, 128) or head_dim_v > head_dim:
+        if head_dim_v not in (64, 128, 256) or head_dim_v > head_dim:
             raise ValueError(
-                f"head_dim_v must be 64 or 128 and at most head_dim ({head_dim}; O is staged in Q's "
+                f"head_dim_v must be 64, 128 or 256 and at most head_dim ({head_dim}; O is staged in Q's "
                 f"buffer), got {head_dim_v}"
             )
         if config.tile_m == 192 and head_dim != 64:
@@ -93,6 +91,7 @@ class FlashMaskForwardSm90:
         self.causal = causal
         self.mask_width = mask_width
         self.tile_m = config.tile_m
+        self.tile_n = config.tile_n  # the host's key-block min/max are per tile_n keys
         self.num_stages = config.num_stages
         self.q_buffers = config.q_buffers
         self.uniform_tiles = config.uniform_tiles
@@ -103,10 +102,10 @@ class FlashMaskForwardSm90:
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
-        # head dim 192 the mask-role warp spills with 24 (at causal, width 2), and 232 fit the
-        # consumers' loop.
+        # head dims above 128 the mask-role warp spills with 24 (at causal, width 2), and 232 fit
+        # the consumers' loop.
         self.producer_regs, self.consumer_regs = (24, 240) if self.num_consumer_wgs == 2 else (32, 160)
-        if head_dim == 192:
+        if head_dim > 128:
             self.producer_regs, self.consumer_regs = 32, 232
         self.epilogue_barrier = _MMA_TURN + self.num_consumer_wgs
         self.bounds_barrier = self.epilogue_barrier + 1
@@ -696,6 +695,8 @@ class FlashMaskForwardSm90:
             copies = True
             if const_expr(self.uniform_tiles):  # a UNIFORM tile's keys share the first key's bounds
                 copies = (entry & UNIFORM) == 0 or lane == 0
+            if const_expr(self.tile_n < 128):  # one thread per key: the warpgroup has 128
+                copies = copies and lane < self.tile_n
             if copies:
                 key = cutlass.min(entry_tile(entry) * self.tile_n + lane, seqlen_k - 1)
                 atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)

@@ -200,7 +200,6 @@ def forward(
     that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`.
     `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask).
     """
-    from .flash_fwd_sm90 import FlashMaskForwardSm90 as Kernel
 
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -210,7 +209,7 @@ def forward(
     row_indices = mask.startend_row_indices.contiguous()
     width = row_indices.shape[-1]
     config = config or fwd_config(d, mask.causal, width)
-    bounds = block_minmax(mask, Kernel.tile_n)
+    bounds = block_minmax(mask, config.tile_n)
     q, k, v = (x.contiguous() for x in (q, k, v))
     dv = v.shape[-1]
     out = q.new_empty(b, sq, hq, dv) if out is None else out
@@ -218,8 +217,8 @@ def forward(
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     order = None
     if not uniform_work and _work_tiles(q, config) <= config.longest_tiles_first_waves * _sm_count(q.device):
-        key = ("fwd", b, hq, config.tile_m, Kernel.tile_n)
-        order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, Kernel.tile_n))
+        key = ("fwd", b, hq, config.tile_m, config.tile_n)
+        order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, config.tile_n))
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
     _launch(

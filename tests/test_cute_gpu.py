@@ -121,12 +121,13 @@ def test_late_k_release_gives_the_early_releases_numbers(name):
     assert torch.equal(out, out_early) and torch.equal(lse, lse_early)
 
 
-@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128)])
+@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128), (256, 256)])
 @pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
-def test_forward_with_a_narrower_value_head_dim_matches_the_reference(name, head_dim, head_dim_v):
+def test_forward_at_the_other_head_dims_matches_the_reference(name, head_dim, head_dim_v):
     """The forward with V and O of a head dim below Q's and K's (O staged in a part of Q's buffer;
-    at 192, one Q buffer), into a NaN-poisoned output: within twice the bf16 reference's own error
-    of the fp64 one, GQA 4 on 2, a ragged length."""
+    at 192, one Q buffer) and at head dim 256 (one Q buffer, 64-key tiles), into a NaN-poisoned
+    output: within twice the bf16 reference's own error of the fp64 one, GQA 4 on 2, a ragged
+    length."""
     from flashmask3.optimized.interface import forward
     from flashmask3.reference.attention import forward as reference_forward
 

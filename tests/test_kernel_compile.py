@@ -306,6 +306,18 @@ def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[lis
     return loop, s_wait, pv_wait
 
 
+@pytest.mark.slow  # compiles and disassembles two forwards, ~20 s
+@pytest.mark.parametrize("causal, width", [(True, 1), (False, 4)])
+def test_the_forward_at_head_dim_256_keeps_its_loop_in_registers(tmp_path, causal, width):
+    """Head dim 256 (64-key tiles, one Q buffer, O's 128 accumulators per thread): its shared
+    storage fits (the compile checks it), no local memory, the WGMMAs in flight."""
+    import sass_path
+
+    sass = compiled_sass(tmp_path, f"hd256_{causal}_{width}", "FlashMaskForward", f"'bf16', 256, {causal}, {width}")
+    assert "STL" not in sass and "LDL" not in sass
+    assert "serialized" not in sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())))
+
+
 @pytest.mark.slow  # compiles and disassembles two backwards, ~12 s
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_diagonal_steps_keep_the_loop_in_registers(tmp_path, head_dim):

@@ -10,6 +10,7 @@ from flashmask3.optimized.config import apply_overrides, config_fields
 def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
     chosen = FwdConfig(
         tile_m=128,
+        tile_n=128,
         num_stages=2,
         q_buffers=2,
         persistent=True,
@@ -36,6 +37,16 @@ def test_head_dim_192_takes_one_q_buffer_and_longest_first_only_on_short_lists()
         config = fwd_config(192, causal, width)
         assert (config.tile_m, config.q_buffers, config.late_k_release, config.fmax_row_max) == (128, 1, True, False)
         assert config.longest_tiles_first_waves == 64 < fwd_config(128, causal, width).longest_tiles_first_waves
+
+
+def test_head_dim_256_takes_64_key_tiles_and_one_q_buffer():
+    """Gemma's head dim 256: O's 128 registers per thread leave room for a 64-key tile's scores, and
+    one Q buffer beside two K/V stages fits in shared memory; the other head dims keep 128 keys."""
+    for causal, width in ((True, 1), (False, 4)):
+        config = fwd_config(256, causal, width)
+        assert (config.tile_m, config.tile_n, config.q_buffers, config.num_stages) == (128, 64, 1, 2)
+        assert config.longest_tiles_first_waves == 64
+        assert {fwd_config(d, causal, width).tile_n for d in (64, 128, 192)} == {128}
 
 
 def test_the_causal_masks_diagonal_choices_follow_their_bounds_at_128_row_tiles():
@@ -72,6 +83,9 @@ def test_configs_are_frozen_validated_and_hashable():
         dataclasses.replace(config, num_stages=5)
     with pytest.raises(ValueError, match="tile_m must be 128 or 192"):
         dataclasses.replace(config, tile_m=64)
+    for tile_n in (8, 72, 144):
+        with pytest.raises(ValueError, match=f"tile_n must be a multiple of 16 from 16 to 128, got {tile_n}"):
+            dataclasses.replace(config, tile_n=tile_n)
     with pytest.raises(ValueError, match="q_stages must be 2 or 3, got 4"):
         dataclasses.replace(bwd_config(128, False, 2), q_stages=4)
     assert len({config, dataclasses.replace(config, persistent=False), fwd_config(128, True, 1)}) == 2
@@ -81,6 +95,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
     """An ablation variant's changes, one set for both directions (the field names are disjoint)."""
     assert config_fields() == {
         "tile_m": int,
+        "tile_n": int,
         "num_stages": int,
         "q_buffers": int,
         "persistent": bool,
@@ -99,6 +114,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
         192,
+        128,
         2,
         q_buffers=2,
         persistent=False,
@@ -113,7 +129,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         bwd_config(64, True, 1), lse_ahead=False
     )
     assert apply_overrides(fwd_config(64, True, 1), {}) == fwd_config(64, True, 1)
-    with pytest.raises(ValueError, match="no kernel config field skip_tiles; the fields: tile_m, num_stages"):
+    with pytest.raises(ValueError, match="no kernel config field skip_tiles; the fields: tile_m, tile_n, num_stages"):
         apply_overrides(bwd_config(64, True, 1), {"skip_tiles": False})
 
 

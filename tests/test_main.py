@@ -156,6 +156,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
     record = run_experiment(config([f"logging.out_dir={tmp_path}", "bench.warmup=0", *overrides]))
     fwd = {
         "tile_m": 192,
+        "tile_n": 128,
         "num_stages": 2,
         "q_buffers": 2,
         "persistent": False,
@@ -182,8 +183,9 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
     assert max(record["max_abs_err_vs_sdpa"].values()) < 1e-4
     printed = capsys.readouterr().out
     chosen = (
-        "fwd tile_m=192 num_stages=2 q_buffers=2 persistent=False uniform_tiles=True longest_tiles_first_waves=128"
-        " late_k_release=False fmax_row_max=False diagonal_tiles=False off_diagonal_tiles=False;"
+        "fwd tile_m=192 tile_n=128 num_stages=2 q_buffers=2 persistent=False uniform_tiles=True"
+        " longest_tiles_first_waves=128 late_k_release=False fmax_row_max=False diagonal_tiles=False"
+        " off_diagonal_tiles=False;"
         " bwd q_stages=3 lse_ahead=True longest_ctas_first_waves=16 longest_ctas_first_buckets=16"
         " diagonal_steps=True"
     )

@@ -47,13 +47,13 @@ def work_steps(mask, batch: int, heads: int, kv_heads: int, head_dim: int, forwa
     """Steps per unit of work in the order the kernel takes them."""
     from flashmask3.optimized.config import fwd_config
     from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90 as Backward
-    from flashmask3.optimized.flash_fwd_sm90 import FlashMaskForwardSm90 as Forward
     from flashmask3.optimized.tile_plan import backward_cta_steps, forward_tile_steps
 
     if not forward:
         return backward_cta_steps(mask, batch, heads, kv_heads, Backward.tile_m, Backward.tile_n)
-    tile_m = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]).tile_m
-    steps = forward_tile_steps(mask, batch, heads, tile_m, Forward.tile_n)
+    config = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
+    tile_m = config.tile_m
+    steps = forward_tile_steps(mask, batch, heads, tile_m, config.tile_n)
     return steps.view(-1, -(-mask.seqlen_q // tile_m)).flip(1).flatten() if mask.causal else steps
 
 
