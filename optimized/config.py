@@ -125,7 +125,8 @@ LONGEST_TILES_FIRST_WAVES = 128
 LONGEST_TILES_FIRST_WAVES_HEAD_DIM_192 = 64
 """The same at head dim 192, whose K/V tiles are 1.5x larger, so the index order's L2 reuse
 weighs more: at 124 per SM it is +10% on causal and +1.7% on causal documents against longest
-first; at 31 per SM longest first still wins on documents (+4-6%)."""
+first; at 31 per SM longest first still wins on documents (+4-6%). Head dim 256 takes it too
+(its work tiles read 2x head dim 128's K/V; not yet measured there)."""
 LONGEST_CTAS_FIRST_WAVES = 16
 """The backward's CTAs go longest first in grids of at most this many waves."""
 LONGEST_CTAS_FIRST_BUCKETS = 16

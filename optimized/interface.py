@@ -200,7 +200,6 @@ def forward(
     that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`.
     `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask).
     """
-
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     uniform_work = mask is None  # every work tile sees every key tile: nothing to order
