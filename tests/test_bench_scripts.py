@@ -271,7 +271,7 @@ def test_fwd_bwd_returns_the_gradients():
 
 def test_unknown_config_field_names_the_accepted_ones():
     with pytest.raises(
-        SystemExit, match="unknown config field 'skip_tiles'; fields: tile_m, num_stages, q_buffers, persistent"
+        SystemExit, match="unknown config field 'skip_tiles'; fields: tile_m, tile_n, num_stages, q_buffers, persistent"
     ):
         bench_fwd.kernel_overrides(["skip_tiles=0"])
 

@@ -22,16 +22,19 @@ def test_unsupported_head_dims_and_tile_shapes_are_refused():
     from flashmask3.optimized import compile_check, fwd_config
     from flashmask3.optimized.flash_fwd_sm90 import FlashMaskForwardSm90
 
-    with pytest.raises(ValueError, match="head_dim must be 64, 128 or 192 for the cute backend, got 96"):
+    with pytest.raises(ValueError, match="head_dim must be 64, 128, 192 or 256 for the cute backend, got 96"):
         FlashMaskForwardSm90(cutlass.BFloat16, 96, True, 1, fwd_config(128, True, 1))
     with pytest.raises(ValueError, match="192-row query tiles need head_dim 64"):
         FlashMaskForwardSm90(cutlass.BFloat16, 128, True, 1, fwd_config(64, True, 1))
     with pytest.raises(ValueError, match="head_dim 192 needs q_buffers=1 .*got q_buffers=2"):
         FlashMaskForwardSm90(cutlass.BFloat16, 192, True, 1, fwd_config(128, True, 1), head_dim_v=128)
+    with pytest.raises(ValueError, match="head_dim 256 needs q_buffers=1 .*got q_buffers=2"):
+        FlashMaskForwardSm90(cutlass.BFloat16, 256, True, 1, fwd_config(128, True, 1))
     for head_dim_v in (192, 256, 96):
-        with pytest.raises(ValueError, match=f"head_dim_v must be 64 or 128 and at most head_dim .*got {head_dim_v}"):
+        message = f"head_dim_v must be 64, 128 or 256 and at most head_dim .*got {head_dim_v}"
+        with pytest.raises(ValueError, match=message):
             FlashMaskForwardSm90(cutlass.BFloat16, 192, True, 1, fwd_config(192, True, 1), head_dim_v=head_dim_v)
-    with pytest.raises(ValueError, match="head_dim_v must be 64 or 128 and at most head_dim \\(64"):
+    with pytest.raises(ValueError, match="head_dim_v must be 64, 128 or 256 and at most head_dim \\(64"):
         FlashMaskForwardSm90(cutlass.BFloat16, 64, True, 1, fwd_config(64, True, 1), head_dim_v=128)
     with pytest.raises(ValueError, match="head_dim_v is for the forward only"):
         compile_check("bf16", 128, True, 1, direction="bwd", head_dim_v=64)
