@@ -37,6 +37,13 @@ def random_column_mask(gen: torch.Generator, batch, heads, seqlen_q, seqlen_k, c
     return ColumnMask(idx.to(torch.int32), causal, seqlen_q)
 
 
+def plain_causal_mask(batch, seqlen_q, seqlen_k, width, device) -> ColumnMask:
+    """The causal mask alone (bottom-right aligned when Sq != Sk) in the causal variant of `width`
+    bounds per key: every bound at Sq, so no interval hides a row and only the diagonal cuts tiles."""
+    bounds = torch.full((batch, 1, seqlen_k, width), seqlen_q, dtype=torch.int32, device=device)
+    return ColumnMask(bounds, True, seqlen_q)
+
+
 # -- the cute custom ops on the CPU ----------------------------------------------------------------
 def _reference_forward(q, k, v, row_indices, causal, softmax_scale, deterministic, sinks=None):
     mask = None if row_indices is None else ColumnMask._unchecked(row_indices, causal, q.shape[1])

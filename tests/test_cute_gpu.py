@@ -84,13 +84,12 @@ def test_diagonal_steps_give_the_default_backwards_numbers(name, seqlen_q, seqle
     the same elements hidden, so the deterministic backward's dQ, dK, dV bit for bit (GQA 4 on 2,
     ragged lengths, both causal mask widths; plain causal masks with Sq != Sk, the diagonal
     bottom-right aligned, and a ragged query tile among their diagonal-only steps)."""
+    from conftest import plain_causal_mask
     from flashmask3.optimized import bwd_config
     from flashmask3.optimized.interface import backward, forward
-    from flashmask3.reference import ColumnMask
 
     if name.startswith("plain_causal_"):
-        bounds = torch.full((2, 1, seqlen_k, int(name[-1])), seqlen_q, dtype=torch.int32, device="cuda")
-        mask = ColumnMask(bounds, True, seqlen_q)
+        mask = plain_causal_mask(2, seqlen_q, seqlen_k, int(name[-1]), "cuda")
     else:
         mask = masks.build(name, seqlen_k, batch=2, heads=4, seed=29, device="cuda")
     q, k, v, dout = random_inputs(2, seqlen_q, seqlen_k, 4, 2, 128, torch.bfloat16, "cuda", seed=29)
@@ -291,14 +290,12 @@ def test_diagonal_flags_keep_the_numbers_with_unequal_lengths(kind, width, seqle
     aligned, query tiles that see no key), on random causal masks (partial tiles off the diagonal)
     and on plain causal ones (tiles only the diagonal cuts): bit for bit the outputs and LSE of
     masking every PARTIAL tile from its bounds with the causal comparison."""
-    from conftest import random_column_mask
+    from conftest import plain_causal_mask, random_column_mask
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward
-    from flashmask3.reference import ColumnMask
 
     if kind == "plain":
-        bounds = torch.full((2, 1, seqlen_k, width), seqlen_q, dtype=torch.int32, device="cuda")
-        mask = ColumnMask(bounds, True, seqlen_q)
+        mask = plain_causal_mask(2, seqlen_q, seqlen_k, width, "cuda")
     else:
         gen = torch.Generator().manual_seed(37 + width)
         mask = random_column_mask(gen, 2, 4, seqlen_q, seqlen_k, True, width).to("cuda")
@@ -354,9 +351,9 @@ def test_persistent_forward_is_bitwise_the_one_cta_per_tile_forward(monkeypatch,
     """The persistent grid with a handful of CTAs (each drawing dozens of work tiles, short lists and
     empty ones among them) writes every output and gives bitwise the result of one CTA per work
     tile, which matches the reference; every mask, GQA, and Sq > Sk (query tiles that see no key)."""
+    from conftest import plain_causal_mask
     from flashmask3.optimized import fwd_config, interface
     from flashmask3.optimized.interface import forward
-    from flashmask3.reference import ColumnMask
 
     cases = [
         (name, masks.build(name, 1536, batch=3, heads=2, seed=11, device="cuda"), 3, 1536, 1536)
@@ -365,7 +362,7 @@ def test_persistent_forward_is_bitwise_the_one_cta_per_tile_forward(monkeypatch,
     cases.append(
         (
             "causal_sq>sk",
-            ColumnMask(torch.full((1, 1, 700, 1), 1300, dtype=torch.int32, device="cuda"), True, 1300),
+            plain_causal_mask(1, 1300, 700, 1, "cuda"),
             2,
             1300,
             700,
