@@ -253,11 +253,13 @@ def test_a_buffer_read_before_its_wait_is_poisoned_and_a_late_write_is_seen():
             data = torch.zeros(3)
             (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, data, 1)])
             data += 7  # overwritten before the send completed: undefined under NCCL, seen here
+            dist.barrier()  # the write lands before the receiver's wait
             work.wait()
             return None
         buffer = torch.zeros(3)
         (work,) = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, 0)])
         early = buffer.clone()
+        dist.barrier()
         work.wait()
         return early, buffer
 
