@@ -89,11 +89,23 @@ class FwdConfig:
 class BwdConfig:
     """The backward's choices (flash_bwd_sm90.py)."""
 
-    # Q (with its LSE) and dO (with Delta) pipeline depth: 2 or 3 query tiles in smem, so the
-    # producer loads further ahead of the step that needs them.
+    # Keys per CTA (the key tile): 128 with keys on rows, else a multiple of 16 up to 128 (48 at
+    # head dim 256, 96 at 192, FA4's SM90 shapes: what fits beside the fp32 dQ staging in smem).
+    key_tile: int
+    # The step's orientation. On rows: the scores transposed (S^T = K Q^T), 64 keys per consumer
+    # warpgroup, P^T and dS^T kept in registers as the A operands of dV and dK. Off (head dims
+    # above 128, whose dK and dV accumulators would not fit in registers that way): S = Q K^T with
+    # the warpgroups splitting the keys, P and dS through smem, dV^T = dO^T P and dK^T = Q^T dS.
+    keys_on_rows: bool
+    # Q (with its LSE) pipeline depth: 2 or 3 query tiles in smem, so the producer loads further
+    # ahead of the step that needs them.
     q_stages: int
+    # dO (with Delta) pipeline depth, up to q_stages: 0 for as many as Q's (one at head dim 256,
+    # where a second dO stage does not fit).
+    do_stages: int
     # The thread's LSE values into registers before the S GEMM is issued, not read from smem after
-    # it (the loads then queue behind the GEMMs' operand reads); 16 more live registers.
+    # it (the loads then queue behind the GEMMs' operand reads); 16 more live registers (2 with
+    # queries on rows).
     lse_ahead: bool
     # The CTAs launched in order of their query-tile steps, most first (a 1-D grid through a host
     # permutation), so few long CTAs are left for the last wave, when the grid is at most this many
@@ -114,6 +126,14 @@ class BwdConfig:
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
             raise ValueError(f"q_stages must be 2 or 3, got {self.q_stages}")
+        if self.key_tile % 16 != 0 or not 16 <= self.key_tile <= 128:
+            raise ValueError(f"key_tile must be a multiple of 16 from 16 to 128, got {self.key_tile}")
+        if not 0 <= self.do_stages <= self.q_stages:
+            raise ValueError(
+                f"do_stages must be from 0 (as many as Q's) to q_stages={self.q_stages}, got {self.do_stages}"
+            )
+        if self.keys_on_rows and self.key_tile != 128:
+            raise ValueError(f"keys_on_rows=True takes key_tile=128 (64 keys per warpgroup), got {self.key_tile}")
         if self.longest_ctas_first_waves < 0:
             raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
         if self.longest_ctas_first_buckets < 0:
@@ -178,9 +198,26 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     except with four bounds per key (mask width 4), where its registers make ptxas spill; on causal
     masks, the steps only the diagonal cuts masked without their keys' bounds (-0.1 to +1.6%, +0.5%
     on average over three shapes). The step itself is in the peers' order (dV after dS is in smem,
-    dQ before dK, the dQ add while dK runs: +1.1-1.4% fwd+bwd at 8K over issuing dV and dK first)."""
+    dQ before dK, the dQ add while dK runs: +1.1-1.4% fwd+bwd at 8K over issuing dV and dK first).
+    Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
+    CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
+    thread; read after the S GEMM, the width-4 build at 192 spills); not yet run on a GPU."""
+    if head_dim > 128:
+        return BwdConfig(
+            key_tile=48 if head_dim == 256 else 96,
+            keys_on_rows=False,
+            q_stages=2,
+            do_stages=1 if head_dim == 256 else 0,
+            lse_ahead=True,
+            longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
+            longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
+            diagonal_steps=causal,
+        )
     return BwdConfig(
+        key_tile=128,
+        keys_on_rows=True,
         q_stages=3,
+        do_stages=0,
         lse_ahead=mask_width < 4,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,

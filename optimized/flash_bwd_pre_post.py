@@ -32,15 +32,16 @@ class BackwardPreprocess:
     tile_m = FlashMaskBackwardSm90.tile_m  # the main kernel's query rows per step
     num_threads = tile_m * threads_per_row
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int | None = None):
         self.dtype = dtype
-        self.head_dim = head_dim
+        self.head_dim = head_dim  # Q's: the dQ accumulator's
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v  # O's and dO's: Delta's
 
     @cute.jit
     def __call__(
         self,
-        mO: cute.Tensor,  # [B, Sq, Hq, D]
-        mdO: cute.Tensor,  # [B, Sq, Hq, D]
+        mO: cute.Tensor,  # [B, Sq, Hq, Dv]
+        mdO: cute.Tensor,  # [B, Sq, Hq, Dv]
         mLSE: cute.Tensor,  # [B, Hq, Sq] fp32, natural log
         mLSE2: cute.Tensor,  # [B, Hq, Sq_pad] fp32 out
         mDelta: cute.Tensor,  # [B, Hq, Sq_pad] fp32 out
@@ -63,7 +64,7 @@ class BackwardPreprocess:
         # The threads of a row take interleaved 16-byte chunks, so each load instruction of the
         # 4 threads covers 64 contiguous bytes of the row.
         vec = 8
-        chunks = self.head_dim // (vec * self.threads_per_row)
+        chunks = self.head_dim_v // (vec * self.threads_per_row)
         dot = Float32(0.0)
         if row < seqlen_q:
             for j in cutlass.range_constexpr(chunks):
@@ -103,7 +104,12 @@ class BackwardPostprocess:
         stream: cuda.CUstream,
     ):
         mdQ = select_modes(assume_aligned(mdQ), [1, 3, 2, 0])  # (Sq, D, Hq, B)
-        s_layout = smem_layout(self.dtype, self.main.tile_m, self.head_dim)
+        # A swizzle atom within each warpgroup's half of the columns where the halves would split
+        # one (head dim 192: 96 each).
+        half = self.head_dim // self.main.num_consumer_wgs
+        s_layout = smem_layout(
+            self.dtype, self.main.tile_m, self.head_dim, major_size=half if half % 64 and half > 32 else None
+        )
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.main.tile_m, self.head_dim)
         )
@@ -166,9 +172,11 @@ class BackwardPostprocess:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
-def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, stream) -> tuple[list, list]:
+def prepost_compile_args(
+    dtype: Type[cutlass.Numeric], head_dim: int, stream, head_dim_v: int | None = None
+) -> tuple[list, list]:
     """Fake arguments (symbolic sizes; `stream`, a fake one) to compile the preprocess and the
-    postprocess without a GPU."""
+    postprocess without a GPU; `head_dim_v`: O's head dim when not `head_dim`."""
     b, sq, h, tm = (cute.sym_int32() for _ in range(4))
 
     def fake(dt, shape):
@@ -176,6 +184,7 @@ def prepost_compile_args(dtype: Type[cutlass.Numeric], head_dim: int, stream) ->
         return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=16)
 
     q_like = fake(dtype, (b, sq, h, head_dim))
+    o_like = fake(dtype, (b, sq, h, head_dim if head_dim_v is None else head_dim_v))
     accum = fake(Float32, (b, h, tm, FlashMaskBackwardSm90.tile_m * head_dim))
     rows = fake(Float32, (b, h, sq))
-    return [q_like, q_like, rows, rows, rows, accum, stream], [accum, q_like, Float32(0.1), stream]
+    return [o_like, o_like, rows, rows, rows, accum, stream], [accum, q_like, Float32(0.1), stream]

@@ -24,6 +24,16 @@ the postprocess kernel, flash_bwd_pre_post.py, puts it back in place). In determ
 key tiles of one query tile add in key order (a per-query-tile semaphore), so dQ is bitwise
 reproducible. Delta = rowsum(dO * O), the base-2 LSE and the final dQ come from the pre/post
 kernels (flash_bwd_pre_post.py).
+
+Above head dim 128 (v 128 with q/k 192, or 256), dK and dV of 64 keys would not fit in a thread's
+registers, so the step turns (`BwdConfig.keys_on_rows` off, FA4's SM90 shape there): a CTA takes
+`key_tile` keys (96 or 48), the scores keep queries on rows and the two warpgroups split the keys,
+    S = Q K^T, dP = dO V^T                           (SS-WGMMA, each warpgroup half the keys)
+and P and dS go to smem (one buffer each), from which
+    dV^T += dO^T P, dK^T += Q^T dS                   (SS-WGMMA: head dim on M; the warpgroups split
+                                                     the head dim at 256, the keys at 192/128)
+    dQ_tile = dS K                                  (as above)
+and the epilogue stores dK^T and dV^T transposed (stmatrix) into the K and V buffers.
 """
 
 from __future__ import annotations
@@ -65,6 +75,19 @@ class BwdBarrier(enum.IntEnum):
 
     DS_READY = 1  # both consumer warpgroups wrote their half of dS
     DQ_FULL = 2  # DQ_FULL + warpgroup (2, 3): its dQ half is in smem, ready for the bulk reduce-add
+    PDS_FREE = 4  # queries on rows: both warpgroups' GEMMs of the last step have read the P and dS buffers
+
+
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+"""The (q/k head dim, v head dim) pairs the backward compiles for."""
+
+
+def _stmatrix(dtype: Type[cutlass.Numeric], transpose: bool, columns: int) -> cute.CopyAtom:
+    """An stmatrix copy atom for a warpgroup's accumulator of `columns` columns: four 8x8 matrices
+    per instruction, or two where the columns are a multiple of 8 but not of 16."""
+    return cute.make_copy_atom(
+        warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4 if columns % 16 == 0 else 2), dtype
+    )
 
 
 def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int) -> None:
@@ -84,11 +107,8 @@ class FlashMaskBackwardSm90:
     """Compile-time configuration and kernel of the backward pass."""
 
     tile_m = 64  # query rows per step
-    tile_n = 128  # keys per CTA, 64 per consumer warpgroup
-    num_consumer_wgs = tile_n // 64
+    num_consumer_wgs = 2
     num_threads = 128 * (num_consumer_wgs + 1)
-    producer_regs = 24
-    consumer_regs = 240
 
     def __init__(
         self,
@@ -98,14 +118,34 @@ class FlashMaskBackwardSm90:
         mask_width: int,
         config: BwdConfig,
         deterministic: bool = False,
+        head_dim_v: int | None = None,
     ):
-        if head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128 for the cute backend, got {head_dim}")
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if (head_dim, head_dim_v) not in HEAD_DIMS:
+            raise ValueError(
+                f"(head_dim, head_dim_v) must be one of {', '.join(map(str, HEAD_DIMS))} for the cute backward, "
+                f"got ({head_dim}, {head_dim_v})"
+            )
+        if config.keys_on_rows and head_dim > 128:
+            raise ValueError(
+                f"keys_on_rows=True is for head dims 64 and 128 (dK and dV of 64 keys per warpgroup in "
+                f"registers), got head_dim {head_dim}"
+            )
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.causal = causal
         self.mask_width = mask_width
-        self.num_stages = config.q_stages  # Q and dO pipeline depth
+        self.tile_n = config.key_tile  # the host's key-block min/max are per tile_n keys
+        self.keys_on_rows = config.keys_on_rows
+        self.num_stages = config.q_stages  # Q pipeline depth
+        self.do_stages = config.do_stages or config.q_stages
+        # Queries on rows: dK^T and dV^T split between the warpgroups by head dim where both halves
+        # are whole 64-row WGMMAs (256), else by keys (192/128).
+        self.dkv_split_keys = head_dim % 128 != 0 or head_dim_v % 128 != 0
+        # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all);
+        # with queries on rows the mask-role warp spills with 24 (at mask width 4).
+        self.producer_regs, self.consumer_regs = (24, 240) if self.keys_on_rows else (32, 232)
         self.lse_ahead = config.lse_ahead
         self.diagonal_steps = config.diagonal_steps and causal
         self.deterministic = deterministic
@@ -137,13 +177,13 @@ class FlashMaskBackwardSm90:
         self,
         mQ: cute.Tensor,  # [B, Sq, Hq, D]
         mK: cute.Tensor,  # [B, Sk, Hkv, D]
-        mV: cute.Tensor,  # [B, Sk, Hkv, D]
-        mdO: cute.Tensor,  # [B, Sq, Hq, D]
+        mV: cute.Tensor,  # [B, Sk, Hkv, Dv]
+        mdO: cute.Tensor,  # [B, Sq, Hq, Dv]
         mLSE: cute.Tensor,  # [B, Hq, Sq_pad] fp32: LSE * log2(e), +inf for rows that see nothing
         mDelta: cute.Tensor,  # [B, Hq, Sq_pad] fp32: rowsum(dO * O)
         mdQaccum: cute.Tensor,  # [B, Hq, Tm, tile_m * D] fp32, zeroed: dQ tiles in `dq_slot_layout` order
         mdK: cute.Tensor,  # [B, Sk, Hkv, D]
-        mdV: cute.Tensor,  # [B, Sk, Hkv, D]
+        mdV: cute.Tensor,  # [B, Sk, Hkv, Dv]
         mRowIndices: cute.Tensor,  # [Bm, Hm, Sk, 1|2|4] int32: the mask's startend_row_indices
         mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
         mDqRanks: cute.Tensor,  # [Bm, Hm, Tn, Tm] int32, deterministic mode: the key tile's place in dQ's sum
@@ -159,51 +199,68 @@ class FlashMaskBackwardSm90:
         mQ, mK, mV, mdO = (select_modes(assume_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO))
         mdK, mdV = (select_modes(assume_aligned(t), [1, 3, 2, 0]) for t in (mdK, mdV))
         mLSE, mDelta = (select_modes(assume_aligned(t), [2, 1, 0]) for t in (mLSE, mDelta))  # (Sq, Hq, B)
-        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages)
-        sKV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim)
-        sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
-        sdQ_layout = self.dq_slot_layout(self.head_dim)
-        q_tile = cute.select(sQ_layout, mode=[0, 1])
-        wgs = self.num_consumer_wgs
-        # S^T, dP^T: keys x queries, the warpgroups split the keys.
+        d, dv, tn, wgs = self.head_dim, self.head_dim_v, self.tile_n, self.num_consumer_wgs
+        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        if const_expr(self.keys_on_rows):
+            sQ_layout = smem_layout(self.dtype, self.tile_m, d, self.num_stages)
+            sdO_layout = sQ_layout
+            sK_layout = sV_layout = smem_layout(self.dtype, tn, d)
+            sdS_layout = smem_layout(self.dtype, self.tile_m, tn, 2)  # dS, double-buffered
+            # S^T, dP^T: keys x queries, the warpgroups split the keys.
+            sdp_atoms, sdp_tiler = (wgs, 1, 1), (64, self.tile_m)
+            # dV, dK: keys x head dim, A (P^T, dS^T) from registers.
+            dkv_a, dkv_atoms, dkv_tiler, dkv_a_source = K, (wgs, 1, 1), (64, d), warpgroup.OperandSource.RMEM
+        else:
+            # Each tile's swizzle atom divides the slices the warpgroups' MMAs read: Q^T and dO^T
+            # by head dim (dK^T, dV^T), K^T by head dim (dQ), P and dS by keys.
+            dkv_wgs_on_d = 1 if self.dkv_split_keys else wgs
+            sQ_layout = smem_layout(self.dtype, self.tile_m, d, self.num_stages, d // dkv_wgs_on_d)
+            sdO_layout = smem_layout(self.dtype, self.tile_m, dv, self.do_stages, dv // dkv_wgs_on_d)
+            sK_layout = smem_layout(self.dtype, tn, d, major_size=d // wgs)
+            sV_layout = smem_layout(self.dtype, tn, dv)
+            pds_major = math.gcd(tn // wgs, tn // (wgs if self.dkv_split_keys else 1))
+            sdS_layout = smem_layout(self.dtype, self.tile_m, tn, 2, pds_major)  # [P, dS]
+            # S, dP: queries x keys, the warpgroups split the keys.
+            sdp_atoms, sdp_tiler = (1, wgs, 1), (64, tn // wgs)
+            # dV^T, dK^T: head dim x keys, both operands from smem.
+            dkv_a, dkv_a_source = MN, warpgroup.OperandSource.SMEM
+            dkv_atoms, dkv_tiler = ((1, wgs, 1), (64, tn // wgs)) if self.dkv_split_keys else ((wgs, 1, 1), (64, tn))
         tiled_mma_sdp = sm90.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(wgs, 1, 1),
-            tiler_mn=(64, self.tile_m),
+            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=sdp_atoms, tiler_mn=sdp_tiler
         )
-        # dV, dK: keys x head dim, A (P^T, dS^T) from registers.
         tiled_mma_dkv = sm90.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.MN,
+            dkv_a,
+            MN,
             Float32,
-            atom_layout_mnk=(wgs, 1, 1),
-            tiler_mn=(64, self.head_dim),
-            a_source=warpgroup.OperandSource.RMEM,
+            atom_layout_mnk=dkv_atoms,
+            tiler_mn=dkv_tiler,
+            a_source=dkv_a_source,
         )
-        tiled_mma_dq = self.dq_tiled_mma(self.dtype, self.head_dim)
+        sdQ_layout = self.dq_slot_layout(d)
+        q_tile = cute.select(sQ_layout, mode=[0, 1])
+        do_tile = cute.select(sdO_layout, mode=[0, 1])
+        tiled_mma_dq = self.dq_tiled_mma(self.dtype, d)
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, self.head_dim), 1)
-        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load_op, mdO, q_tile, (self.tile_m, self.head_dim), 1)
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, sKV_layout, (self.tile_n, self.head_dim))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (self.tile_n, self.head_dim))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, d), 1)
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load_op, mdO, do_tile, (self.tile_m, dv), 1)
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, sK_layout, (tn, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, sV_layout, (tn, dv))
         # LSE and Delta of a query tile ride on Q's and dO's barriers.
         s_row_layout = cute.make_layout((self.tile_m, self.num_stages))
+        s_delta_layout = cute.make_layout((self.tile_m, self.do_stages))
         tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(load_op, mLSE, cute.make_layout(self.tile_m), (self.tile_m,))
         tma_delta, tma_mDelta = cpasync.make_tiled_tma_atom(
             load_op, mDelta, cute.make_layout(self.tile_m), (self.tile_m,)
         )
         q_bytes = cute.size_in_bytes(self.dtype, q_tile) + self.tile_m * 4
+        do_bytes = cute.size_in_bytes(self.dtype, do_tile) + self.tile_m * 4
         # dK and dV leave through smem (the K and V buffers, free by then) by TMA stores.
         store_op = cpasync.CopyBulkTensorTileS2GOp()
-        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (self.tile_n, self.head_dim))
-        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (self.tile_n, self.head_dim))
-        kv_bytes = cute.size_in_bytes(self.dtype, sKV_layout)
+        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store_op, mdK, sK_layout, (tn, d))
+        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store_op, mdV, sV_layout, (tn, dv))
+        kv_bytes = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
 
         profiled_slots = len(STEP_SEGMENTS) if const_expr(mTimeline is not None) else 1
 
@@ -212,25 +269,26 @@ class FlashMaskBackwardSm90:
         # and everything 232,400 bytes in the profiled build (48 to spare).
         @cute.struct
         class SharedStorage:
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, self.do_stages * 2]
             mbar_tiles: cute.struct.MemRange[cutlass.Int64, TileList.slots * 2]
             tile_ring: cute.struct.MemRange[Int32, TileList.slots]
             stage_entries: cute.struct.MemRange[Int32, self.num_stages]  # the list entry each Q stage holds
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_row_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_delta_layout)], 128]
             # The profiled build's cycle accumulators (one unused slot in the default build).
             step_cycles: cute.struct.MemRange[cutlass.Int64, profiled_slots]
 
         check_smem_fits(
-            SharedStorage.size_in_bytes(), f"the backward at head dim {self.head_dim} with q_stages={self.num_stages}"
+            SharedStorage.size_in_bytes(),
+            f"the backward at head dim {d} with key_tile={tn}, q_stages={self.num_stages}, do_stages={self.do_stages}",
         )
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         if const_expr(mCtaOrder is not None):
@@ -260,6 +318,7 @@ class FlashMaskBackwardSm90:
             tma_dk,
             tma_dv,
             q_bytes,
+            do_bytes,
             kv_bytes,
             Float32(softmax_scale * LOG2_E),
             softmax_scale,
@@ -267,10 +326,13 @@ class FlashMaskBackwardSm90:
             qheads_per_maskhead,
             mask_batch_stride,
             sQ_layout,
-            sKV_layout,
+            sdO_layout,
+            sK_layout,
+            sV_layout,
             sdS_layout,
             sdQ_layout,
             s_row_layout,
+            s_delta_layout,
             tiled_mma_sdp,
             tiled_mma_dkv,
             tiled_mma_dq,
@@ -304,6 +366,7 @@ class FlashMaskBackwardSm90:
         tma_dk: cute.CopyAtom,
         tma_dv: cute.CopyAtom,
         q_bytes: cutlass.Constexpr[int],
+        do_bytes: cutlass.Constexpr[int],
         kv_bytes: cutlass.Constexpr[int],
         scale_log2: Float32,
         softmax_scale: Float32,
@@ -311,10 +374,13 @@ class FlashMaskBackwardSm90:
         qheads_per_maskhead: Int32,
         mask_batch_stride: Int32,
         sQ_layout: cute.ComposedLayout,
-        sKV_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.Layout,
         s_row_layout: cute.Layout,
+        s_delta_layout: cute.Layout,
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -333,9 +399,9 @@ class FlashMaskBackwardSm90:
 
         storage = SmemAllocator().allocate(SharedStorage)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
-        pipe_kv = tma_pipeline(storage.mbar_kv, 1, 2 * kv_bytes, consumer_warps)
+        pipe_kv = tma_pipeline(storage.mbar_kv, 1, kv_bytes, consumer_warps)
         pipe_q = tma_pipeline(storage.mbar_q, self.num_stages, q_bytes, consumer_warps)
-        pipe_do = tma_pipeline(storage.mbar_do, self.num_stages, q_bytes, consumer_warps)
+        pipe_do = tma_pipeline(storage.mbar_do, self.do_stages, do_bytes, consumer_warps)
         tile_list = TileList(
             storage.tile_ring.get_tensor(cute.make_layout(TileList.slots)), storage.mbar_tiles.data_ptr()
         )
@@ -344,14 +410,14 @@ class FlashMaskBackwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
         sLSE = storage.sLSE.get_tensor(s_row_layout)
-        sDelta = storage.sDelta.get_tensor(s_row_layout)
+        sDelta = storage.sDelta.get_tensor(s_delta_layout)
         mask_batch = batch * mask_batch_stride
 
         if warp_idx < 4:
@@ -481,7 +547,7 @@ class FlashMaskBackwardSm90:
         """Producer warp: K and V once, then Q (+ LSE) and dO (+ Delta) of every listed query tile of
         every query head."""
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
         tKsK, tKgK = tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -494,7 +560,7 @@ class FlashMaskBackwardSm90:
         for g in cutlass.range(qheads_per_kvhead, unroll=1):
             head = head_kv * qheads_per_kvhead + g
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
             gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (None,))
@@ -511,20 +577,22 @@ class FlashMaskBackwardSm90:
                 q_bar = pipe_q.producer_get_barrier(state)
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
                 cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=q_bar)
-                pipe_do.producer_acquire(state)
-                do_bar = pipe_do.producer_get_barrier(state)
-                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=do_bar)
-                cute.copy(tma_delta, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=do_bar)
+                do_state = self.do_state(state, producer=True)
+                pipe_do.producer_acquire(do_state)
+                do_bar = pipe_do.producer_get_barrier(do_state)
+                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=do_bar)
+                cute.copy(tma_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
                 state.advance()
                 entry = tile_list.read(position)
                 position += 1
             # The head's end as a stage of its own: no bytes, the full barriers only arrived on.
             pipe_q.sync_object_empty.wait(state.index, state.phase)
             stage_entries[state.index] = entry
-            pipe_do.sync_object_empty.wait(state.index, state.phase)
+            do_state = self.do_state(state, producer=True)
+            pipe_do.sync_object_empty.wait(do_state.index, do_state.phase)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(state))
-                cute.arch.mbarrier_arrive(pipe_do.producer_get_barrier(state))
+                cute.arch.mbarrier_arrive(pipe_do.producer_get_barrier(do_state))
             state.advance()
 
     @cute.jit
@@ -566,40 +634,61 @@ class FlashMaskBackwardSm90:
         seqlen_k,
         profile,
     ):
-        """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T, the dV/dK/dQ products.
-        `profile`: the profiled build's `StepProfile` (compiles to nothing otherwise)."""
+        """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T (or, queries on rows, S, dP,
+        P, dS), the dV/dK/dQ products. `profile`: the profiled build's `StepProfile` (compiles to
+        nothing otherwise)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
         wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        tn, wgs = self.tile_n, self.num_consumer_wgs
+        if const_expr(self.keys_on_rows):
+            tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+            tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+            tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+            tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+            tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
+            tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+            # dS^T from registers into sdS (where dQ's A operand reads dS), by transposing stmatrix.
+            ds_copy = cute.make_tiled_copy_C(_stmatrix(self.dtype, True, self.tile_m), tiled_mma_sdp)
+            thr_ds_copy = ds_copy.get_slice(tidx)
+            tdSsdS = thr_ds_copy.partition_D(transpose_view(sdS))
+            st_tile = (tn, self.tile_m)
+            acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim)), Float32)
+            acc_dV = cute.make_rmem_tensor_like(acc_dK, Float32)
+        else:
+            tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+            tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+            tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+            tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+            tdVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdO)))
+            tdKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sQ)))
+            tdKVrPdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdS)))  # [..., 0]: P, 1: dS
+            # P and dS from registers into their buffers, by stmatrix.
+            ds_copy = cute.make_tiled_copy_C(_stmatrix(self.dtype, False, tn // wgs), tiled_mma_sdp)
+            thr_ds_copy = ds_copy.get_slice(tidx)
+            tdSsdS = thr_ds_copy.partition_D(sdS)
+            st_tile = (self.tile_m, tn)
+            acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.head_dim, tn)), Float32)
+            acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.head_dim_v, tn)), Float32)
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
-        # dS^T from registers into sdS (where dQ's A operand reads dS), by transposing stmatrix.
-        ds_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), tiled_mma_sdp
-        )
-        thr_ds_copy = ds_copy.get_slice(tidx)
-        tdSsdS = thr_ds_copy.partition_D(transpose_view(sdS))
-        st_shape = wg_sdp.partition_shape_C((self.tile_n, self.tile_m))
-        st_coords = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        st_shape = wg_sdp.partition_shape_C(st_tile)
+        st_coords = thr_sdp.partition_C(cute.make_identity_tensor(st_tile))
         lane_in_wg = tidx % 128
         sdQ_thread = sdQ[None, lane_in_wg, None, wg]  # (4, values / 4): the thread's 16-byte slots
-        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
-        acc_dV = cute.make_rmem_tensor_like(acc_dK, Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
-        key_start = n_block * self.tile_n
+        key_start = n_block * tn
         causal_offset = seqlen_k - seqlen_q
         st_cols = acc_rows_view(st_coords)
+        # The thread's queries: its fragment's columns with keys on rows, else its rows (LSE and
+        # Delta are per query).
+        query_mode = 1 if const_expr(self.keys_on_rows) else 0
+        queries = cute.size(st_cols, mode=[query_mode])
 
-        cta = n_block + cute.ceil_div(seqlen_k, self.tile_n) * (head_kv + mdK.shape[2] * batch)  # its place in the grid
+        cta = n_block + cute.ceil_div(seqlen_k, tn) * (head_kv + mdK.shape[2] * batch)  # its place in the grid
         profile.stamp(cta, BwdEvent.START)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -614,22 +703,28 @@ class FlashMaskBackwardSm90:
             while entry != END_OF_LIST:
                 m_block = entry_tile(entry)
                 query_start = m_block * self.tile_m
+                do_state = self.do_state(state, producer=False)
                 acc_S = cute.make_rmem_tensor(st_shape, Float32)
                 acc_dP = cute.make_rmem_tensor(st_shape, Float32)
                 if const_expr(self.lse_ahead):
-                    lse = cute.make_rmem_tensor(cute.size(st_cols, mode=[1]), Float32)
-                    for c in cutlass.range_constexpr(cute.size(lse)):
-                        lse[c] = sLSE[st_cols[0, c][1], state.index]
+                    lse = cute.make_rmem_tensor(queries, Float32)
+                    for i in cutlass.range_constexpr(queries):
+                        lse[i] = sLSE[self.query_in_tile(st_cols, i), state.index]
                 clock = profile.mark(clock, BwdEvent.WAIT_Q)
-                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
-                pipe_do.consumer_wait(state)
-                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
+                if const_expr(self.keys_on_rows):
+                    wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
+                    pipe_do.consumer_wait(do_state)
+                    wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do_state.index], zero_init=True)
+                else:
+                    wgmma(tiled_mma_sdp, acc_S, tSrQ[None, None, None, state.index], tSrK, zero_init=True)
+                    pipe_do.consumer_wait(do_state)
+                    wgmma(tiled_mma_sdp, acc_dP, tdPrdO[None, None, None, do_state.index], tdPrV, zero_init=True)
                 warpgroup.wait_group(1)
                 clock = profile.mark(clock, BwdEvent.WAIT_S)
                 if const_expr(self.diagonal_steps):
                     if (entry & DIAGONAL_ONLY) != 0:
                         apply_causal_diagonal(
-                            acc_S, st_coords, query_start, key_start, causal_offset, keys_on_rows=True
+                            acc_S, st_coords, query_start, key_start, causal_offset, keys_on_rows=self.keys_on_rows
                         )
                 if (entry & PARTIAL) != 0:
                     apply_column_mask(
@@ -644,48 +739,65 @@ class FlashMaskBackwardSm90:
                         causal_offset,
                         self.causal,
                         self.mask_width,
-                        keys_on_rows=True,
+                        keys_on_rows=self.keys_on_rows,
                     )
                 p_rows = acc_rows_view(acc_S)
                 for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
-                        lse_c = lse[c] if self.lse_ahead else sLSE[st_cols[0, c][1], state.index]
-                        p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_c, fastmath=True)
+                        i = c if const_expr(self.keys_on_rows) else r
+                        lse_i = lse[i] if self.lse_ahead else sLSE[self.query_in_tile(st_cols, i), state.index]
+                        p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_i, fastmath=True)
                 rP = cute.make_rmem_tensor(st_shape, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                dv_gemm = (acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, state.index])  # dV += P^T dO
+                if const_expr(self.keys_on_rows):
+                    rP.store(acc_S.load().to(self.dtype))
+                    dv_gemm = (acc_dV, acc_as_operand_a(rP), tdVrdOt[None, None, None, do_state.index])  # dV += P^T dO
+                else:
+                    convert_to_16bit(acc_S, rP)
+                    dv_gemm = (acc_dV, tdVrdOt[None, None, None, do_state.index], tdKVrPdS[None, None, None, 0])
                 clock = profile.mark(clock, BwdEvent.SOFTMAX)
                 warpgroup.wait_group(0)
                 clock = profile.mark(clock, BwdEvent.WAIT_DP)
                 ds_rows = acc_rows_view(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
-                        ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - sDelta[st_cols[0, c][1], state.index])
+                        i = c if const_expr(self.keys_on_rows) else r
+                        delta = sDelta[self.query_in_tile(st_cols, i), do_state.index]
+                        ds_rows[r, c] = p_rows[r, c] * (ds_rows[r, c] - delta)
                 rdS = cute.make_rmem_tensor(st_shape, self.dtype)
                 convert_to_16bit(acc_dP, rdS)  # once: the stmatrix and the dK GEMM read the same registers
-                dk_gemm = (acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index])  # dK += dS^T Q
-                # dS to smem (double-buffered: the barrier of this step also proves both
-                # warpgroups finished reading the other buffer in the previous step).
-                buf = step % 2
-                cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, buf])
-                # The peers' order: dV issued after dS is in smem, dQ before dK, and the dQ add
-                # while dK runs (dO released once dV is done, Q once dK is).
-                wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
+                if const_expr(self.keys_on_rows):
+                    dk_gemm = (acc_dK, acc_as_operand_a(rdS), tdKrQt[None, None, None, state.index])  # dK += dS^T Q
+                    # dS to smem (double-buffered: the barrier of this step also proves both
+                    # warpgroups finished reading the other buffer in the previous step).
+                    ds_slot = step % 2
+                    cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, ds_slot])
+                    # The peers' order: dV issued after dS is in smem, dQ before dK, and the dQ add
+                    # while dK runs (dO released once dV is done, Q once dK is).
+                    wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
+                else:
+                    dk_gemm = (acc_dK, tdKrQt[None, None, None, state.index], tdKVrPdS[None, None, None, 1])
+                    # One P and one dS buffer: both warpgroups' GEMMs of the last step have read them.
+                    cute.arch.barrier(barrier_id=int(BwdBarrier.PDS_FREE), number_of_threads=128 * wgs)
+                    cute.copy(ds_copy, thr_ds_copy.retile(rP), tdSsdS[None, None, None, 0])
+                    cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, 1])
+                    ds_slot = 1
                 cute.arch.fence_view_async_shared()
                 clock = profile.mark(clock, BwdEvent.DS)
                 if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
+                cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * wgs)
                 clock = profile.mark(clock, BwdEvent.DS_BARRIER)
+                if const_expr(not self.keys_on_rows):
+                    wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)  # dV^T += dO^T P, P of both warpgroups
                 acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_slot], tdQrKt, zero_init=True)
                 rank = Int32(0)
                 if const_expr(self.deterministic):
                     rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
                 dq_target = (m_block, head, batch, rank)
                 wgmma(tiled_mma_dkv, *dk_gemm, zero_init=False)
                 warpgroup.wait_group(1)  # dV and dQ done, dK may still run
-                pipe_do.consumer_release(state)
+                pipe_do.consumer_release(do_state)
                 clock = profile.mark(clock, BwdEvent.WAIT_DQ)
                 self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
                 clock = profile.mark(clock, BwdEvent.ADD_DQ)
@@ -697,7 +809,7 @@ class FlashMaskBackwardSm90:
                 entry = self.next_entry(pipe_q, state, stage_entries)
                 clock = profile.mark(clock, BwdEvent.NEXT_ENTRY)
             pipe_q.consumer_release(state)  # the stage that carried the head's end
-            pipe_do.consumer_release(state)
+            pipe_do.consumer_release(self.do_state(state, producer=False))
             state.advance()
 
         profile.stamp(cta, BwdEvent.LOOP_END)
@@ -722,6 +834,21 @@ class FlashMaskBackwardSm90:
             tidx,
         )
         profile.stamp(cta, BwdEvent.STORED)
+
+    def do_state(self, q_state: pipeline.PipelineState, producer: bool) -> pipeline.PipelineState:
+        """The dO pipeline's state where the Q pipeline's is `q_state`: the two advance together
+        (one query tile, or a head's end, per stage), so with fewer dO stages its index and phase
+        follow from Q's count (a producer's phase starts at 1)."""
+        if self.do_stages == self.num_stages:
+            return q_state
+        count = q_state.count
+        phase = (count // self.do_stages) % 2
+        return pipeline.PipelineState(self.do_stages, count, count % self.do_stages, phase ^ 1 if producer else phase)
+
+    def query_in_tile(self, st_cols: cute.Tensor, i: int):
+        """The query (row of the query tile) of the thread's i-th query: column i of its fragment
+        with keys on rows, else row i."""
+        return st_cols[0, i][1] if self.keys_on_rows else st_cols[i, 0][0]
 
     @cute.jit
     def next_entry(self, pipe_q, state, stage_entries) -> Int32:
@@ -774,22 +901,26 @@ class FlashMaskBackwardSm90:
         tidx,
     ):
         """Epilogue: dK (times the softmax scale) and dV in the output dtype, through the K and V smem
-        buffers (stmatrix) and TMA stores, which leave out rows past seqlen_k."""
+        buffers (stmatrix; transposing dK^T and dV^T with queries on rows) and TMA stores, which
+        leave out rows past seqlen_k."""
         # Every warpgroup's last MMAs (dQ reads all of sK) are done before sK, sV are overwritten.
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
-        st_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_dkv
-        )
+        if const_expr(self.keys_on_rows):
+            columns = self.head_dim
+        else:
+            columns = self.tile_n // self.num_consumer_wgs if self.dkv_split_keys else self.tile_n
+        st_copy = cute.make_tiled_copy_C(_stmatrix(self.dtype, not self.keys_on_rows, columns), tiled_mma_dkv)
         thr_copy = st_copy.get_slice(tidx)
         for acc, smem, scale in ((acc_dK, sK, softmax_scale), (acc_dV, sV, Float32(1.0))):
             r_out = cute.make_rmem_tensor_like(acc, self.dtype)
             r_out.store((acc.load() * scale).to(self.dtype))
-            cute.copy(st_copy, thr_copy.retile(r_out), thr_copy.partition_D(smem))
+            target = smem if const_expr(self.keys_on_rows) else transpose_view(smem)
+            cute.copy(st_copy, thr_copy.retile(r_out), thr_copy.partition_D(target))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
         if tidx == 0:
-            for atom, out, smem in ((tma_dk, mdK, sK), (tma_dv, mdV, sV)):
-                g = cute.local_tile(out[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+            for atom, out, smem, dim in ((tma_dk, mdK, sK, self.head_dim), (tma_dv, mdV, sV, self.head_dim_v)):
+                g = cute.local_tile(out[None, None, head_kv, batch], (self.tile_n, dim), (n_block, 0))
                 t_s, t_g = tma_tiles(atom, smem, g)
                 cute.copy(atom, t_s, t_g)
             cute.arch.cp_async_bulk_commit_group()

@@ -36,9 +36,14 @@ def assume_aligned(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=(*strides, t.stride[-1])))
 
 
-def smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int | None = None):
-    """Swizzled row-major (rows, cols[, stages]) smem layout, as WGMMA operands and TMA want it."""
-    atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+def smem_layout(
+    dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int | None = None, major_size: int | None = None
+):
+    """Swizzled row-major (rows, cols[, stages]) smem layout, as WGMMA operands and TMA want it.
+    `major_size`: the widest swizzle atom that divides it (default: cols), where an MMA reads the
+    columns in slices of that many (a warpgroup's share: a WGMMA operand starts on an atom)."""
+    kind = sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols if major_size is None else major_size)
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))

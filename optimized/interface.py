@@ -109,21 +109,22 @@ def _make_kernel(
     head_dim_v: int | None = None,
 ):
     """The kernel object of `direction` ("fwd", "bwd", or the backward's "bwd_pre" / "bwd_post",
-    which take no configuration); `head_dim_v`: V's and O's head dim when not `head_dim` (the
-    forward only)."""
+    which take no configuration); `head_dim_v`: V's and O's head dim when not `head_dim`."""
     import cutlass
 
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
     if direction in ("bwd_pre", "bwd_post"):
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
-        return (BackwardPreprocess if direction == "bwd_pre" else BackwardPostprocess)(cute_dtype, head_dim)
+        if direction == "bwd_pre":
+            return BackwardPreprocess(cute_dtype, head_dim, head_dim_v)
+        return BackwardPostprocess(cute_dtype, head_dim)
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
         if not isinstance(config, BwdConfig):
             raise TypeError(f"the backward takes a BwdConfig, got {config!r}")
-        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, config, deterministic)
+        return FlashMaskBackwardSm90(cute_dtype, head_dim, causal, width, config, deterministic, head_dim_v)
     from .flash_fwd_sm90 import FlashMaskForwardSm90
 
     if not isinstance(config, FwdConfig):
@@ -234,12 +235,11 @@ def forward(
     return out, lse
 
 
-def backward_ctas(k: torch.Tensor) -> int:
-    """The backward's grid size for k [B, Sk, Hkv, D]: one CTA per key tile, KV head and batch."""
-    from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
-
+def backward_ctas(k: torch.Tensor, config: BwdConfig) -> int:
+    """The backward's grid size for k [B, Sk, Hkv, D] under `config`: one CTA per key tile, KV head
+    and batch."""
     b, sk, hkv, _ = k.shape
-    return b * hkv * -(-sk // Kernel.tile_n)
+    return b * hkv * -(-sk // config.key_tile)
 
 
 def forward_ctas(q: torch.Tensor, config: FwdConfig) -> int:
@@ -277,18 +277,23 @@ def backward(
     """(dq, dk, dv) from the Hopper backward kernel, in q's dtype; dk, dv summed over each GQA group.
 
     `deterministic=True` makes the key tiles add into dQ in a fixed order: bitwise identical
-    gradients run to run. `dk` / `dv` may be given (contiguous, k's shape) to write into.
+    gradients run to run. `dk` / `dv` may be given (contiguous, k's and v's shapes) to write into.
+    Head dims: the kernel's `HEAD_DIMS` (flash_bwd_sm90.py), of which the public entry takes the
+    ones `head_dims_unsupported` allows.
     `config`: the main kernel's configuration (default: `bwd_config`'s choice for the head dim and
     mask). `timeline`: an int64 [CTAs, len(timeline.BwdEvent)] buffer runs a build of the main
     kernel that records each CTA's phases and the cycles of each segment of its steps
     (`optimized/timeline.py`); CTAs = `backward_ctas(...)`.
     """
+    from .flash_bwd_sm90 import HEAD_DIMS
     from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
 
     b, sq, hq, d = q.shape
-    head_dims = head_dims_unsupported(d, v.shape[-1], backward=True)
-    if head_dims:
-        raise ValueError(head_dims)
+    head_dim_v = v.shape[-1]
+    if (d, head_dim_v) not in HEAD_DIMS:
+        raise ValueError(
+            f"the cute backward takes head dims (q/k, v) of {', '.join(map(str, HEAD_DIMS))}, got ({d}, {head_dim_v})"
+        )
     sk, hkv = k.shape[1], k.shape[2]
     uniform_work = mask is None  # every CTA sees every query tile: nothing to order
     if mask is None:
@@ -296,34 +301,35 @@ def backward(
     row_indices = mask.startend_row_indices.contiguous()
     width = row_indices.shape[-1]
     config = config or bwd_config(d, mask.causal, width)
-    tile_m = Kernel.tile_m
+    tile_m, tile_n = Kernel.tile_m, config.key_tile
     tiles_m = -(-sq // tile_m)
-    bounds = block_minmax(mask, Kernel.tile_n)
+    bounds = block_minmax(mask, tile_n)
     # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
-    ranks = dq_ranks(mask, tile_m, Kernel.tile_n) if deterministic else bounds[:1, :1, :1]
+    ranks = dq_ranks(mask, tile_m, tile_n) if deterministic else bounds[:1, :1, :1]
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
     lse2 = torch.empty(b, hq, tiles_m * tile_m, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
     dq_accum = torch.empty(b, hq, tiles_m, tile_m * d, dtype=torch.float32, device=q.device)
     prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum]
-    _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [])
+    dims_v = None if head_dim_v == d else head_dim_v
+    _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [], head_dim_v=dims_v)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     order = None
     # Deterministic mode keeps the grid order: its key tiles wait for the ones before them.
-    short_grid = backward_ctas(k) <= config.longest_ctas_first_waves * _sm_count(q.device)
+    short_grid = backward_ctas(k, config) <= config.longest_ctas_first_waves * _sm_count(q.device)
     if not (deterministic or uniform_work) and short_grid:
-        key = ("bwd", b, hq, hkv, tile_m, Kernel.tile_n)
+        key = ("bwd", b, hq, hkv, tile_m, tile_n)
         order = cached_longest_first(
             mask,
             key,
-            lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, Kernel.tile_n),
+            lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, tile_n),
             config.longest_ctas_first_buckets,
         )
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, timeline]
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
-    _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic)
+    _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic, dims_v)
     dq = torch.empty_like(q)
     _launch("bwd_post", q.dtype, d, False, 2, None, [dq_accum, dq], [float(softmax_scale)])
     return dq, dk, dv
@@ -370,12 +376,10 @@ def compile_check(
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
     without a GPU (fake tensors), launched as `_launch` does (TVM-FFI); return the seconds taken.
-    Set CUTE_DSL_ARCH=sm_90a first when no GPU is present. `head_dim_v`: the forward's V and O
-    head dim when not `head_dim`. `config`: the forward's (backward's)
+    Set CUTE_DSL_ARCH=sm_90a first when no GPU is present. `head_dim_v`: V's and O's head dim
+    when not `head_dim`. `config`: the forward's (backward's)
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
     backward's profiled build."""
-    if direction != "fwd" and head_dim_v not in (None, head_dim):
-        raise ValueError(f"head_dim_v is for the forward only (direction='fwd'), got {head_dim_v} with {direction=}")
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -390,7 +394,9 @@ def compile_check(
         order = tuple(reversed(range(len(shape))))
         return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=16)
 
+    dv = head_dim if head_dim_v is None else head_dim_v
     q_like, kv_like = fake(cute_dtype, (b, sq, hq, head_dim)), fake(cute_dtype, (b, sk, hkv, head_dim))
+    o_like, v_like = fake(cute_dtype, (b, sq, hq, dv)), fake(cute_dtype, (b, sk, hkv, dv))
     row_indices = fake(cutlass.Int32, (bm, hm, sk, width))
     if direction == "bwd":
         from .flash_bwd_pre_post import prepost_compile_args
@@ -400,13 +406,13 @@ def compile_check(
         tensors = [
             q_like,
             kv_like,
-            kv_like,
-            q_like,
+            v_like,
+            o_like,
             fake(cutlass.Float32, (b, hq, sq)),
             fake(cutlass.Float32, (b, hq, sq)),
             fake(cutlass.Float32, (b, hq, tm, FlashMaskBackwardSm90.tile_m * head_dim)),
             kv_like,
-            kv_like,
+            v_like,
             row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (bm, hm, tn, tm)),
@@ -416,12 +422,11 @@ def compile_check(
         ]
     else:
         config = config or fwd_config(head_dim, causal, width)
-        dv = head_dim if head_dim_v is None else head_dim_v
         tensors = [
             q_like,
             kv_like,
-            fake(cute_dtype, (b, sk, hkv, dv)),
-            fake(cute_dtype, (b, sq, hq, dv)),
+            v_like,
+            o_like,
             fake(cutlass.Float32, (b, hq, sq)),
             row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
@@ -438,7 +443,8 @@ def compile_check(
         kernel = _make_kernel(dtype, head_dim, causal, width, config, direction, deterministic, head_dim_v)
         cute.compile(kernel, *args, **flags)
         if direction == "bwd":
-            pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream)
-            cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_pre"), *pre_args, **flags)
+            pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream, head_dim_v)
+            pre = _make_kernel(dtype, head_dim, False, 2, None, "bwd_pre", head_dim_v=head_dim_v)
+            cute.compile(pre, *pre_args, **flags)
             cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_post"), *post_args, **flags)
         return time.perf_counter() - start

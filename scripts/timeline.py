@@ -181,7 +181,7 @@ def main() -> None:
     if args.backward:
         bwd = apply_overrides(bwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
         out, lse = forward(q, k, v, mask, scale, config=config)
-        stamps = torch.zeros(backward_ctas(k), len(BwdEvent), dtype=torch.int64, device="cuda")
+        stamps = torch.zeros(backward_ctas(k, bwd), len(BwdEvent), dtype=torch.int64, device="cuda")
         for _ in range(3):  # compile, warm up, then the recorded run
             stamps.zero_()
             backward(dout, q, k, v, out, lse, mask, scale, config=bwd, timeline=stamps)

@@ -19,7 +19,8 @@ def test_forward_kernel_compiles_for_sm90a(dtype, head_dim, causal, width):
 
 
 def test_unsupported_head_dims_and_tile_shapes_are_refused():
-    from flashmask3.optimized import compile_check, fwd_config
+    from flashmask3.optimized import bwd_config, compile_check, fwd_config
+    from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90
     from flashmask3.optimized.flash_fwd_sm90 import FlashMaskForwardSm90
 
     with pytest.raises(ValueError, match="head_dim must be 64, 128, 192 or 256 for the cute backend, got 96"):
@@ -36,8 +37,11 @@ def test_unsupported_head_dims_and_tile_shapes_are_refused():
             FlashMaskForwardSm90(cutlass.BFloat16, 192, True, 1, fwd_config(192, True, 1), head_dim_v=head_dim_v)
     with pytest.raises(ValueError, match="head_dim_v must be 64, 128 or 256 and at most head_dim \\(64"):
         FlashMaskForwardSm90(cutlass.BFloat16, 64, True, 1, fwd_config(64, True, 1), head_dim_v=128)
-    with pytest.raises(ValueError, match="head_dim_v is for the forward only"):
+    pairs = r"\(64, 64\), \(128, 128\), \(192, 128\), \(256, 256\)"
+    with pytest.raises(ValueError, match=rf"\(head_dim, head_dim_v\) must be one of {pairs} for the cute backward"):
         compile_check("bf16", 128, True, 1, direction="bwd", head_dim_v=64)
+    with pytest.raises(ValueError, match="keys_on_rows=True is for head dims 64 and 128 .*got head_dim 256"):
+        FlashMaskBackwardSm90(cutlass.BFloat16, 256, True, 1, bwd_config(128, True, 1))
 
 
 @pytest.mark.parametrize(
@@ -100,6 +104,34 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, width):
     from flashmask3.optimized import compile_check
 
     assert 0 < compile_check(dtype, head_dim, causal, width, direction="bwd") < 120
+
+
+@pytest.mark.slow  # compiles and disassembles eight backwards, ~60 s
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (256, 256)])
+@pytest.mark.parametrize(
+    "dtype, causal, width", [("bf16", True, 1), ("fp16", True, 2), ("bf16", False, 2), ("fp16", False, 4)]
+)
+def test_the_backward_with_queries_on_rows_keeps_its_wgmmas_in_flight(
+    tmp_path, dtype, causal, width, head_dim, head_dim_v
+):
+    """Head dims 192 (v 128) and 256: 96 and 48 keys per CTA with two Q stages fit in shared memory
+    (the compile checks it), the step's 46 and 51 WGMMAs stay in flight, nothing lives in local
+    memory."""
+    import sass_path
+
+    args = f"'{dtype}', {head_dim}, {causal}, {width}, direction='bwd', head_dim_v={head_dim_v}"
+    sass = compiled_sass(tmp_path, f"bwd_{head_dim}_{causal}_{width}", "FlashMaskBackward", args)
+    assert "STL" not in sass and "LDL" not in sass
+    blocks = sass_path.hot_loop(sass_path.read_blocks(sass.splitlines()))
+    summary = sass_path.loop_summary(blocks)
+    assert "serialized" not in summary and f"{46 if head_dim == 192 else 51} HGMMA" in summary
+
+
+def test_the_backward_with_queries_on_rows_compiles_deterministic_and_profiled():
+    from flashmask3.optimized import compile_check
+
+    assert compile_check("bf16", 256, False, 4, direction="bwd", deterministic=True) > 0
+    assert compile_check("bf16", 192, True, 1, direction="bwd", timeline=True, head_dim_v=128) > 0
 
 
 def test_deterministic_backward_compiles_for_sm90a():

@@ -67,12 +67,29 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
     for head_dim in (64, 128):
         assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
         assert bwd_config(head_dim, False, 4) == BwdConfig(
+            key_tile=128,
+            keys_on_rows=True,
             q_stages=3,
+            do_stages=0,
             lse_ahead=False,
             longest_ctas_first_waves=16,
             longest_ctas_first_buckets=16,
             diagonal_steps=False,
         )
+
+
+def test_the_backward_turns_to_queries_on_rows_above_head_dim_128():
+    """FA4's SM90 shapes at 192 (v 128) and 256: 96 and 48 keys per CTA, two Q stages, two and one
+    dO stages, so the fp32 dQ staging fits beside them; 128 keys on rows below."""
+    for causal, width in ((True, 1), (False, 4)):
+        shapes = {d: bwd_config(d, causal, width) for d in (64, 128, 192, 256)}
+        assert {d: (c.key_tile, c.keys_on_rows, c.q_stages, c.do_stages) for d, c in shapes.items()} == {
+            64: (128, True, 3, 0),
+            128: (128, True, 3, 0),
+            192: (96, False, 2, 0),
+            256: (48, False, 2, 1),
+        }
+        assert shapes[256].diagonal_steps == causal
 
 
 def test_configs_are_frozen_validated_and_hashable():
@@ -88,6 +105,12 @@ def test_configs_are_frozen_validated_and_hashable():
             dataclasses.replace(config, tile_n=tile_n)
     with pytest.raises(ValueError, match="q_stages must be 2 or 3, got 4"):
         dataclasses.replace(bwd_config(128, False, 2), q_stages=4)
+    with pytest.raises(ValueError, match="key_tile must be a multiple of 16 from 16 to 128, got 40"):
+        dataclasses.replace(bwd_config(256, False, 2), key_tile=40)
+    with pytest.raises(ValueError, match=r"do_stages must be from 0 \(as many as Q's\) to q_stages=2, got 3"):
+        dataclasses.replace(bwd_config(192, False, 2), do_stages=3)
+    with pytest.raises(ValueError, match="keys_on_rows=True takes key_tile=128 .*got 64"):
+        dataclasses.replace(bwd_config(128, False, 2), key_tile=64)
     assert len({config, dataclasses.replace(config, persistent=False), fwd_config(128, True, 1)}) == 2
 
 
@@ -105,7 +128,10 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "fmax_row_max": bool,
         "diagonal_tiles": bool,
         "off_diagonal_tiles": bool,
+        "key_tile": int,
+        "keys_on_rows": bool,
         "q_stages": int,
+        "do_stages": int,
         "lse_ahead": bool,
         "longest_ctas_first_waves": int,
         "longest_ctas_first_buckets": int,

@@ -6,7 +6,7 @@
 A change that must leave today's kernels as they are (a refactor, plumbing for new head dims or
 tile shapes) is checked by their code: each configuration the host chooses (`fwd_config` /
 `bwd_config` at head dim 64 and 128, the four mask variants; the deterministic backward; fp16;
-the forward at q/k 192 with v 128 and at head dim 256) is
+the forward and the backward at q/k 192 with v 128 and at head dim 256) is
 compiled as `compile_check` does, and the sha256 of each kernel's `.text` sections (the SASS, read
 from the cubin's ELF, so no disassembler is involved) is compared with the recorded one. A change
 that is meant to alter a kernel shows which configurations it touched; record them again with
@@ -51,6 +51,14 @@ def cases() -> dict[str, dict]:
     for causal, width in VARIANTS:  # the forward at head dim 256 (64-key tiles)
         label = f"fwd bf16 d256 {'causal' if causal else 'noncausal'} w{width}"
         chosen[label] = dict(dtype="bf16", head_dim=256, causal=causal, width=width)
+    for causal, width in VARIANTS:  # the backward with queries on rows
+        kind = "causal" if causal else "noncausal"
+        chosen[f"bwd bf16 d192 v128 {kind} w{width}"] = dict(
+            dtype="bf16", head_dim=192, causal=causal, width=width, direction="bwd", head_dim_v=128
+        )
+        chosen[f"bwd bf16 d256 {kind} w{width}"] = dict(
+            dtype="bf16", head_dim=256, causal=causal, width=width, direction="bwd"
+        )
     return chosen
 
 

@@ -45,13 +45,15 @@ def wasted(steps: torch.Tensor, sms: int, fixed_us: float, step_us: float) -> tu
 
 def work_steps(mask, batch: int, heads: int, kv_heads: int, head_dim: int, forward: bool) -> torch.Tensor:
     """Steps per unit of work in the order the kernel takes them."""
-    from flashmask3.optimized.config import fwd_config
+    from flashmask3.optimized.config import bwd_config, fwd_config
     from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90 as Backward
     from flashmask3.optimized.tile_plan import backward_cta_steps, forward_tile_steps
 
+    variant = (mask.causal, mask.startend_row_indices.shape[-1])
     if not forward:
-        return backward_cta_steps(mask, batch, heads, kv_heads, Backward.tile_m, Backward.tile_n)
-    config = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
+        key_tile = bwd_config(head_dim, *variant).key_tile
+        return backward_cta_steps(mask, batch, heads, kv_heads, Backward.tile_m, key_tile)
+    config = fwd_config(head_dim, *variant)
     tile_m = config.tile_m
     steps = forward_tile_steps(mask, batch, heads, tile_m, config.tile_n)
     return steps.view(-1, -(-mask.seqlen_q // tile_m)).flip(1).flatten() if mask.causal else steps
