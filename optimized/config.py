@@ -132,8 +132,11 @@ class BwdConfig:
             raise ValueError(
                 f"do_stages must be from 0 (as many as Q's) to q_stages={self.q_stages}, got {self.do_stages}"
             )
-        if self.keys_on_rows and self.key_tile != 128:
-            raise ValueError(f"keys_on_rows=True takes key_tile=128 (64 keys per warpgroup), got {self.key_tile}")
+        if self.keys_on_rows and (self.key_tile != 128 or self.do_stages not in (0, self.q_stages)):
+            raise ValueError(
+                "keys_on_rows=True takes key_tile=128 (64 keys per warpgroup) and as many dO stages as Q's "
+                f"(do_stages 0 or q_stages), got key_tile={self.key_tile}, do_stages={self.do_stages}"
+            )
         if self.longest_ctas_first_waves < 0:
             raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
         if self.longest_ctas_first_buckets < 0:

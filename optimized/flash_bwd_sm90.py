@@ -1,6 +1,6 @@
 """Mask-aware attention backward for Hopper (sm_90a) in the CuTe DSL.
 
-Column-parallel, FlashAttention-2/3 style: one CTA per (key tile of 128, KV head, batch) keeps
+Column-parallel, FlashAttention-2/3 style: one CTA per (key tile, KV head, batch) keeps
 K, V and the dK, dV accumulators on chip and walks the query tiles (`tile_m` = 64 rows) that can see
 it, for every query head of its KV group (so GQA sums dK/dV in registers, no extra pass). The
 tuning choices come as a `BwdConfig` (config.py).
@@ -126,10 +126,10 @@ class FlashMaskBackwardSm90:
                 f"(head_dim, head_dim_v) must be one of {', '.join(map(str, HEAD_DIMS))} for the cute backward, "
                 f"got ({head_dim}, {head_dim_v})"
             )
-        if config.keys_on_rows and head_dim > 128:
+        if config.keys_on_rows != (head_dim <= 128):
             raise ValueError(
-                f"keys_on_rows=True is for head dims 64 and 128 (dK and dV of 64 keys per warpgroup in "
-                f"registers), got head_dim {head_dim}"
+                f"keys_on_rows={config.keys_on_rows} is not built for head dim {head_dim}: keys on rows "
+                "(dK and dV of 64 keys per warpgroup in registers) at 64 and 128, queries on rows at 192 and 256"
             )
         self.dtype = dtype
         self.head_dim = head_dim
@@ -754,6 +754,10 @@ class FlashMaskBackwardSm90:
                 else:
                     convert_to_16bit(acc_S, rP)
                     dv_gemm = (acc_dV, tdVrdOt[None, None, None, do_state.index], tdKVrPdS[None, None, None, 0])
+                    # P to its buffer while the dP GEMM runs (one P and one dS buffer: the barrier
+                    # proves both warpgroups' GEMMs of the last step have read them).
+                    cute.arch.barrier(barrier_id=int(BwdBarrier.PDS_FREE), number_of_threads=128 * wgs)
+                    cute.copy(ds_copy, thr_ds_copy.retile(rP), tdSsdS[None, None, None, 0])
                 clock = profile.mark(clock, BwdEvent.SOFTMAX)
                 warpgroup.wait_group(0)
                 clock = profile.mark(clock, BwdEvent.WAIT_DP)
@@ -776,9 +780,6 @@ class FlashMaskBackwardSm90:
                     wgmma(tiled_mma_dkv, *dv_gemm, zero_init=False)
                 else:
                     dk_gemm = (acc_dK, tdKrQt[None, None, None, state.index], tdKVrPdS[None, None, None, 1])
-                    # One P and one dS buffer: both warpgroups' GEMMs of the last step have read them.
-                    cute.arch.barrier(barrier_id=int(BwdBarrier.PDS_FREE), number_of_threads=128 * wgs)
-                    cute.copy(ds_copy, thr_ds_copy.retile(rP), tdSsdS[None, None, None, 0])
                     cute.copy(ds_copy, thr_ds_copy.retile(rdS), tdSsdS[None, None, None, 1])
                     ds_slot = 1
                 cute.arch.fence_view_async_shared()

@@ -40,8 +40,10 @@ def test_unsupported_head_dims_and_tile_shapes_are_refused():
     pairs = r"\(64, 64\), \(128, 128\), \(192, 128\), \(256, 256\)"
     with pytest.raises(ValueError, match=rf"\(head_dim, head_dim_v\) must be one of {pairs} for the cute backward"):
         compile_check("bf16", 128, True, 1, direction="bwd", head_dim_v=64)
-    with pytest.raises(ValueError, match="keys_on_rows=True is for head dims 64 and 128 .*got head_dim 256"):
+    with pytest.raises(ValueError, match="keys_on_rows=True is not built for head dim 256: keys on rows .* at 64"):
         FlashMaskBackwardSm90(cutlass.BFloat16, 256, True, 1, bwd_config(128, True, 1))
+    with pytest.raises(ValueError, match="keys_on_rows=False is not built for head dim 128"):
+        FlashMaskBackwardSm90(cutlass.BFloat16, 128, True, 1, bwd_config(256, True, 1))
 
 
 @pytest.mark.parametrize(

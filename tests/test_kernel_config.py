@@ -109,8 +109,10 @@ def test_configs_are_frozen_validated_and_hashable():
         dataclasses.replace(bwd_config(256, False, 2), key_tile=40)
     with pytest.raises(ValueError, match=r"do_stages must be from 0 \(as many as Q's\) to q_stages=2, got 3"):
         dataclasses.replace(bwd_config(192, False, 2), do_stages=3)
-    with pytest.raises(ValueError, match="keys_on_rows=True takes key_tile=128 .*got 64"):
+    with pytest.raises(ValueError, match="keys_on_rows=True takes key_tile=128 .*got key_tile=64, do_stages=0"):
         dataclasses.replace(bwd_config(128, False, 2), key_tile=64)
+    with pytest.raises(ValueError, match="keys_on_rows=True takes .*got key_tile=128, do_stages=2"):
+        dataclasses.replace(bwd_config(128, False, 2), do_stages=2)
     assert len({config, dataclasses.replace(config, persistent=False), fwd_config(128, True, 1)}) == 2
 
 
