@@ -6,6 +6,7 @@
     python scripts/bench_bwd.py bench --seqlens 32768 --batch 1 --heads 16 --kv-heads 4   # GQA, as in training
     python scripts/bench_bwd.py profile --masks causal,sliding_window --peers fa4   # GPU time per kernel
     python scripts/bench_bwd.py ablate --masks causal --variants lse_ahead=false   # configs vs the chosen ones
+    python scripts/bench_bwd.py bench --head-dim 192 --head-dim-v 128 --heads 16   # MLA's head dims
 
 Correctness: out, LSE, dQ, dK, dV through `attention(..., backend="cute")` and autograd vs the fp64
 reference within the verify/ tolerance (2x the error of the same computation in the input
@@ -32,10 +33,14 @@ import torch
 from bench_fwd import (
     ablation_table,
     add_common_arguments,
+    add_head_dim_v_argument,
     add_peers_argument,
     add_row,
+    bench_inputs,
     bench_table,
     check_common_arguments,
+    check_head_dim_v,
+    forward_flops,
     head_counts,
     new_record,
     record_times,
@@ -53,7 +58,7 @@ from flashmask3.verify import compare, random_inputs
 
 import flashmask3 as fm
 from flashmask3 import bench_peers
-from flashmask3.bench import attention_flops, progress
+from flashmask3.bench import progress
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
@@ -137,27 +142,27 @@ def run_bench(
     heads: int | None = None,
     kv_heads: int | None = None,
     batch: int | None = None,
+    head_dim_v: int | None = None,
 ) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
     Per mask, cute and the peers of `peer_names` that take the mask take turns (`interleaved_ms`);
     a peer's entries: `_ms`, `_tflops`, `_max_diff` (output) and `_max_diff_dq/dk/dv` (from ours),
-    or `_error`. `heads`, `kv_heads`, `batch`: the inputs' shape (`bench_fwd.run_bench`)."""
+    or `_error`. `heads`, `kv_heads`, `batch`, `head_dim_v`: the inputs' shape (`bench_fwd.run_bench`)."""
     rows = []
     heads, kv_heads = head_counts(head_dim, heads, kv_heads)
+    head_dim_v = head_dim_v or head_dim
     for seqlen in seqlens:
         batch_size = run_batch(seqlen, batch)
         rounds = 5 if seqlen <= 8192 else 3
-        inputs = []
-        for s in range(2):
-            q, k, v, dout = random_inputs(
-                batch_size, seqlen, seqlen, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=s
-            )
-            inputs.append((q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout))
+        inputs = [
+            (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout)
+            for q, k, v, dout in bench_inputs(2, batch_size, seqlen, heads, kv_heads, head_dim, head_dim_v)
+        ]
         scale = 1 / math.sqrt(head_dim)
         for name in progress(mask_names, f"bench {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
             density = mask.density()
-            flops = 3.5 * attention_flops(batch_size, heads, seqlen, seqlen, head_dim, density)
+            flops = 3.5 * forward_flops(batch_size, heads, seqlen, head_dim, head_dim_v, density)
             row = {
                 "mask": name,
                 "seqlen": seqlen,
@@ -165,6 +170,7 @@ def run_bench(
                 "heads": heads,
                 "kv_heads": kv_heads,
                 "head_dim": head_dim,
+                **({"head_dim_v": head_dim_v} if head_dim_v != head_dim else {}),
                 "density": density,
                 "deterministic": deterministic,
             }
@@ -274,8 +280,10 @@ def main() -> None:
         metavar="FIELD=VALUE[+FIELD=VALUE]",
         help="ablate: changes of the chosen kernel configurations to time (fwd+bwd) against them",
     )
+    add_head_dim_v_argument(parser)
     args = parser.parse_args()
     check_common_arguments(parser, args)
+    check_head_dim_v(parser, args)
     result, save = new_record(args, "bwd")
     if args.what in ("check", "all"):
         result["check"] = run_check(check_case, first_seed=100)
@@ -312,6 +320,7 @@ def main() -> None:
             heads=args.heads,
             kv_heads=args.kv_heads,
             batch=args.batch,
+            head_dim_v=args.head_dim_v,
         )
         print(bench_table(result["bench"], args.peers))
     if args.what == "profile":
@@ -338,6 +347,7 @@ def main() -> None:
             heads=args.heads,
             kv_heads=args.kv_heads,
             batch=args.batch,
+            head_dim_v=args.head_dim_v,
         )
         print(ablation_table(result["ablate"], args.variants))
     save(result)

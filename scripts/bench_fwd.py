@@ -362,6 +362,21 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_head_dim_v_argument(parser: argparse.ArgumentParser) -> None:
+    """--head-dim-v (bench and ablate; `check_head_dim_v` refuses it elsewhere after parsing)."""
+    parser.add_argument(
+        "--head-dim-v",
+        type=positive_int,
+        help="bench, ablate: V's head dim where not --head-dim (64 with 128, or 128 with 192: MLA's shape)",
+    )
+
+
+def check_head_dim_v(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The parser's error where --head-dim-v differs from --head-dim outside 'bench' and 'ablate'."""
+    if args.head_dim_v not in (None, args.head_dim) and args.what not in ("bench", "ablate"):
+        parser.error(f"--head-dim-v is for 'bench' and 'ablate', got it with {args.what!r}")
+
+
 def check_common_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Sets args.heads and args.kv_heads (`head_counts`: their defaults filled in, checked; a wrong
     --kv-heads is the parser's error, naming the accepted values). args.batch stays None for the
@@ -417,15 +432,10 @@ def main() -> None:
         metavar="FIELD=VALUE[+FIELD=VALUE]",
         help="ablate: changes of the chosen kernel configurations to time against them",
     )
-    parser.add_argument(
-        "--head-dim-v",
-        type=positive_int,
-        help="bench, ablate: V's head dim where not --head-dim (64 with 128, or 128 with 192: MLA's shape)",
-    )
+    add_head_dim_v_argument(parser)
     args = parser.parse_args()
     check_common_arguments(parser, args)
-    if args.head_dim_v not in (None, args.head_dim) and args.what not in ("bench", "ablate"):
-        parser.error(f"--head-dim-v is for 'bench' and 'ablate', got it with {args.what!r}")
+    check_head_dim_v(parser, args)
     result, save = new_record(args, "fwd")
     if args.what in ("check", "all"):
         result["check"] = run_check()

@@ -148,9 +148,12 @@ def _fake_peers(monkeypatch, module, calls: list, density: float) -> list:
         def density(self):
             return density
 
-    monkeypatch.setattr(
-        module, "random_inputs", lambda *a, **k: created.extend(torch.zeros(2) for _ in range(4)) or tuple(created[-4:])
-    )
+    for inputs_of in {module, bench_fwd}:  # bench_bwd draws its inputs through bench_fwd.bench_inputs
+        monkeypatch.setattr(
+            inputs_of,
+            "random_inputs",
+            lambda *a, **k: created.extend(torch.zeros(2) for _ in range(4)) or tuple(created[-4:]),
+        )
     monkeypatch.setattr(bench_fwd.masks, "build", lambda name, *a, **k: FakeMask())
     monkeypatch.setattr(
         bench_peers,
@@ -246,6 +249,10 @@ def test_backward_bench_times_fwd_and_bwd_of_cute_and_each_peer(monkeypatch):
     assert row["cute_tflops"] == pytest.approx(3.5 * 4 * 16 * 32 * 8192**2 * 128 / 1e-3 / 1e12)
     # the gradients are returned, never accumulated into the inputs' .grad (an extra pass per call)
     assert len(inputs) == 8 and all(t.grad is None for t in inputs)
+    # MLA's head dims: recorded, and the FLOPs over the mean head dim (bench_fwd's convention)
+    (mla,) = bench_bwd.run_bench([8192], 192, ["full"], deterministic=False, heads=16, head_dim_v=128)
+    assert (mla["head_dim"], mla["head_dim_v"]) == (192, 128)
+    assert mla["cute_tflops"] == pytest.approx(3.5 * 4 * 16 * 16 * 8192**2 * 160 / 1e-3 / 1e12)
 
 
 def test_peers_option_restricts_the_peers_and_names_the_accepted_ones(capsys):
@@ -754,7 +761,8 @@ def gqa_bench_on_cpu(monkeypatch, module) -> list:
         shapes.append((b, sq, sk, hq, hkv, d))
         return verify.random_inputs(b, sq, sk, hq, hkv, d, torch.float32, "cpu", seed=seed, head_dim_v=head_dim_v)
 
-    monkeypatch.setattr(module, "random_inputs", inputs)
+    for inputs_of in {module, bench_fwd}:  # bench_bwd draws its inputs through bench_fwd.bench_inputs
+        monkeypatch.setattr(inputs_of, "random_inputs", inputs)
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *args, device, **kwargs: built(*args, device="cpu", **kwargs))
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(
