@@ -193,8 +193,8 @@ class FlashMaskForwardSm90:
 
         check_smem_fits(
             SharedStorage.size_in_bytes(),
-            f"the forward at head dim {self.head_dim} with tile_m={self.tile_m}, num_stages={self.num_stages}, "
-            f"q_buffers={self.q_buffers}",
+            f"the forward at head dim {self.head_dim} with tile_m={self.tile_m}, tile_n={self.tile_n}, "
+            f"num_stages={self.num_stages}, q_buffers={self.q_buffers}",
         )
         num_ctas = cutlass.min(self.work_tiles(mQ, None).total, max_ctas)
         self.kernel(

@@ -57,11 +57,25 @@ def test_a_config_over_the_shared_memory_is_refused_at_compile_time(head_dim, he
 
     config = dataclasses.replace(fwd_config(head_dim, True, 1), num_stages=3)
     message = (
-        f"the forward at head dim {head_dim} with tile_m=128, num_stages=3, q_buffers={q_buffers} "
+        f"the forward at head dim {head_dim} with tile_m=128, tile_n=128, num_stages=3, q_buffers={q_buffers} "
         f"needs {needed} bytes of shared memory, over the 232448 of sm_90"
     )
     with pytest.raises(ValueError, match=message):
         compile_check("bf16", head_dim, True, 1, config=config, head_dim_v=head_dim_v)
+
+
+def test_a_second_do_stage_at_head_dim_256_is_refused_at_compile_time():
+    """The backward at head dim 256 keeps one dO stage: a second one (32 KB) does not fit beside the
+    64 KB of fp32 dQ staging, and the compile names the fields to change."""
+    from flashmask3.optimized import bwd_config, compile_check
+
+    config = dataclasses.replace(bwd_config(256, True, 1), do_stages=2)
+    message = (
+        "the backward at head dim 256 with key_tile=48, q_stages=2, do_stages=2 needs 261120 bytes of shared "
+        "memory, over the 232448 of sm_90"
+    )
+    with pytest.raises(ValueError, match=message):
+        compile_check("bf16", 256, True, 1, config, direction="bwd")
 
 
 def test_the_forward_compiles_without_the_persistent_grid():
