@@ -10,8 +10,6 @@ and what the forward keeps for the backward), load imbalance and the max error.
 
 from __future__ import annotations
 
-import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -49,9 +47,11 @@ def _setup(cfg: dict):
     return mask, inputs, plan, loads
 
 
-def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["world_size"])
+def _worker(rank: int, cfg: dict, out_dir: str) -> None:
+    # The ranks meet through a file store in the run's directory (a free TCP port could be taken
+    # by another process before rank 0 binds it).
+    store = Path(out_dir) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cfg["world_size"])
     torch.set_num_threads(1)
     mask, (q, k, v, dout), plan, _loads = _setup(cfg)
     config = CPConfig(
@@ -81,12 +81,6 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cp(cfg) -> dict:
     """Run the CP experiment described by the Hydra config `cfg` (cfg.cp.scheme != 'none')."""
     plain = {
@@ -110,7 +104,7 @@ def run_cp(cfg) -> dict:
         "stage_chunks": cfg.cp.get("stage_chunks"),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(plain, _free_port(), tmp), nprocs=plain["world_size"], join=True)
+        mp.spawn(_worker, args=(plain, tmp), nprocs=plain["world_size"], join=True)
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(plain["world_size"])]
     mask, (q, k, v, dout), plan, loads = _setup(plain)
     ins = [x.clone().requires_grad_() for x in (q, k, v)]

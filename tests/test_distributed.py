@@ -5,7 +5,7 @@ import importlib
 import itertools
 import os
 import re
-import socket
+import tempfile
 
 import numpy as np
 import pytest
@@ -489,15 +489,8 @@ CASES = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world, port, result_dir, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank_main(rank, world, store, result_dir, fn, args):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     result = fn(rank, world, *args)
     torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
@@ -505,8 +498,10 @@ def _rank_main(rank, world, port, result_dir, fn, args):
 
 
 def run_ranks(tmp_path, world, fn, *args) -> list:
-    """fn(rank, world, *args) on `world` gloo processes; every rank's return value."""
-    mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path), fn, args), nprocs=world, join=True)
+    """fn(rank, world, *args) on `world` gloo processes; every rank's return value. The ranks meet
+    through a file store, a fresh one per call (a free TCP port could be taken before rank 0 binds it)."""
+    store = os.path.join(tempfile.mkdtemp(dir=tmp_path), "store")
+    mp.spawn(_rank_main, args=(world, store, str(tmp_path), fn, args), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
