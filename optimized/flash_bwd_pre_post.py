@@ -105,10 +105,11 @@ class BackwardPostprocess:
     ):
         mdQ = select_modes(assume_aligned(mdQ), [1, 3, 2, 0])  # (Sq, D, Hq, B)
         # A swizzle atom within each warpgroup's half of the columns where the halves would split
-        # one (head dim 192: 96 each).
+        # a 64-column one (head dim 192: 96 each); at 64 both halves share one atom.
         half = self.head_dim // self.main.num_consumer_wgs
+        halves_split_an_atom = self.head_dim > 64 and half % 64 != 0
         s_layout = smem_layout(
-            self.dtype, self.main.tile_m, self.head_dim, major_size=half if half % 64 and half > 32 else None
+            self.dtype, self.main.tile_m, self.head_dim, major_size=half if halves_split_an_atom else None
         )
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.main.tile_m, self.head_dim)

@@ -9,9 +9,10 @@ Warpgroup 0, warp 1 is the mask role (mask_role.py): per query head, it classifi
 against the key tile from the key block's min/max and publishes the ones not fully masked, flagged
 PARTIAL, DIAGONAL_ONLY (causal: only the diagonal cuts it, no key's bounds are needed) or neither,
 into a smem ring. Warp 0 is the producer (TMA: K and V once, then Q and dO of each
-listed query tile through `num_stages`-deep mbarrier pipelines); it writes each entry beside its Q
-stage, so the consumers read it after the Q wait (a head's end is a stage without bytes).
-Warpgroups 1-2 are consumers, 64 keys each. They work on the transposed scores, so the rows of a
+listed query tile through `q_stages`- and `do_stages`-deep mbarrier pipelines); it writes each
+entry beside its Q stage, so the consumers read it after the Q wait (a head's end is a stage
+without bytes). Warpgroups 1-2 are consumers; at head dims 64 and 128 (keys on rows), 64 keys
+each. They work on the transposed scores, so the rows of a
 thread's fragment are keys and each thread loads the mask bounds of only its own two keys:
     S^T = K Q^T, dP^T = V dO^T                      (SS-WGMMA)
     P^T = exp2(S^T * scale * log2 e - LSE * log2 e)  (element mask only on PARTIAL/DIAGONAL_ONLY tiles)
@@ -82,6 +83,14 @@ HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 """The (q/k head dim, v head dim) pairs the backward compiles for."""
 
 
+def head_dims_refusal(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the backward kernel cannot take q/k head dim `head_dim` with v head dim `head_dim_v`, or None."""
+    if (head_dim, head_dim_v) in HEAD_DIMS:
+        return None
+    pairs = ", ".join(map(str, HEAD_DIMS))
+    return f"the cute backward takes head dims (q/k, v) of {pairs}, got ({head_dim}, {head_dim_v})"
+
+
 def _stmatrix(dtype: Type[cutlass.Numeric], transpose: bool, columns: int) -> cute.CopyAtom:
     """An stmatrix copy atom for a warpgroup's accumulator of `columns` columns: four 8x8 matrices
     per instruction, or two where the columns are a multiple of 8 but not of 16."""
@@ -121,11 +130,9 @@ class FlashMaskBackwardSm90:
         head_dim_v: int | None = None,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        if (head_dim, head_dim_v) not in HEAD_DIMS:
-            raise ValueError(
-                f"(head_dim, head_dim_v) must be one of {', '.join(map(str, HEAD_DIMS))} for the cute backward, "
-                f"got ({head_dim}, {head_dim_v})"
-            )
+        refusal = head_dims_refusal(head_dim, head_dim_v)
+        if refusal:
+            raise ValueError(refusal)
         if config.keys_on_rows != (head_dim <= 128):
             raise ValueError(
                 f"keys_on_rows={config.keys_on_rows} is not built for head dim {head_dim}: keys on rows "

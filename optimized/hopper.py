@@ -39,7 +39,8 @@ def assume_aligned(t: cute.Tensor) -> cute.Tensor:
 def smem_layout(
     dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int | None = None, major_size: int | None = None
 ):
-    """Swizzled row-major (rows, cols[, stages]) smem layout, as WGMMA operands and TMA want it.
+    """Row-major (rows, cols[, stages]) smem layout, swizzled as widely as the columns allow, as
+    WGMMA operands and TMA want it.
     `major_size`: the widest swizzle atom that divides it (default: cols), where an MMA reads the
     columns in slices of that many (a warpgroup's share: a WGMMA operand starts on an atom)."""
     kind = sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols if major_size is None else major_size)

@@ -137,8 +137,13 @@ def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig 
     whether one is passed), so changing them compiles nothing new."""
     if isinstance(config, FwdConfig):
         return dataclasses.replace(config, longest_tiles_first_waves=0)
-    if isinstance(config, BwdConfig):
-        return dataclasses.replace(config, longest_ctas_first_waves=0, longest_ctas_first_buckets=0)
+    if isinstance(config, BwdConfig):  # and do_stages=0 as the count it stands for: one kernel
+        return dataclasses.replace(
+            config,
+            longest_ctas_first_waves=0,
+            longest_ctas_first_buckets=0,
+            do_stages=config.do_stages or config.q_stages,
+        )
     return config
 
 
@@ -285,15 +290,14 @@ def backward(
     kernel that records each CTA's phases and the cycles of each segment of its steps
     (`optimized/timeline.py`); CTAs = `backward_ctas(...)`.
     """
-    from .flash_bwd_sm90 import HEAD_DIMS
     from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
+    from .flash_bwd_sm90 import head_dims_refusal
 
     b, sq, hq, d = q.shape
     head_dim_v = v.shape[-1]
-    if (d, head_dim_v) not in HEAD_DIMS:
-        raise ValueError(
-            f"the cute backward takes head dims (q/k, v) of {', '.join(map(str, HEAD_DIMS))}, got ({d}, {head_dim_v})"
-        )
+    refusal = head_dims_refusal(d, head_dim_v)  # before the preprocess is launched
+    if refusal:
+        raise ValueError(refusal)
     sk, hkv = k.shape[1], k.shape[2]
     uniform_work = mask is None  # every CTA sees every query tile: nothing to order
     if mask is None:

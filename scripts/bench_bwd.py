@@ -6,14 +6,17 @@
     python scripts/bench_bwd.py bench --seqlens 32768 --batch 1 --heads 16 --kv-heads 4   # GQA, as in training
     python scripts/bench_bwd.py profile --masks causal,sliding_window --peers fa4   # GPU time per kernel
     python scripts/bench_bwd.py ablate --masks causal --variants lse_ahead=false   # configs vs the chosen ones
-    python scripts/bench_bwd.py bench --head-dim 192 --head-dim-v 128 --heads 16   # MLA's head dims
+    python scripts/bench_bwd.py ablate --head-dim 192 --head-dim-v 128 --heads 16   # MLA's head dims
 
 Correctness: out, LSE, dQ, dK, dV through `attention(..., backend="cute")` and autograd vs the fp64
 reference within the verify/ tolerance (2x the error of the same computation in the input
 precision), dK/dV written into NaN-poisoned buffers; `deterministic=True` run twice must agree
 bit for bit. Speed: fwd+bwd (loss.backward through autograd, mask preprocessing and the dQ/Delta passes
 included), CUDA events, median over input sets, cute and its peers taking turns round by round;
-TFLOP/s on unmasked work, 3.5x the forward FLOPs. Peers in the same run, fwd+bwd through autograd
+TFLOP/s on unmasked work, 3.5x the forward FLOPs (over the mean head dim where v's differs: at
+192/128 about 3% under the GEMMs' own count). `bench` times ours through the public entry, which
+refuses gradients at head dims 192/128 and 256 with backend='cute' until their kernels' GPU check
+has passed; `ablate` calls the kernels directly. Peers in the same run, fwd+bwd through autograd
 (`--peers`, default all; `flashmask3.bench_peers` says which masks each takes): Flex with BACKEND
 TRITON and FLASH, FA4's own API (causal, window, varlen documents), FA4 with mask_mod + block
 sparsity in both directions, cuDNN SDPA. Each row holds per peer its time, TFLOP/s and largest

@@ -367,7 +367,7 @@ def add_head_dim_v_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head-dim-v",
         type=positive_int,
-        help="bench, ablate: V's head dim where not --head-dim (64 with 128, or 128 with 192: MLA's shape)",
+        help="bench, ablate: V's head dim where not --head-dim (e.g. 128 with 192: MLA's shape)",
     )
 
 

@@ -165,7 +165,8 @@ def test_backward_with_queries_on_rows_matches_the_reference(name, head_dim, hea
     out, lse = reference.forward(q, k, v, mask, scale, torch.float64)
     exact = reference.backward(dout, q, k, v, out, lse, mask, scale, torch.float64)
     in_bf16 = reference.backward(dout, q, k, v, out.bfloat16(), lse.float(), mask, scale, torch.bfloat16)
-    got = backward(dout, q, k, v, out.bfloat16(), lse.float(), mask, scale)
+    poisoned = [torch.full_like(x, math.nan) for x in (k, v)]  # every row must be written
+    got = backward(dout, q, k, v, out.bfloat16(), lse.float(), mask, scale, dk=poisoned[0], dv=poisoned[1])
     for grad, want, rounded in zip(got, exact, in_bf16):
         assert grad.shape == want.shape and not grad.isnan().any()
         tolerance = 2 * (rounded.double() - want).abs().max().item() + 1e-3

@@ -38,7 +38,7 @@ def test_unsupported_head_dims_and_tile_shapes_are_refused():
     with pytest.raises(ValueError, match="head_dim_v must be 64, 128 or 256 and at most head_dim \\(64"):
         FlashMaskForwardSm90(cutlass.BFloat16, 64, True, 1, fwd_config(64, True, 1), head_dim_v=128)
     pairs = r"\(64, 64\), \(128, 128\), \(192, 128\), \(256, 256\)"
-    with pytest.raises(ValueError, match=rf"\(head_dim, head_dim_v\) must be one of {pairs} for the cute backward"):
+    with pytest.raises(ValueError, match=rf"the cute backward takes head dims \(q/k, v\) of {pairs}, got \(128, 64\)"):
         compile_check("bf16", 128, True, 1, direction="bwd", head_dim_v=64)
     with pytest.raises(ValueError, match="keys_on_rows=True is not built for head dim 256: keys on rows .* at 64"):
         FlashMaskBackwardSm90(cutlass.BFloat16, 256, True, 1, bwd_config(128, True, 1))
@@ -143,11 +143,19 @@ def test_the_backward_with_queries_on_rows_keeps_its_wgmmas_in_flight(
     assert "serialized" not in summary and f"{46 if head_dim == 192 else 51} HGMMA" in summary
 
 
-def test_the_backward_with_queries_on_rows_compiles_deterministic_and_profiled():
-    from flashmask3.optimized import compile_check
-
-    assert compile_check("bf16", 256, False, 4, direction="bwd", deterministic=True) > 0
-    assert compile_check("bf16", 192, True, 1, direction="bwd", timeline=True, head_dim_v=128) > 0
+@pytest.mark.slow  # compiles and disassembles two backwards, ~20 s
+def test_the_backward_with_queries_on_rows_builds_deterministic_and_profiled(tmp_path):
+    """The deterministic build at 256 (a per-query-tile semaphore before each dQ add) and the profiled
+    build at 192/128 (clock reads around each step's segments): both in registers, with the step's
+    WGMMAs, the profiled one reading the SM clock."""
+    for name, head_dim, args in (
+        ("deterministic", 256, "'bf16', 256, False, 4, direction='bwd', deterministic=True"),
+        ("profiled", 192, "'bf16', 192, True, 1, direction='bwd', timeline=True, head_dim_v=128"),
+    ):
+        sass = compiled_sass(tmp_path, name, "FlashMaskBackward", args)
+        assert "STL" not in sass and "LDL" not in sass
+        assert sass.count("HGMMA") == (51 if head_dim == 256 else 46), name
+        assert ("SR_CLOCKLO" in sass) == (name == "profiled")
 
 
 def test_deterministic_backward_compiles_for_sm90a():

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 192, 256))
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--forward", action="store_true", help="the forward's work tiles, not the backward's CTAs")
     parser.add_argument("--fixed-us", type=float, help="per CTA (backward, default 3.4) or work tile (forward, 2)")
