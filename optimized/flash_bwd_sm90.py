@@ -91,12 +91,17 @@ def head_dims_refusal(head_dim: int, head_dim_v: int) -> str | None:
     return f"the cute backward takes head dims (q/k, v) of {pairs}, got ({head_dim}, {head_dim_v})"
 
 
-def _stmatrix(dtype: Type[cutlass.Numeric], transpose: bool, columns: int) -> cute.CopyAtom:
-    """An stmatrix copy atom for a warpgroup's accumulator of `columns` columns: four 8x8 matrices
-    per instruction, or two where the columns are a multiple of 8 but not of 16."""
-    return cute.make_copy_atom(
-        warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4 if columns % 16 == 0 else 2), dtype
-    )
+def _stmatrix_copy(dtype: Type[cutlass.Numeric], transpose: bool, tiled_mma: cute.TiledMma) -> cute.TiledCopy:
+    """The stmatrix copy of `tiled_mma`'s accumulator into smem: four 8x8 matrices per instruction,
+    or two where its MMA atom's columns are a multiple of 8 but not of 16."""
+    columns = tiled_mma.op.shape_mnk[1]
+    atom = warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4 if columns % 16 == 0 else 2)
+    return cute.make_tiled_copy_C(cute.make_copy_atom(atom, dtype), tiled_mma)
+
+
+def _operand_fragments(thr_mma: cute.ThrMma, a: cute.Tensor, b: cute.Tensor) -> tuple[cute.Tensor, cute.Tensor]:
+    """The WGMMA fragments of smem tensors `a` and `b` as `thr_mma`'s A and B operands."""
+    return thr_mma.make_fragment_A(thr_mma.partition_A(a)), thr_mma.make_fragment_B(thr_mma.partition_B(b))
 
 
 def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int) -> None:
@@ -651,29 +656,25 @@ class FlashMaskBackwardSm90:
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
         tn, wgs = self.tile_n, self.num_consumer_wgs
         if const_expr(self.keys_on_rows):
-            tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-            tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-            tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-            tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+            tSrK, tSrQ = _operand_fragments(wg_sdp, sK, sQ)
+            tdPrV, tdPrdO = _operand_fragments(wg_sdp, sV, sdO)
             tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
             tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
             # dS^T from registers into sdS (where dQ's A operand reads dS), by transposing stmatrix.
-            ds_copy = cute.make_tiled_copy_C(_stmatrix(self.dtype, True, self.tile_m), tiled_mma_sdp)
+            ds_copy = _stmatrix_copy(self.dtype, True, tiled_mma_sdp)
             thr_ds_copy = ds_copy.get_slice(tidx)
             tdSsdS = thr_ds_copy.partition_D(transpose_view(sdS))
             st_tile = (tn, self.tile_m)
             acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim)), Float32)
             acc_dV = cute.make_rmem_tensor_like(acc_dK, Float32)
         else:
-            tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
-            tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
-            tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
-            tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
-            tdVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdO)))
+            tSrQ, tSrK = _operand_fragments(wg_sdp, sQ, sK)
+            tdPrdO, tdPrV = _operand_fragments(wg_sdp, sdO, sV)
+            # [..., 0]: P, 1: dS, the B operand of dV^T and dK^T
+            tdVrdOt, tdKVrPdS = _operand_fragments(wg_dkv, transpose_view(sdO), transpose_view(sdS))
             tdKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sQ)))
-            tdKVrPdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdS)))  # [..., 0]: P, 1: dS
             # P and dS from registers into their buffers, by stmatrix.
-            ds_copy = cute.make_tiled_copy_C(_stmatrix(self.dtype, False, tn // wgs), tiled_mma_sdp)
+            ds_copy = _stmatrix_copy(self.dtype, False, tiled_mma_sdp)
             thr_ds_copy = ds_copy.get_slice(tidx)
             tdSsdS = thr_ds_copy.partition_D(sdS)
             st_tile = (self.tile_m, tn)
@@ -913,11 +914,7 @@ class FlashMaskBackwardSm90:
         leave out rows past seqlen_k."""
         # Every warpgroup's last MMAs (dQ reads all of sK) are done before sK, sV are overwritten.
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
-        if const_expr(self.keys_on_rows):
-            columns = self.head_dim
-        else:
-            columns = self.tile_n // self.num_consumer_wgs if self.dkv_split_keys else self.tile_n
-        st_copy = cute.make_tiled_copy_C(_stmatrix(self.dtype, not self.keys_on_rows, columns), tiled_mma_dkv)
+        st_copy = _stmatrix_copy(self.dtype, not self.keys_on_rows, tiled_mma_dkv)
         thr_copy = st_copy.get_slice(tidx)
         for acc, smem, scale in ((acc_dK, sK, softmax_scale), (acc_dV, sV, Float32(1.0))):
             r_out = cute.make_rmem_tensor_like(acc, self.dtype)
