@@ -142,6 +142,11 @@ class BwdConfig:
         if self.longest_ctas_first_buckets < 0:
             raise ValueError(f"longest_ctas_first_buckets must be >= 0, got {self.longest_ctas_first_buckets}")
 
+    @property
+    def do_depth(self) -> int:
+        """dO pipeline stages: `do_stages`, or Q's count where it is 0."""
+        return self.do_stages or self.q_stages
+
 
 LONGEST_TILES_FIRST_WAVES = 128
 """The forward draws its work tiles longest first when there are at most this many per SM."""
@@ -206,23 +211,13 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
     thread; read after the S GEMM, the width-4 build at 192 spills); not yet run on a GPU."""
-    if head_dim > 128:
-        return BwdConfig(
-            key_tile=48 if head_dim == 256 else 96,
-            keys_on_rows=False,
-            q_stages=2,
-            do_stages=1 if head_dim == 256 else 0,
-            lse_ahead=True,
-            longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
-            longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
-            diagonal_steps=causal,
-        )
+    queries_on_rows = head_dim > 128
     return BwdConfig(
-        key_tile=128,
-        keys_on_rows=True,
-        q_stages=3,
-        do_stages=0,
-        lse_ahead=mask_width < 4,
+        key_tile={192: 96, 256: 48}.get(head_dim, 128),
+        keys_on_rows=not queries_on_rows,
+        q_stages=2 if queries_on_rows else 3,
+        do_stages=1 if head_dim == 256 else 0,
+        lse_ahead=queries_on_rows or mask_width < 4,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
         diagonal_steps=causal,

@@ -151,7 +151,7 @@ class FlashMaskBackwardSm90:
         self.tile_n = config.key_tile  # the host's key-block min/max are per tile_n keys
         self.keys_on_rows = config.keys_on_rows
         self.num_stages = config.q_stages  # Q pipeline depth
-        self.do_stages = config.do_stages or config.q_stages
+        self.do_stages = config.do_depth
         # Queries on rows: dK^T and dV^T split between the warpgroups by head dim where both halves
         # are whole 64-row WGMMAs (256), else by keys (192/128).
         self.dkv_split_keys = head_dim % 128 != 0 or head_dim_v % 128 != 0

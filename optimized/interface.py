@@ -142,7 +142,7 @@ def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig 
             config,
             longest_ctas_first_waves=0,
             longest_ctas_first_buckets=0,
-            do_stages=config.do_stages or config.q_stages,
+            do_stages=config.do_depth,
         )
     return config
 
