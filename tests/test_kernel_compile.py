@@ -133,14 +133,10 @@ def test_the_backward_with_queries_on_rows_keeps_its_wgmmas_in_flight(
     """Head dims 192 (v 128) and 256: 96 and 48 keys per CTA with two Q stages fit in shared memory
     (the compile checks it), the step's 46 and 51 WGMMAs stay in flight, nothing lives in local
     memory."""
-    import sass_path
-
     args = f"'{dtype}', {head_dim}, {causal}, {width}, direction='bwd', head_dim_v={head_dim_v}"
-    sass = compiled_sass(tmp_path, f"bwd_{head_dim}_{causal}_{width}", "FlashMaskBackward", args)
-    assert "STL" not in sass and "LDL" not in sass
-    blocks = sass_path.hot_loop(sass_path.read_blocks(sass.splitlines()))
-    summary = sass_path.loop_summary(blocks)
-    assert "serialized" not in summary and f"{46 if head_dim == 192 else 51} HGMMA" in summary
+    name = f"bwd_{head_dim}_{causal}_{width}"
+    _, summary = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskBackward", args), name)
+    assert f"{46 if head_dim == 192 else 51} HGMMA" in summary
 
 
 @pytest.mark.slow  # compiles and disassembles two backwards, ~20 s
@@ -331,6 +327,18 @@ def compiled_sass(tmp_path, name: str, kernel: str, args: str, setup: str = "") 
     return subprocess.run([str(nvdisasm), "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
 
 
+def hot_loop_in_registers(sass: str, name: str) -> tuple[list, str]:
+    """The kernel's hot loop (`sass_path` blocks) and its summary, asserting on the way that the
+    kernel `name` uses no local memory and that the loop has WGMMAs, none serialized (C7512)."""
+    import sass_path
+
+    assert "STL" not in sass and "LDL" not in sass, f"{name} uses local memory"
+    blocks = sass_path.hot_loop(sass_path.read_blocks(sass.splitlines()))
+    summary = sass_path.loop_summary(blocks)
+    assert " 0 HGMMA" not in summary and "serialized" not in summary, f"{name}: {summary}"
+    return blocks, summary
+
+
 @pytest.mark.slow  # compiles and disassembles both kernels, ~12 s
 def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
     """ptxas serializes every WGMMA when registers run short (its C7512 warning: an arrive and a wait
@@ -338,15 +346,8 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
     backward's 128-row query steps, `s_ahead`). The default forward and backward main loops must
     keep theirs in flight (the check itself is tested on a serialized loop in
     test_bench_scripts.py)."""
-    import sass_path
-
-    summaries = {}
     for name, (kernel, args) in _SERIALIZATION_CASES.items():
-        sass = compiled_sass(tmp_path, name, kernel, args)
-        assert "STL" not in sass and "LDL" not in sass, f"{name} uses local memory"
-        summaries[name] = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())))
-    for summary in summaries.values():  # a loop of WGMMAs was found, and they stay in flight
-        assert " 0 HGMMA" not in summary and "serialized" not in summary, summaries
+        hot_loop_in_registers(compiled_sass(tmp_path, name, kernel, args), name)
 
 
 def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[list[str], int, int]:
@@ -370,11 +371,8 @@ def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[lis
 def test_the_forward_at_head_dim_256_keeps_its_loop_in_registers(tmp_path, causal, width):
     """Head dim 256 (64-key tiles, one Q buffer, O's 128 accumulators per thread): its shared
     storage fits (the compile checks it), no local memory, the WGMMAs in flight."""
-    import sass_path
-
-    sass = compiled_sass(tmp_path, f"hd256_{causal}_{width}", "FlashMaskForward", f"'bf16', 256, {causal}, {width}")
-    assert "STL" not in sass and "LDL" not in sass
-    assert "serialized" not in sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())))
+    name = f"hd256_{causal}_{width}"
+    hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', 256, {causal}, {width}"), name)
 
 
 @pytest.mark.slow  # compiles and disassembles two backwards, ~12 s
@@ -383,17 +381,13 @@ def test_diagonal_steps_keep_the_loop_in_registers(tmp_path, head_dim):
     """`diagonal_steps` (sliding window's variant: causal, one bound) adds a branch to the
     backward's step: the same LDG and HGMMA counts in the loop, no local memory, the WGMMAs not
     serialized."""
-    import sass_path
-
     setup = "import dataclasses; from flashmask3.optimized import bwd_config"
 
     def loop_of(on: bool) -> list[str]:
         config = f"dataclasses.replace(bwd_config({head_dim}, True, 1), diagonal_steps={on})"
         args = f"'bf16', {head_dim}, True, 1, {config}, direction='bwd'"
-        sass = compiled_sass(tmp_path, f"diagonal_steps_{head_dim}_{on}", "FlashMaskBackward", args, setup)
-        assert "STL" not in sass and "LDL" not in sass
-        blocks = sass_path.hot_loop(sass_path.read_blocks(sass.splitlines()))
-        assert "serialized" not in sass_path.loop_summary(blocks)
+        name = f"diagonal_steps_{head_dim}_{on}"
+        blocks, _ = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskBackward", args, setup), name)
         return [inst for _, block in blocks for inst in block]
 
     default, diagonal = loop_of(False), loop_of(True)
@@ -435,7 +429,6 @@ def test_only_the_mask_role_reads_the_longest_first_order(tmp_path):
     mask role: one global load more than the build drawing in index order, none in the producer's
     or the consumers' path before a tile's Q load and first GEMM; no local memory, and the loop's
     WGMMAs stay in flight."""
-    import sass_path
 
     def build(waves: int) -> str:
         config = f"dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first_waves={waves})"
@@ -445,9 +438,7 @@ def test_only_the_mask_role_reads_the_longest_first_order(tmp_path):
     index_order, longest_first = build(0), build(128)
     loads = [sum("LDG" in line for line in sass.splitlines()) for sass in (index_order, longest_first)]
     assert loads[1] - loads[0] == 1, loads
-    assert "STL" not in longest_first and "LDL" not in longest_first
-    summary = sass_path.loop_summary(sass_path.hot_loop(sass_path.read_blocks(longest_first.splitlines())))
-    assert " 0 HGMMA" not in summary and "serialized" not in summary, summary
+    hot_loop_in_registers(longest_first, "longest first")
 
 
 def test_backward_grid_order_build_compiles():
