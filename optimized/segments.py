@@ -1,0 +1,186 @@
+"""Query and key tiles aligned to the mask's independent segments (as varlen kernels align to documents).
+
+A mask over Sq = Sk often splits into independent segments: rows of one segment see no key of
+another (packed documents, share-question and prefix-LM documents). Tiles aligned to the sequence
+straddle the segment boundaries: such a query tile needs key tiles of two segments, and a segment
+starting mid-tile shares its first key tile with its neighbour, partially masked on both sides.
+Aligned tiles (FA4's varlen) take fewer key-tile steps, fewer of them masked.
+
+`segment_plan` keeps the kernels' mask machinery as it is and moves the alignment into the
+addressing: each segment is padded to a multiple of `granule` rows in a *virtual* sequence, the
+mask is mapped there (its boundaries through the monotone map from real to virtual rows; padding
+keys are masked for every row), and a table gives, per granule of the virtual sequence, its real
+first row and how many real rows it holds. A kernel then tiles the virtual sequence as before,
+loads Q/K/V from the real rows of each tile and stores only a tile's real rows.
+
+Exactness: a monotone map keeps every masked interval and the causal comparison between real rows
+and keys, and padding keys are masked, so real rows get the same result. Padding rows between two
+segments are masked for every key too (the segments are independent), which the backward needs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..reference import ColumnMask
+
+GRANULE = 128
+"""Rows per virtual granule: the forward's query tile, a multiple of every key tile and query step."""
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """A mask mapped to segment-aligned virtual rows (see the module's docstring).
+
+    `mask`: the virtual mask, int32 [Bm, Hm, Sv, width], Sq = Sk = Sv (a multiple of `granule`).
+    `tile_rows`: int32 [Bm, Hm, Sv / granule, 2], per granule its real first row and its number of
+    real rows (0 for the granules past a mask row's segments; their first row is then Sq).
+    """
+
+    mask: ColumnMask
+    tile_rows: torch.Tensor
+    granule: int
+
+    @property
+    def seqlen(self) -> int:
+        return self.mask.seqlen_q
+
+
+def segment_starts(mask: ColumnMask, min_len: int = GRANULE) -> torch.Tensor:
+    """bool [Bm, Hm, S]: the rows that start a segment (row 0 always). A boundary b splits the mask
+    where no key before b is seen by a row from b on and no key from b on by a row before b; it is
+    kept where a piece next to it (between candidate boundaries) holds at least `min_len` rows, so
+    runs of short pieces stay one segment (padding each would cost more than it saves)."""
+    if mask.seqlen_q != mask.seqlen_k:
+        raise ValueError(f"segments need Sq = Sk, got Sq={mask.seqlen_q}, Sk={mask.seqlen_k}")
+    lo, hi = _seen_by(mask)
+    s = mask.seqlen_k
+    before = torch.cummax(hi, dim=-1).values  # at j: the last row that sees a key <= j
+    after = torch.flip(torch.cummin(torch.flip(lo, (-1,)), dim=-1).values, (-1,))  # at j: first row seeing a key >= j
+    rows = torch.arange(s, device=mask.device)
+    candidate = torch.zeros_like(lo, dtype=torch.bool)
+    candidate[..., 1:] = (before[..., :-1] < rows[1:]) & (after[..., 1:] >= rows[1:])
+    at = torch.where(candidate, rows, 0)
+    previous = torch.cummax(at, dim=-1).values  # the candidate at or before each row (0: none)
+    previous = torch.cat([torch.zeros_like(previous[..., :1]), previous[..., :-1]], dim=-1)
+    at_next = torch.where(candidate, rows, s)
+    following = torch.flip(torch.cummin(torch.flip(at_next, (-1,)), dim=-1).values, (-1,))
+    following = torch.cat([following[..., 1:], torch.full_like(following[..., :1], s)], dim=-1)
+    keep = candidate & (((rows - previous) >= min_len) | ((following - rows) >= min_len))
+    keep[..., 0] = True
+    return keep
+
+
+def _seen_by(mask: ColumnMask) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 [Bm, Hm, Sk] each: per key, the first and the last row that sees it (Sq and -1: none).
+    The rows seeing a key are [base, Sq) less the two masked intervals, whose pieces start at base
+    or an interval's end and end at Sq - 1 or before an interval's start."""
+    lts, lte, uts, ute = (v.to(torch.int64) for v in mask.intervals())
+    sq = mask.seqlen_q
+    base = torch.zeros_like(lts)
+    if mask.causal:
+        base = base + torch.arange(mask.seqlen_k, device=mask.device) - (mask.seqlen_k - sq)
+
+    def seen(row: torch.Tensor) -> torch.Tensor:
+        hidden = ((row >= lts) & (row < lte)) | ((row >= uts) & (row < ute))
+        return (row >= base) & (row >= 0) & (row < sq) & ~hidden
+
+    first = torch.full_like(lts, sq)
+    for row in (base.clamp(min=0), lte, ute):
+        first = torch.where(seen(row), torch.minimum(first, row), first)
+    last = torch.full_like(lts, -1)
+    for row in (torch.full_like(lts, sq - 1), lts - 1, uts - 1):
+        last = torch.where(seen(row), torch.maximum(last, row), last)
+    return first, last
+
+
+def segment_plan(mask: ColumnMask, granule: int = GRANULE, min_len: int = GRANULE) -> SegmentPlan:
+    """The mask on segment-aligned virtual rows, each segment padded to a multiple of `granule`.
+
+    One host sync (the virtual length, which fixes the grids); `cached_segment_plan` keeps the plan
+    per mask."""
+    s = mask.seqlen_k
+    starts = segment_starts(mask, min_len)
+    rows = torch.arange(s, device=mask.device)
+    start_of = torch.cummax(torch.where(starts, rows, 0), dim=-1).values  # each row's segment start
+    # At a segment's first row, the padding that closes the segment before it.
+    previous_start = torch.cat([torch.zeros_like(start_of[..., :1]), start_of[..., :-1]], dim=-1)
+    closing = torch.where(starts & (rows > 0), (previous_start - rows) % granule, 0)
+    virtual = rows + torch.cumsum(closing, dim=-1)  # int64 [Bm, Hm, S]: each real row's virtual row
+    ends = virtual[..., -1] + 1 + (start_of[..., -1] - s) % granule  # [Bm, Hm]: padded length
+    sv = int(ends.max())  # the host sync
+    bm, hm, _, width = mask.startend_row_indices.shape
+
+    # Boundaries: an interval's start x maps to one past row x - 1's virtual row, its end x to row
+    # x's virtual row (Sq: the virtual end), so each interval keeps exactly its real rows and the
+    # padding between two segments lies inside an interval iff the boundary between them does.
+    def mapped_start(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.gather(virtual, -1, (x - 1).clamp(min=0)) + 1, 0)
+
+    def mapped_end(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x < s, torch.gather(virtual, -1, x.clamp(max=s - 1)), sv)
+
+    idx = mask.startend_row_indices.to(torch.int64).expand(bm, hm, s, width)
+    columns = [(mapped_start if c % 2 == 0 else mapped_end)(idx[..., c]) for c in range(width)]
+    # Padding keys: masked for every row, with the bounds of a key whose rows ended with its
+    # segment's real rows (X, one past them), so a tile's min/max still shows the segments apart.
+    ended = torch.zeros(bm, hm, sv, dtype=torch.int64, device=mask.device)
+    ended.scatter_(2, virtual.expand(bm, hm, s), virtual.expand(bm, hm, s) + 1)
+    x = torch.cummax(ended, dim=-1).values
+    full = torch.full_like(x, sv)
+    padding = {(True, 1): [x], (True, 2): [x, full], (False, 2): [x, x], (False, 4): [x, full, 0 * x, x]}
+    virtual_idx = torch.stack(padding[(mask.causal, width)], dim=-1)
+    virtual_idx.scatter_(2, virtual.unsqueeze(-1).expand(bm, hm, s, width), torch.stack(columns, dim=-1))
+
+    tiles = sv // granule
+    tile_index = virtual // granule
+    tile_rows = torch.zeros(bm, hm, tiles, 2, dtype=torch.int64, device=mask.device)
+    tile_rows[..., 1].scatter_add_(2, tile_index, torch.ones_like(tile_index))
+    # A granule's first row: the real row at its first virtual row (padding never starts one).
+    first = (virtual % granule) == 0
+    first_rows = torch.full((bm, hm, tiles + 1), s, dtype=torch.int64, device=mask.device)
+    first_rows.scatter_(2, torch.where(first, tile_index, tiles), torch.where(first, rows, s))
+    tile_rows[..., 0] = first_rows[..., :tiles]
+    virtual_mask = ColumnMask._unchecked(virtual_idx.to(torch.int32), mask.causal, sv)
+    return SegmentPlan(virtual_mask, tile_rows.to(torch.int32).contiguous(), granule)
+
+
+def loaded_rows(plan: SegmentPlan) -> torch.Tensor:
+    """int64 [Bm, Hm, Sv]: the real row each virtual row is loaded from (a tile's real first row
+    plus its place in the tile; Sq or more reads zeros), as the kernels' loads do."""
+    start = plan.tile_rows[..., 0].to(torch.int64)
+    offsets = torch.arange(plan.granule, device=start.device)
+    return (start.unsqueeze(-1) + offsets).flatten(-2)
+
+
+def stored_rows(plan: SegmentPlan) -> torch.Tensor:
+    """bool [Bm, Hm, Sv]: the virtual rows whose results are stored (a tile's real rows)."""
+    count = plan.tile_rows[..., 1].to(torch.int64)
+    offsets = torch.arange(plan.granule, device=count.device)
+    return (offsets < count.unsqueeze(-1)).flatten(-2)
+
+
+_plans: dict[int, tuple[tuple, SegmentPlan]] = {}
+
+
+def cached_segment_plan(mask: ColumnMask) -> SegmentPlan:
+    """`segment_plan(mask)`, computed once per boundaries tensor (its version, shape and storage)
+    while it lives: the layers of a training step share their mask, so the host sync runs once per
+    mask, not once per layer."""
+    boundaries = mask.startend_row_indices
+    state = (
+        mask.causal,
+        mask.seqlen_q,
+        None if torch.is_inference(boundaries) else boundaries._version,
+        tuple(boundaries.shape),
+        boundaries.data_ptr(),
+    )
+    kept = _plans.get(id(boundaries))
+    if kept is None or kept[0] != state:
+        if kept is None:
+            weakref.finalize(boundaries, _plans.pop, id(boundaries), None)
+        kept = _plans[id(boundaries)] = (state, segment_plan(mask))
+    return kept[1]
