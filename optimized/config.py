@@ -64,6 +64,11 @@ class FwdConfig:
     # Causal masks: a PARTIAL key tile the causal diagonal does not cut is listed as such and masked
     # by its keys' bounds alone, without the per-element causal comparison.
     off_diagonal_tiles: bool
+    # Masks over Sq = Sk whose rows split into independent segments (packed documents): query and
+    # key tiles aligned to the segments instead of the sequence, through a virtual sequence that
+    # pads each segment to whole tiles (segments.py); the tiles straddling two documents, and their
+    # masked steps, are gone. 128-row query tiles only (the plan's granule).
+    segment_tiles: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -76,6 +81,8 @@ class FwdConfig:
             raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
         if self.longest_tiles_first_waves < 0:
             raise ValueError(f"longest_tiles_first_waves must be >= 0, got {self.longest_tiles_first_waves}")
+        if self.segment_tiles and self.tile_m != 128:
+            raise ValueError(f"segment_tiles needs tile_m=128 (the segments' granule), got tile_m={self.tile_m}")
         if self.late_k_release and self.tile_m != 128:
             raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
 
@@ -196,6 +203,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         fmax_row_max=head_dim == 128 and not causal,
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
+        segment_tiles=False,
     )
 
 

@@ -99,6 +99,7 @@ class FlashMaskForwardSm90:
         self.off_diagonal_tiles = config.off_diagonal_tiles and causal
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
+        self.segment_tiles = config.segment_tiles
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
@@ -122,6 +123,7 @@ class FlashMaskForwardSm90:
         mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32: per key tile, min then max of each column
         mTileCounter: cute.Tensor,  # [1] int32, zero: the work tiles drawn so far beyond the first per CTA
         mTileOrder: cute.Tensor | None,  # [work tiles] int32 when few per SM: the n-th to draw
+        mTileRows: cute.Tensor | None,  # [Bm, Hm, Tv, 2] int32 with segment_tiles (segments.py), else None
         mTimeline: cute.Tensor | None,  # [CTAs, work tiles, len(Event)] int64 in a timeline build, else None
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
@@ -196,17 +198,19 @@ class FlashMaskForwardSm90:
             f"the forward at head dim {self.head_dim} with tile_m={self.tile_m}, tile_n={self.tile_n}, "
             f"num_stages={self.num_stages}, q_buffers={self.q_buffers}",
         )
-        num_ctas = cutlass.min(self.work_tiles(mQ, None).total, max_ctas)
+        num_ctas = cutlass.min(self.work_tiles(mQ, mRowIndices, None).total, max_ctas)
         self.kernel(
             tma_mQ,
             tma_mK,
             tma_mV,
             tma_mO,
+            mO if const_expr(self.segment_tiles) else None,
             mLSE,
             mRowIndices,
             mBlockBounds,
             mTileCounter,
             mTileOrder,
+            mTileRows,
             mTimeline,
             tma_q,
             tma_k,
@@ -236,11 +240,13 @@ class FlashMaskForwardSm90:
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
+        mO_rows: cute.Tensor | None,
         mLSE: cute.Tensor,
         mRowIndices: cute.Tensor,
         mBlockBounds: cute.Tensor,
         mTileCounter: cute.Tensor,
         mTileOrder: cute.Tensor | None,
+        mTileRows: cute.Tensor | None,
         mTimeline: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -265,7 +271,7 @@ class FlashMaskForwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        work_tiles = self.work_tiles(mQ, mTileOrder)
+        work_tiles = self.work_tiles(mQ, mRowIndices, mTileOrder)
         timeline = Timeline(mTimeline)
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -294,6 +300,8 @@ class FlashMaskForwardSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sBounds = storage.sBounds.get_tensor(bounds_layout)
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        if const_expr(self.segment_tiles):  # the tiles walk the virtual rows; the loads and stores map them
+            seqlen_q = seqlen_k = mRowIndices.shape[2]
         heads = (qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride)
 
         if warp_idx < 4:
@@ -313,7 +321,8 @@ class FlashMaskForwardSm90:
                     pipe_k,
                     pipe_v,
                     work_tiles,
-                    qheads_per_kvhead,
+                    heads,
+                    mTileRows,
                     tile_list,
                     timeline,
                 )
@@ -324,6 +333,7 @@ class FlashMaskForwardSm90:
                     mTileCounter,
                     num_ctas,
                     mBlockBounds,
+                    mTileRows,
                     mask_batch_stride,
                     qheads_per_maskhead,
                     seqlen_q,
@@ -342,8 +352,10 @@ class FlashMaskForwardSm90:
             self.consume(
                 tma_o,
                 mO,
+                mO_rows,
                 mLSE,
                 mRowIndices,
+                mTileRows,
                 sQ,
                 sO,
                 sK,
@@ -364,9 +376,11 @@ class FlashMaskForwardSm90:
                 timeline,
             )
 
-    def work_tiles(self, mQ: cute.Tensor, order: cute.Tensor | None) -> WorkTiles:
-        """The work tiles of Q, (Sq, D, Hq, B): query tiles x query heads x batch, drawn in `order`."""
-        num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+    def work_tiles(self, mQ: cute.Tensor, mRowIndices: cute.Tensor, order: cute.Tensor | None) -> WorkTiles:
+        """The work tiles of Q, (Sq, D, Hq, B): query tiles (of the virtual rows, the mask's keys, with
+        segment_tiles) x query heads x batch, drawn in `order`."""
+        seqlen_q = mRowIndices.shape[2] if const_expr(self.segment_tiles) else mQ.shape[0]
+        num_m_blocks = cute.ceil_div(cute.size(seqlen_q), self.tile_m)
         num_heads = cute.size(mQ.shape[2])
         total = num_m_blocks * num_heads * cute.size(mQ.shape[3])
         return WorkTiles(num_m_blocks, num_heads, total, self.causal, order)
@@ -387,12 +401,15 @@ class FlashMaskForwardSm90:
         pipe_k,
         pipe_v,
         work_tiles,
-        qheads_per_kvhead,
+        heads,
+        mTileRows,
         tile_list,
         timeline,
     ):
         """Producer warp: per work tile, Q once a Q buffer is free, then K and V of every
-        listed key tile, K of tile j+1 before V of tile j (a turn of the consumers' loop needs both)."""
+        listed key tile, K of tile j+1 before V of tile j (a turn of the consumers' loop needs both).
+        With segment_tiles each tile is loaded from its real first row (`mTileRows`)."""
+        qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride = heads
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_buffers)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -402,12 +419,21 @@ class FlashMaskForwardSm90:
         while work != NO_MORE_WORK:
             m_block, head, batch = work_tiles.decode(work)
             head_kv = head // qheads_per_kvhead
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+            mK_head, mV_head = mK[None, None, head_kv, batch], mV[None, None, head_kv, batch]
+            tile_rows = None
+            if const_expr(self.segment_tiles):
+                tile_rows = mTileRows[batch * mask_batch_stride, head // qheads_per_maskhead, None, None]
+                mQ_tile = cute.domain_offset((tile_rows[m_block, 0], 0), mQ[None, None, head, batch])
+                gQ = cute.local_tile(mQ_tile, (self.tile_m, self.head_dim), (0, 0))
+            else:
+                gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            gK = cute.local_tile(mK_head, (self.tile_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(mV_head, (self.tile_n, self.head_dim_v), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tKsK, tKgK = tma_tiles(tma_k, sK, gK)
             tVsV, tVgV = tma_tiles(tma_v, sV, gV)
+            keys = (tma_k, tKgK, tKsK, pipe_k, (sK, mK_head, self.head_dim, tile_rows))
+            values = (tma_v, tVgV, tVsV, pipe_v, (sV, mV_head, self.head_dim_v, tile_rows))
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             if cute.arch.lane_idx() == 0:
@@ -416,28 +442,38 @@ class FlashMaskForwardSm90:
             position += 1
             entry = tile_list.read(position)
             if entry != END_OF_LIST:
-                self.load_tile(tma_k, tKgK, tKsK, pipe_k, k_state, entry_tile(entry))
+                self.load_key_tile(*keys, k_state, entry_tile(entry))
                 k_state.advance()
                 previous = entry
                 position += 1
                 entry = tile_list.read(position)
                 while entry != END_OF_LIST:
-                    self.load_tile(tma_k, tKgK, tKsK, pipe_k, k_state, entry_tile(entry))
+                    self.load_key_tile(*keys, k_state, entry_tile(entry))
                     k_state.advance()
-                    self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, entry_tile(previous))
+                    self.load_key_tile(*values, v_state, entry_tile(previous))
                     v_state.advance()
                     previous = entry
                     position += 1
                     entry = tile_list.read(position)
-                self.load_tile(tma_v, tVgV, tVsV, pipe_v, v_state, entry_tile(previous))
+                self.load_key_tile(*values, v_state, entry_tile(previous))
                 v_state.advance()
             position += 1
             tiles_done += 1
             work = tile_list.read(position)
 
     @cute.jit
-    def load_tile(self, tma, gmem_tiles, smem_stages, pipe, state, n_block):
-        """TMA of key tile `n_block` into the pipeline stage of `state`, once it is free."""
+    def load_key_tile(self, tma, gmem_tiles, smem_stages, pipe, segments, state, n_block):
+        """TMA of key tile `n_block` of K or V (`gmem_tiles`, its TMA partition) into the pipeline stage
+        of `state`, once it is free. With segment_tiles, from the tile's real first row: `segments` is
+        (the smem stages, K or V of the head, its columns, `tile_rows`), and a key tile's first row is
+        its granule's (the query tile's size: 128) plus its place in the granule."""
+        if const_expr(self.segment_tiles):
+            smem, mKV_head, cols, tile_rows = segments
+            key = n_block * self.tile_n
+            first = tile_rows[key // self.tile_m, 0] + key % self.tile_m
+            tile = cute.local_tile(cute.domain_offset((first, 0), mKV_head), (self.tile_n, cols), (None, 0))
+            _, gmem_tiles = tma_tiles(tma, smem, tile)
+            n_block = 0
         pipe.producer_acquire(state)
         cute.copy(
             tma, gmem_tiles[None, n_block], smem_stages[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state)
@@ -448,8 +484,10 @@ class FlashMaskForwardSm90:
         self,
         tma_o,
         mO,
+        mO_rows,
         mLSE,
         mRowIndices,
+        mTileRows,
         sQ,
         sO,
         sK,
@@ -470,7 +508,9 @@ class FlashMaskForwardSm90:
         timeline,
     ):
         """Consumer warpgroups: per work tile, the masked online-softmax main loop and the epilogue.
-        `sBounds`: the warpgroups' smem buffers of prefetched column bounds (`prefetch_bounds`)."""
+        `sBounds`: the warpgroups' smem buffers of prefetched column bounds (`prefetch_bounds`).
+        With segment_tiles the loop works on the virtual rows and the epilogue stores the tile's real
+        rows (`mTileRows`; `mO_rows`: O itself, for a tile of fewer than 128 real rows)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
@@ -512,6 +552,10 @@ class FlashMaskForwardSm90:
                 seqlen_k,
                 causal_offset,
             )
+            tile_rows = None
+            if const_expr(self.segment_tiles):  # read here, used by the epilogue: the loop hides the load
+                real = mTileRows[batch * mask_batch_stride, head // qheads_per_maskhead, m_block, None]
+                tile_rows = (real[0], real[1])
             acc_O.fill(0.0)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
@@ -561,6 +605,8 @@ class FlashMaskForwardSm90:
                 sO[None, None, q_state.index],
                 tma_o,
                 mO,
+                mO_rows,
+                tile_rows,
                 mLSE,
                 m_block,
                 head,
@@ -775,10 +821,28 @@ class FlashMaskForwardSm90:
             cute.arch.barrier_arrive(barrier_id=_MMA_TURN + next_wg, number_of_threads=256)
 
     @cute.jit
-    def store(self, acc_O, lse, tiled_mma_pv, thr_pv, sO, tma_o, mO, mLSE, m_block, head, batch, seqlen_q, tidx):
+    def store(
+        self,
+        acc_O,
+        lse,
+        tiled_mma_pv,
+        thr_pv,
+        sO,
+        tma_o,
+        mO,
+        mO_rows,
+        tile_rows,
+        mLSE,
+        m_block,
+        head,
+        batch,
+        seqlen_q,
+        tidx,
+    ):
         """Epilogue: O into `sO` (the work tile's Q buffer) by stmatrix, then one TMA store of the tile,
         which leaves out rows past seqlen_q and completes under the next work tile; the LSE by the
-        threads holding column 0."""
+        threads holding column 0. With segment_tiles the tile's real rows, from `tile_rows` (first
+        row, count): a tile of fewer than 128 (a segment's last) is stored by `store_rows`."""
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         # Every consumer warpgroup's last S GEMM (the readers of this Q buffer) is done.
@@ -790,14 +854,52 @@ class FlashMaskForwardSm90:
         cute.copy(st_copy, thr_copy.retile(rO), thr_copy.partition_D(sO))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
-        if tidx == 0:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
-            t_s, t_g = tma_tiles(tma_o, sO, gO)
-            cute.copy(tma_o, t_s, t_g)
-            cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.segment_tiles):
+            first_row, real_rows = tile_rows
+            if real_rows == self.tile_m:
+                if tidx == 0:
+                    self.store_tile(tma_o, sO, cute.domain_offset((first_row, 0), mO[None, None, head, batch]), 0)
+            else:
+                self.store_rows(sO, mO_rows[None, None, head, batch], first_row, real_rows, tidx)
+        elif tidx == 0:
+            self.store_tile(tma_o, sO, mO[None, None, head, batch], m_block)
         coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         if coords[0, 0][1] == 0:  # the thread holding column 0 of its rows writes their LSE
             for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.tile_m + coords[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
+                if const_expr(self.segment_tiles):
+                    if coords[r, 0][0] < tile_rows[1]:
+                        mLSE[tile_rows[0] + coords[r, 0][0], head, batch] = lse[r]
+                else:
+                    row = m_block * self.tile_m + coords[r, 0][0]
+                    if row < seqlen_q:
+                        mLSE[row, head, batch] = lse[r]
+
+    @cute.jit
+    def store_tile(self, tma_o, sO, mO_head, m_block):
+        """One TMA store of the tile in `sO` as query tile `m_block` of `mO_head` (one thread)."""
+        gO = cute.local_tile(mO_head, (self.tile_m, self.head_dim_v), (m_block, 0))
+        t_s, t_g = tma_tiles(tma_o, sO, gO)
+        cute.copy(tma_o, t_s, t_g)
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_rows(self, sO, mO_head, first_row, real_rows, tidx):
+        """The first `real_rows` rows of the tile in `sO` to `mO_head` from `first_row` on, 16 bytes per
+        copy by every consumer thread: a TMA store of the whole tile would write over the next
+        segment's first rows. The Q buffer is released only after every thread has read it."""
+        threads = 128 * self.num_consumer_wgs
+        per_row = self.head_dim_v * self.dtype.width // 128
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thread_layout = cute.make_layout((threads // per_row, per_row), stride=(per_row, 1))
+        tiled_copy = cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, 128 // self.dtype.width)))
+        thr_copy = tiled_copy.get_slice(tidx)
+        gO = cute.local_tile(cute.domain_offset((first_row, 0), mO_head), (self.tile_m, self.head_dim_v), (0, 0))
+        tOsO = thr_copy.partition_S(sO)
+        tOgO = thr_copy.partition_D(gO)
+        tOcO = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+        tOrO = cute.make_rmem_tensor_like(tOsO)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            if tOcO[0, m, 0][0] < real_rows:
+                cute.copy(tiled_copy, tOrO[None, m, None], tOgO[None, m, None])
+        cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=threads)

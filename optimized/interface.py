@@ -24,6 +24,7 @@ import torch
 
 from ..reference import ColumnMask
 from .config import BwdConfig, FwdConfig, bwd_config, fwd_config
+from .segments import cached_segment_plan
 from .tile_plan import backward_cta_steps, block_minmax, cached_longest_first, dq_ranks, forward_tile_steps, full_mask
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -211,9 +212,16 @@ def forward(
     uniform_work = mask is None  # every work tile sees every key tile: nothing to order
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
-    row_indices = mask.startend_row_indices.contiguous()
-    width = row_indices.shape[-1]
+    width = mask.startend_row_indices.shape[-1]
     config = config or fwd_config(d, mask.causal, width)
+    tile_rows = None
+    if config.segment_tiles:
+        if uniform_work or sq != sk:  # no segments: the sequence's tiles
+            config = dataclasses.replace(config, segment_tiles=False)
+        else:
+            plan = cached_segment_plan(mask)
+            mask, tile_rows = plan.mask, plan.tile_rows
+    row_indices = mask.startend_row_indices.contiguous()
     bounds = block_minmax(mask, config.tile_n)
     q, k, v = (x.contiguous() for x in (q, k, v))
     dv = v.shape[-1]
@@ -221,7 +229,9 @@ def forward(
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     order = None
-    if not uniform_work and _work_tiles(q, config) <= config.longest_tiles_first_waves * _sm_count(q.device):
+    if not uniform_work and _work_tiles(b, hq, mask.seqlen_q, config) <= config.longest_tiles_first_waves * _sm_count(
+        q.device
+    ):
         key = ("fwd", b, hq, config.tile_m, config.tile_n)
         order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, config.tile_n))
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
@@ -233,7 +243,7 @@ def forward(
         mask.causal,
         width,
         config,
-        [q, k, v, out, lse, row_indices, bounds, tile_counter, order, timeline],
+        [q, k, v, out, lse, row_indices, bounds, tile_counter, order, tile_rows, timeline],
         scalars,
         head_dim_v=None if dv == d else dv,
     )
@@ -249,14 +259,14 @@ def backward_ctas(k: torch.Tensor, config: BwdConfig) -> int:
 
 def forward_ctas(q: torch.Tensor, config: FwdConfig) -> int:
     """The forward's grid size for q [B, Sq, Hq, D] under `config`."""
-    work_tiles = _work_tiles(q, config)
+    work_tiles = _work_tiles(q.shape[0], q.shape[2], q.shape[1], config)
     return min(work_tiles, _sm_count(q.device)) if config.persistent else work_tiles
 
 
-def _work_tiles(q: torch.Tensor, config: FwdConfig) -> int:
-    """The forward's work tiles for q [B, Sq, Hq, D]: query tiles x query heads x batch."""
-    b, sq, hq, _ = q.shape
-    return b * hq * -(-sq // config.tile_m)
+def _work_tiles(batch: int, heads: int, seqlen_q: int, config: FwdConfig) -> int:
+    """The forward's work tiles: query tiles (of the virtual rows with segment tiles) x query heads
+    x batch."""
+    return batch * heads * -(-seqlen_q // config.tile_m)
 
 
 @functools.cache
@@ -432,10 +442,11 @@ def compile_check(
             v_like,
             o_like,
             fake(cutlass.Float32, (b, hq, sq)),
-            row_indices,
+            fake(cutlass.Int32, (bm, hm, cute.sym_int32(), width)) if config.segment_tiles else row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (1,)),
             fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_tiles_first_waves else None,
+            fake(cutlass.Int32, (bm, hm, tm, 2)) if config.segment_tiles else None,
             fake(cutlass.Int64, (cute.sym_int32(), cute.sym_int32(), len(Event))) if timeline else None,
         ]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

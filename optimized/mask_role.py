@@ -231,6 +231,7 @@ def list_work_tiles(
     counter: cute.Tensor,  # int32 [1], zero at launch
     num_ctas: Int32,
     mBlockBounds: cute.Tensor,  # [Bm, Hm, Tn, 2 * width] int32
+    mTileRows: cute.Tensor | None,  # [Bm, Hm, Tm, 2] int32: real first row and count per query tile, or None
     mask_batch_stride: Int32,
     qheads_per_maskhead: Int32,
     seqlen_q: Int32,
@@ -245,7 +246,9 @@ def list_work_tiles(
     timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
-    header entry with the work tile, then its key tile list; NO_MORE_WORK after the last."""
+    header entry with the work tile, then its key tile list; NO_MORE_WORK after the last. With
+    `mTileRows` (segment-aligned tiles, segments.py) a query tile's key tiles are classified for its
+    real rows only (the padding rows' results are not stored), and a tile with none lists none."""
     position = Int32(0)
     tiles_done = Int32(0)
     work = Int32(cute.arch.block_idx()[0])
@@ -258,21 +261,44 @@ def list_work_tiles(
             timeline.record(tiles_done, Event.LISTED)
         m_block, head, batch = work_tiles.decode(entry)
         row_start = m_block * tile_m
-        position = list_key_tiles(
-            tile_list,
-            header + 1,
-            mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
-            row_start,
-            cutlass.min(row_start + tile_m, seqlen_q),
-            seqlen_k,
-            seqlen_k - seqlen_q,
-            tile_n,
-            causal,
-            width,
-            flag_uniform,
-            flag_diagonal,
-            flag_off_diagonal,
-        )
+        if const_expr(mTileRows is None):
+            position = list_key_tiles(
+                tile_list,
+                header + 1,
+                mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
+                row_start,
+                cutlass.min(row_start + tile_m, seqlen_q),
+                seqlen_k,
+                seqlen_k - seqlen_q,
+                tile_n,
+                causal,
+                width,
+                flag_uniform,
+                flag_diagonal,
+                flag_off_diagonal,
+            )
+        else:
+            mask_batch, mask_head = batch * mask_batch_stride, head // qheads_per_maskhead
+            real_rows = mTileRows[mask_batch, mask_head, m_block, 1]
+            position = header + 2
+            if real_rows > 0:
+                position = list_key_tiles(
+                    tile_list,
+                    header + 1,
+                    mBlockBounds[mask_batch, mask_head, None, None],
+                    row_start,
+                    row_start + real_rows,
+                    seqlen_k,
+                    0,  # Sq = Sk
+                    tile_n,
+                    causal,
+                    width,
+                    flag_uniform,
+                    flag_diagonal,
+                    flag_off_diagonal,
+                )
+            else:
+                _put_single(tile_list, header + 1, END_OF_LIST)
         if cute.arch.lane_idx() == 0:
             timeline.record(tiles_done, Event.LIST_END)
             timeline.record(tiles_done, Event.KEY_TILES, position - header - 2)

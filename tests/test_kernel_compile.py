@@ -441,6 +441,24 @@ def test_only_the_mask_role_reads_the_longest_first_order(tmp_path):
     hot_loop_in_registers(longest_first, "longest first")
 
 
+@pytest.mark.slow  # compiles and disassembles five forwards, ~30 s
+@pytest.mark.parametrize(
+    "head_dim, causal, width", [(128, True, 1), (128, True, 2), (128, False, 2), (128, False, 4), (256, True, 1)]
+)
+def test_segment_tiles_keep_the_loop_in_registers(tmp_path, head_dim, causal, width):
+    """`segment_tiles` (loads from each tile's real first row, a segment's last tile stored row by
+    row): no local memory, the loop's WGMMAs in flight, as many as the sequence tiles' loop, and
+    the row-by-row store's 16-byte global stores (STG.E.128) beside the TMA store."""
+    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
+    config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), segment_tiles=True)"
+    name = f"segments_{head_dim}_{causal}_{width}"
+    sass = compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', {head_dim}, {causal}, {width}, {config}", setup)
+    _, summary = hot_loop_in_registers(sass, name)
+    hgmma = {128: 32, 256: 40}[head_dim]
+    assert f" {hgmma} HGMMA" in summary, summary
+    assert "STG.E.128" in sass and "UTMASTG" in sass
+
+
 def test_backward_grid_order_build_compiles():
     """The build long grids run (the default compile is the longest-first one): key tile, KV head
     and batch from the 3-D grid."""

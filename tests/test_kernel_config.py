@@ -20,6 +20,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         fmax_row_max=False,
         diagonal_tiles=False,
         off_diagonal_tiles=False,
+        segment_tiles=False,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         diagonal, off_diagonal = causal and width == 1, causal and width == 2
@@ -130,6 +131,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "fmax_row_max": bool,
         "diagonal_tiles": bool,
         "off_diagonal_tiles": bool,
+        "segment_tiles": bool,
         "key_tile": int,
         "keys_on_rows": bool,
         "q_stages": int,
@@ -152,6 +154,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         fmax_row_max=False,
         diagonal_tiles=False,
         off_diagonal_tiles=False,
+        segment_tiles=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == dataclasses.replace(
         bwd_config(64, True, 1), lse_ahead=False
@@ -166,3 +169,9 @@ def test_late_k_release_is_for_128_row_tiles():
 
     with pytest.raises(ValueError, match="late_k_release needs tile_m=128 .*got tile_m=192"):
         dataclasses.replace(fwd_config(64, True, 1), late_k_release=True)
+
+
+def test_segment_tiles_are_for_128_row_tiles():
+    with pytest.raises(ValueError, match="segment_tiles needs tile_m=128 .*got tile_m=192"):
+        dataclasses.replace(fwd_config(64, True, 1), segment_tiles=True)
+    assert dataclasses.replace(fwd_config(128, True, 1), segment_tiles=True).segment_tiles
