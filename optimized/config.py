@@ -129,6 +129,11 @@ class BwdConfig:
     # Causal masks: the steps that only the causal diagonal cuts (no key's bounds reach their
     # rows) masked by the causal comparison alone, without loading the keys' bounds.
     diagonal_steps: bool
+    # Masks over Sq = Sk whose rows split into independent segments: key tiles (the CTAs) and query
+    # steps aligned to the segments through the virtual rows of `segments.py`, as the forward's
+    # `segment_tiles`; the preprocess and postprocess map their tiles the same way. 128-key tiles
+    # only (the plan's granule), and masks whose query heads of one KV head share one mask head.
+    segment_steps: bool
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -144,6 +149,8 @@ class BwdConfig:
                 "keys_on_rows=True takes key_tile=128 (64 keys per warpgroup) and as many dO stages as Q's "
                 f"(do_stages 0 or q_stages), got key_tile={self.key_tile}, do_stages={self.do_stages}"
             )
+        if self.segment_steps and self.key_tile != 128:
+            raise ValueError(f"segment_steps needs key_tile=128 (the segments' granule), got key_tile={self.key_tile}")
         if self.longest_ctas_first_waves < 0:
             raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
         if self.longest_ctas_first_buckets < 0:
@@ -229,6 +236,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
         diagonal_steps=causal,
+        segment_steps=False,
     )
 
 

@@ -17,12 +17,12 @@ from typing import Type
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
 from .flash_bwd_sm90 import FlashMaskBackwardSm90
-from .hopper import assume_aligned, select_modes, smem_layout, tma_tiles
+from .hopper import assume_aligned, select_modes, smem_layout, store_rows, tma_tiles
 
 LOG2_E = math.log2(math.e)
 
@@ -46,45 +46,59 @@ class BackwardPreprocess:
         mLSE2: cute.Tensor,  # [B, Hq, Sq_pad] fp32 out
         mDelta: cute.Tensor,  # [B, Hq, Sq_pad] fp32 out
         mdQaccum: cute.Tensor,  # [B, Hq, Tm, tile_m * D] fp32 out (zeroed)
+        mStepRows: cute.Tensor | None,  # [B, Hq, Tm, 2] int32: the virtual rows' tiles (see below), or None
         stream: cuda.CUstream,
     ):
+        """With `mStepRows` (segment-aligned steps) the outputs are on the virtual rows of the main
+        kernel: tile m's rows come from O's, dO's and the LSE's rows from its real first row on, as
+        many as it has real rows; its padding rows get Delta 0 and an LSE of +inf."""
         mO, mdO = (assume_aligned(t) for t in (mO, mdO))
         grid = (cute.size(mdQaccum.shape[2]), cute.size(mdQaccum.shape[1]), cute.size(mdQaccum.shape[0]))
-        self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum).launch(
+        self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mStepRows).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, mO, mdO, mLSE, mLSE2, mDelta, mdQaccum):
+    def kernel(self, mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mStepRows: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         part = tidx % self.threads_per_row
         row = m_block * self.tile_m + tidx // self.threads_per_row
         seqlen_q = mO.shape[1]
-        # The threads of a row take interleaved 16-byte chunks, so each load instruction of the
-        # 4 threads covers 64 contiguous bytes of the row.
-        vec = 8
-        chunks = self.head_dim_v // (vec * self.threads_per_row)
-        dot = Float32(0.0)
-        if row < seqlen_q:
-            for j in cutlass.range_constexpr(chunks):
-                col = (j * self.threads_per_row + part) * vec
-                rO = cute.make_rmem_tensor((vec,), self.dtype)
-                rdO = cute.make_rmem_tensor((vec,), self.dtype)
-                cute.autovec_copy(cute.local_tile(mO[batch, row, head, None], (vec,), (col // vec,)), rO)
-                cute.autovec_copy(cute.local_tile(mdO[batch, row, head, None], (vec,), (col // vec,)), rdO)
-                dot += (rO.load().to(Float32) * rdO.load().to(Float32)).reduce(cute.ReductionOp.ADD, 0.0, 0)
-        dot = cute.arch.warp_reduction_sum(dot, threads_in_group=self.threads_per_row)
-        if part == 0:
-            lse = mLSE[batch, head, row] if row < seqlen_q else -Float32.inf
-            mLSE2[batch, head, row] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
-            mDelta[batch, head, row] = dot
+        source, valid = row, row < seqlen_q
+        if const_expr(mStepRows is not None):  # read from the tile's real rows, written on the virtual ones
+            local = row - m_block * self.tile_m
+            source, valid = mStepRows[batch, head, m_block, 0] + local, local < mStepRows[batch, head, m_block, 1]
+        self.row_sums(mO, mdO, mLSE, mLSE2, mDelta, head, batch, part, row, source, valid)
         # Zero the accumulator tile with 16-byte stores, consecutive threads on consecutive chunks.
         zeros = cute.make_rmem_tensor((4,), Float32)
         zeros.fill(0.0)
         tile = mdQaccum[batch, head, m_block, None]
         for j in cutlass.range_constexpr(self.tile_m * self.head_dim // (4 * self.num_threads)):
             cute.autovec_copy(zeros, cute.local_tile(tile, (4,), (j * self.num_threads + tidx,)))
+
+    @cute.jit
+    def row_sums(self, mO, mdO, mLSE, mLSE2, mDelta, head, batch, part, row, source, valid):
+        """Delta and the base-2 LSE of `row` (its four threads) from row `source` of O, dO and the
+        LSE where `valid`, else as a padding row's: Delta 0, LSE +inf."""
+        # The threads of a row take interleaved 16-byte chunks, so each load instruction of the
+        # 4 threads covers 64 contiguous bytes of the row.
+        vec = 8
+        chunks = self.head_dim_v // (vec * self.threads_per_row)
+        dot = Float32(0.0)
+        if valid:
+            for j in cutlass.range_constexpr(chunks):
+                col = (j * self.threads_per_row + part) * vec
+                rO = cute.make_rmem_tensor((vec,), self.dtype)
+                rdO = cute.make_rmem_tensor((vec,), self.dtype)
+                cute.autovec_copy(cute.local_tile(mO[batch, source, head, None], (vec,), (col // vec,)), rO)
+                cute.autovec_copy(cute.local_tile(mdO[batch, source, head, None], (vec,), (col // vec,)), rdO)
+                dot += (rO.load().to(Float32) * rdO.load().to(Float32)).reduce(cute.ReductionOp.ADD, 0.0, 0)
+        dot = cute.arch.warp_reduction_sum(dot, threads_in_group=self.threads_per_row)
+        if part == 0:
+            lse = mLSE[batch, head, source] if valid else -Float32.inf
+            mLSE2[batch, head, row] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
+            mDelta[batch, head, row] = dot
 
 
 class BackwardPostprocess:
@@ -100,9 +114,12 @@ class BackwardPostprocess:
         self,
         mdQaccum: cute.Tensor,  # [B, Hq, Tm, tile_m * D] fp32, as the main kernel left it
         mdQ: cute.Tensor,  # [B, Sq, Hq, D] out
+        mStepRows: cute.Tensor | None,  # [B, Hq, Tm, 2] int32: the virtual rows' tiles, or None
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
+        """With `mStepRows` (segment-aligned steps) the accumulator is on the virtual rows: tile m
+        goes to dQ from its real first row, only its real rows."""
         mdQ = select_modes(assume_aligned(mdQ), [1, 3, 2, 0])  # (Sq, D, Hq, B)
         # A swizzle atom within each warpgroup's half of the columns where the halves would split
         # a 64-column one (head dim 192: 96 each); at 64 both halves share one atom.
@@ -123,6 +140,8 @@ class BackwardPostprocess:
         self.kernel(
             mdQaccum,
             tma_mdQ,
+            mdQ if const_expr(mStepRows is not None) else None,
+            mStepRows,
             tma_dq,
             softmax_scale,
             self.main.dq_tiled_mma(self.dtype, self.head_dim),
@@ -136,6 +155,8 @@ class BackwardPostprocess:
         self,
         mdQaccum,
         mdQ,
+        mdQ_rows: cute.Tensor | None,
+        mStepRows: cute.Tensor | None,
         tma_dq: cute.CopyAtom,
         softmax_scale: Float32,
         tiled_mma_dq: cute.TiledMma,
@@ -165,19 +186,33 @@ class BackwardPostprocess:
         cute.copy(st_copy, thr_copy.retile(acc), thr_copy.partition_D(sdQ))
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
-        if tidx == 0:
-            g = cute.local_tile(mdQ[None, None, head, batch], (self.main.tile_m, self.head_dim), (m_block, 0))
-            t_s, t_g = tma_tiles(tma_dq, sdQ, g)
-            cute.copy(tma_dq, t_s, t_g)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        tile, dq_head = (self.main.tile_m, self.head_dim), mdQ[None, None, head, batch]
+        if const_expr(mStepRows is not None):
+            first, real_rows = mStepRows[batch, head, m_block, 0], mStepRows[batch, head, m_block, 1]
+            if real_rows == self.main.tile_m:
+                if tidx == 0:
+                    self.store_tile(tma_dq, sdQ, cute.local_tile(cute.domain_offset((first, 0), dq_head), tile, (0, 0)))
+            else:  # a TMA store of the whole tile would write over the next segment's first rows
+                real_tile = cute.domain_offset((first, 0), mdQ_rows[None, None, head, batch])
+                store_rows(sdQ, cute.local_tile(real_tile, tile, (0, 0)), real_rows, tidx, self.num_threads)
+        elif tidx == 0:
+            self.store_tile(tma_dq, sdQ, cute.local_tile(dq_head, tile, (m_block, 0)))
+
+    @cute.jit
+    def store_tile(self, tma_dq, sdQ, g):
+        """One TMA store of the tile in `sdQ` to `g` (one thread)."""
+        t_s, t_g = tma_tiles(tma_dq, sdQ, g)
+        cute.copy(tma_dq, t_s, t_g)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 def prepost_compile_args(
-    dtype: Type[cutlass.Numeric], head_dim: int, stream, head_dim_v: int | None = None
+    dtype: Type[cutlass.Numeric], head_dim: int, stream, head_dim_v: int | None = None, segment_steps: bool = False
 ) -> tuple[list, list]:
     """Fake arguments (symbolic sizes; `stream`, a fake one) to compile the preprocess and the
-    postprocess without a GPU; `head_dim_v`: O's head dim when not `head_dim`."""
+    postprocess without a GPU; `head_dim_v`: O's head dim when not `head_dim`; `segment_steps`:
+    their builds on the virtual rows."""
     b, sq, h, tm = (cute.sym_int32() for _ in range(4))
 
     def fake(dt, shape):
@@ -188,4 +223,5 @@ def prepost_compile_args(
     o_like = fake(dtype, (b, sq, h, head_dim if head_dim_v is None else head_dim_v))
     accum = fake(Float32, (b, h, tm, FlashMaskBackwardSm90.tile_m * head_dim))
     rows = fake(Float32, (b, h, sq))
-    return [o_like, o_like, rows, rows, rows, accum, stream], [accum, q_like, Float32(0.1), stream]
+    steps = fake(cutlass.Int32, (b, h, tm, 2)) if segment_steps else None
+    return [o_like, o_like, rows, rows, rows, accum, steps, stream], [accum, q_like, steps, Float32(0.1), stream]

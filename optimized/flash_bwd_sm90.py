@@ -59,6 +59,7 @@ from .hopper import (
     convert_to_16bit,
     select_modes,
     smem_layout,
+    store_rows,
     tma_pipeline,
     tma_tiles,
     wgmma,
@@ -158,8 +159,11 @@ class FlashMaskBackwardSm90:
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all);
         # with queries on rows the mask-role warp spills with 24 (at mask width 4).
         self.producer_regs, self.consumer_regs = (24, 240) if self.keys_on_rows else (32, 232)
+        if config.segment_steps and mask_width == 4:  # its per-head setup spills at 24 there
+            self.producer_regs, self.consumer_regs = 32, 232
         self.lse_ahead = config.lse_ahead
         self.diagonal_steps = config.diagonal_steps and causal
+        self.segment_steps = config.segment_steps
         self.deterministic = deterministic
 
     @classmethod
@@ -201,6 +205,8 @@ class FlashMaskBackwardSm90:
         mDqRanks: cute.Tensor,  # [Bm, Hm, Tn, Tm] int32, deterministic mode: the key tile's place in dQ's sum
         mSemaphore: cute.Tensor,  # [B, Hq, Tm] int32, zeroed (used in deterministic mode)
         mCtaOrder: cute.Tensor | None,  # [Tn * Hkv * B] int32 in short grids: the CTAs in launch order
+        mStepRows: cute.Tensor | None,  # [B, Hq, Tm, 2] int32 with segment_steps (the virtual rows' query
+        # tiles: each one's real first row and real row count), else None
         mTimeline: cute.Tensor | None,  # [CTAs, len(BwdEvent)] int64 in a profiled build, else None
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
@@ -302,7 +308,8 @@ class FlashMaskBackwardSm90:
             SharedStorage.size_in_bytes(),
             f"the backward at head dim {d} with key_tile={tn}, q_stages={self.num_stages}, do_stages={self.do_stages}",
         )
-        grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        seqlen_k = mRowIndices.shape[2] if const_expr(self.segment_steps) else mK.shape[0]  # the virtual rows'
+        grid = (cute.ceil_div(cute.size(seqlen_k), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         if const_expr(mCtaOrder is not None):
             grid = (cute.size(mCtaOrder.shape[0]), 1, 1)
         self.kernel(
@@ -315,11 +322,14 @@ class FlashMaskBackwardSm90:
             mdQaccum,
             tma_mdK,
             tma_mdV,
+            mdK if const_expr(self.segment_steps) else None,
+            mdV if const_expr(self.segment_steps) else None,
             mRowIndices,
             mBlockBounds,
             mDqRanks,
             mSemaphore,
             mCtaOrder,
+            mStepRows,
             mTimeline,
             tma_q,
             tma_k,
@@ -363,11 +373,14 @@ class FlashMaskBackwardSm90:
         mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        mdK_rows: cute.Tensor | None,
+        mdV_rows: cute.Tensor | None,
         mRowIndices: cute.Tensor,
         mBlockBounds: cute.Tensor,
         mDqRanks: cute.Tensor,
         mSemaphore: cute.Tensor,
         mCtaOrder: cute.Tensor | None,
+        mStepRows: cute.Tensor | None,
         mTimeline: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -402,7 +415,7 @@ class FlashMaskBackwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         if const_expr(mCtaOrder is not None):  # a 1-D grid launching the CTAs with the most steps first
-            tiles_n = cute.ceil_div(mK.shape[0], self.tile_n)
+            tiles_n = cute.ceil_div(self.rows(mK, mStepRows), self.tile_n)
             work = mCtaOrder[n_block]
             n_block, head_kv, batch = work % tiles_n, (work // tiles_n) % mK.shape[2], work // tiles_n // mK.shape[2]
         if warp_idx == 0:
@@ -463,6 +476,7 @@ class FlashMaskBackwardSm90:
                     tile_list,
                     stage_entries,
                     qheads_per_kvhead,
+                    mStepRows,
                 )
             if warp_idx == 1:
                 position = Int32(0)
@@ -473,9 +487,9 @@ class FlashMaskBackwardSm90:
                         position,
                         mBlockBounds[mask_batch, mask_head, n_block, None],
                         n_block * self.tile_n,
-                        mQ.shape[0],
-                        mK.shape[0],
-                        mK.shape[0] - mQ.shape[0],
+                        self.rows(mQ, mStepRows),
+                        self.rows(mK, mStepRows),
+                        self.rows(mK, mStepRows) - self.rows(mQ, mStepRows),
                         self.tile_m,
                         self.tile_n,
                         self.causal,
@@ -493,6 +507,7 @@ class FlashMaskBackwardSm90:
                 mdQaccum,
                 mdK,
                 mdV,
+                (mdK_rows, mdV_rows, mStepRows),
                 mRowIndices,
                 stage_entries,
                 mDqRanks,
@@ -520,8 +535,8 @@ class FlashMaskBackwardSm90:
                 mask_batch,
                 qheads_per_kvhead,
                 qheads_per_maskhead,
-                mQ.shape[0],
-                mK.shape[0],
+                self.rows(mQ, mStepRows),
+                self.rows(mK, mStepRows),
                 StepProfile(mTimeline, cycles, tidx == 128),
             )
 
@@ -555,11 +570,21 @@ class FlashMaskBackwardSm90:
         tile_list,
         stage_entries,
         qheads_per_kvhead,
+        mStepRows,
     ):
         """Producer warp: K and V once, then Q (+ LSE) and dO (+ Delta) of every listed query tile of
-        every query head."""
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
+        every query head. With segment_steps each tile is loaded from its real first row
+        (`mStepRows`; the query heads of a KV head share one mask head, so the key tile's rows are
+        those of the first one's two query tiles it spans)."""
+        if const_expr(self.segment_steps):
+            first = mStepRows[batch, head_kv * qheads_per_kvhead, n_block * (self.tile_n // self.tile_m), 0]
+            mK_tile = cute.domain_offset((first, 0), mK[None, None, head_kv, batch])
+            mV_tile = cute.domain_offset((first, 0), mV[None, None, head_kv, batch])
+            gK = cute.local_tile(mK_tile, (self.tile_n, self.head_dim), (0, 0))
+            gV = cute.local_tile(mV_tile, (self.tile_n, self.head_dim_v), (0, 0))
+        else:
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
         tKsK, tKgK = tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -587,12 +612,29 @@ class FlashMaskBackwardSm90:
                 stage_entries[state.index] = entry  # before the arrive that publishes it with the stage
                 pipe_q.sync_object_full.arrive(state.index, pipe_q.producer_mask)
                 q_bar = pipe_q.producer_get_barrier(state)
-                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
+                q_tile, do_tile = tQgQ[None, m_block], tdOgdO[None, m_block]
+                if const_expr(self.segment_steps):  # from the query tile's real first row
+                    first = mStepRows[batch, head, m_block, 0]
+                    gQ_real = cute.local_tile(
+                        cute.domain_offset((first, 0), mQ[None, None, head, batch]),
+                        (self.tile_m, self.head_dim),
+                        (None, 0),
+                    )
+                    gdO_real = cute.local_tile(
+                        cute.domain_offset((first, 0), mdO[None, None, head, batch]),
+                        (self.tile_m, self.head_dim_v),
+                        (None, 0),
+                    )
+                    q_tile, do_tile = (
+                        tma_tiles(tma_q, sQ, gQ_real)[1][None, 0],
+                        tma_tiles(tma_do, sdO, gdO_real)[1][None, 0],
+                    )
+                cute.copy(tma_q, q_tile, tQsQ[None, state.index], tma_bar_ptr=q_bar)
                 cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=q_bar)
                 do_state = self.do_state(state, producer=True)
                 pipe_do.producer_acquire(do_state)
                 do_bar = pipe_do.producer_get_barrier(do_state)
-                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=do_bar)
+                cute.copy(tma_do, do_tile, tdOsdO[None, do_state.index], tma_bar_ptr=do_bar)
                 cute.copy(tma_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
                 state.advance()
                 entry = tile_list.read(position)
@@ -615,6 +657,7 @@ class FlashMaskBackwardSm90:
         mdQaccum,
         mdK,
         mdV,
+        segments,
         mRowIndices,
         stage_entries,
         mDqRanks,
@@ -648,7 +691,8 @@ class FlashMaskBackwardSm90:
     ):
         """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T (or, queries on rows, S, dP,
         P, dS), the dV/dK/dQ products. `profile`: the profiled build's `StepProfile` (compiles to
-        nothing otherwise)."""
+        nothing otherwise). `segments`: with segment_steps, dK and dV themselves and the query
+        tiles' real rows (`store_dkv`); the steps work on the virtual rows."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -836,13 +880,20 @@ class FlashMaskBackwardSm90:
             tma_dv,
             mdK,
             mdV,
+            segments,
             softmax_scale,
             n_block,
             head_kv,
             batch,
+            qheads_per_kvhead,
             tidx,
         )
         profile.stamp(cta, BwdEvent.STORED)
+
+    def rows(self, mQK: cute.Tensor, mStepRows: cute.Tensor | None):
+        """The rows the steps walk: Q's or K's, or with segment_steps the virtual rows (from the step
+        table's shape: from the mask's, the mask role's per-head setup spilled at 24 registers)."""
+        return mStepRows.shape[2] * self.tile_m if const_expr(self.segment_steps) else mQK.shape[0]
 
     def do_state(self, q_state: pipeline.PipelineState, producer: bool) -> pipeline.PipelineState:
         """The dO pipeline's state where the Q pipeline's is `q_state`: the two advance together
@@ -903,15 +954,18 @@ class FlashMaskBackwardSm90:
         tma_dv,
         mdK,
         mdV,
+        segments,
         softmax_scale,
         n_block,
         head_kv,
         batch,
+        qheads_per_kvhead,
         tidx,
     ):
         """Epilogue: dK (times the softmax scale) and dV in the output dtype, through the K and V smem
         buffers (stmatrix; transposing dK^T and dV^T with queries on rows) and TMA stores, which
-        leave out rows past seqlen_k."""
+        leave out rows past seqlen_k. With segment_steps the key tile's real rows: from its real
+        first row, a tile of fewer than `tile_n` (a segment's last) row by row."""
         # Every warpgroup's last MMAs (dQ reads all of sK) are done before sK, sV are overwritten.
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
         st_copy = _stmatrix_copy(self.dtype, not self.keys_on_rows, tiled_mma_dkv)
@@ -923,8 +977,32 @@ class FlashMaskBackwardSm90:
             cute.copy(st_copy, thr_copy.retile(r_out), thr_copy.partition_D(target))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * self.num_consumer_wgs)
-        if tidx == 0:
-            for atom, out, smem, dim in ((tma_dk, mdK, sK, self.head_dim), (tma_dv, mdV, sV, self.head_dim_v)):
+        outputs = ((tma_dk, mdK, sK, self.head_dim), (tma_dv, mdV, sV, self.head_dim_v))
+        if const_expr(self.segment_steps):
+            mdK_rows, mdV_rows, mStepRows = segments
+            halves = self.tile_n // self.tile_m  # the key tile spans this many query tiles of the virtual rows
+            step_rows = mStepRows[batch, head_kv * qheads_per_kvhead, None, None]
+            first, real_rows = step_rows[n_block * halves, 0], Int32(0)
+            for half in cutlass.range_constexpr(halves):
+                real_rows += step_rows[n_block * halves + half, 1]
+            if real_rows == self.tile_n:
+                if tidx == 0:
+                    for atom, out, smem, dim in outputs:
+                        g = cute.local_tile(
+                            cute.domain_offset((first, 0), out[None, None, head_kv, batch]), (self.tile_n, dim), (0, 0)
+                        )
+                        t_s, t_g = tma_tiles(atom, smem, g)
+                        cute.copy(atom, t_s, t_g)
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            else:  # a TMA store of the whole tile would write over the next segment's first rows
+                for out, smem, dim in ((mdK_rows, sK, self.head_dim), (mdV_rows, sV, self.head_dim_v)):
+                    g = cute.local_tile(
+                        cute.domain_offset((first, 0), out[None, None, head_kv, batch]), (self.tile_n, dim), (0, 0)
+                    )
+                    store_rows(smem, g, real_rows, tidx, 128 * self.num_consumer_wgs)
+        elif tidx == 0:
+            for atom, out, smem, dim in outputs:
                 g = cute.local_tile(out[None, None, head_kv, batch], (self.tile_n, dim), (n_block, 0))
                 t_s, t_g = tma_tiles(atom, smem, g)
                 cute.copy(atom, t_s, t_g)

@@ -34,7 +34,16 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from .config import FwdConfig
-from .hopper import assume_aligned, check_smem_fits, select_modes, smem_layout, tma_pipeline, tma_tiles, wgmma
+from .hopper import (
+    assume_aligned,
+    check_smem_fits,
+    select_modes,
+    smem_layout,
+    store_rows,
+    tma_pipeline,
+    tma_tiles,
+    wgmma,
+)
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_causal_diagonal, apply_column_mask
 from .mask_role import (
@@ -842,7 +851,7 @@ class FlashMaskForwardSm90:
         """Epilogue: O into `sO` (the work tile's Q buffer) by stmatrix, then one TMA store of the tile,
         which leaves out rows past seqlen_q and completes under the next work tile; the LSE by the
         threads holding column 0. With segment_tiles the tile's real rows, from `tile_rows` (first
-        row, count): a tile of fewer than 128 (a segment's last) is stored by `store_rows`."""
+        row, count): a tile of fewer than 128 (a segment's last) is stored row by row."""
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         # Every consumer warpgroup's last S GEMM (the readers of this Q buffer) is done.
@@ -859,8 +868,13 @@ class FlashMaskForwardSm90:
             if real_rows == self.tile_m:
                 if tidx == 0:
                     self.store_tile(tma_o, sO, cute.domain_offset((first_row, 0), mO[None, None, head, batch]), 0)
-            else:
-                self.store_rows(sO, mO_rows[None, None, head, batch], first_row, real_rows, tidx)
+            else:  # a TMA store of the whole tile would write over the next segment's first rows
+                real_tile = cute.domain_offset((first_row, 0), mO_rows[None, None, head, batch])
+                gO = cute.local_tile(real_tile, (self.tile_m, self.head_dim_v), (0, 0))
+                threads = 128 * self.num_consumer_wgs
+                store_rows(sO, gO, real_rows, tidx, threads)
+                # Every thread has read the Q buffer before it is released.
+                cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=threads)
         elif tidx == 0:
             self.store_tile(tma_o, sO, mO[None, None, head, batch], m_block)
         coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
@@ -881,25 +895,3 @@ class FlashMaskForwardSm90:
         t_s, t_g = tma_tiles(tma_o, sO, gO)
         cute.copy(tma_o, t_s, t_g)
         cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def store_rows(self, sO, mO_head, first_row, real_rows, tidx):
-        """The first `real_rows` rows of the tile in `sO` to `mO_head` from `first_row` on, 16 bytes per
-        copy by every consumer thread: a TMA store of the whole tile would write over the next
-        segment's first rows. The Q buffer is released only after every thread has read it."""
-        threads = 128 * self.num_consumer_wgs
-        per_row = self.head_dim_v * self.dtype.width // 128
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        thread_layout = cute.make_layout((threads // per_row, per_row), stride=(per_row, 1))
-        tiled_copy = cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, 128 // self.dtype.width)))
-        thr_copy = tiled_copy.get_slice(tidx)
-        gO = cute.local_tile(cute.domain_offset((first_row, 0), mO_head), (self.tile_m, self.head_dim_v), (0, 0))
-        tOsO = thr_copy.partition_S(sO)
-        tOgO = thr_copy.partition_D(gO)
-        tOcO = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
-        tOrO = cute.make_rmem_tensor_like(tOsO)
-        cute.autovec_copy(tOsO, tOrO)
-        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-            if tOcO[0, m, 0][0] < real_rows:
-                cute.copy(tiled_copy, tOrO[None, m, None], tOgO[None, m, None])
-        cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=threads)

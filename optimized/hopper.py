@@ -70,6 +70,28 @@ def tma_tiles(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, tile_mo
     )
 
 
+@cute.jit
+def store_rows(smem: cute.Tensor, gmem: cute.Tensor, rows: Int32, tidx: Int32, threads: cutlass.Constexpr[int]) -> None:
+    """The first `rows` rows of the 16-bit tile `smem` into `gmem` (a tile of the same shape), 16
+    bytes per copy by `threads` threads (`tidx` below it): a tile whose last rows belong to the next
+    segment, which a TMA store of the whole tile would overwrite. Call after a barrier that made
+    the smem tile complete; another one must follow before the buffer is written again."""
+    shape = (cute.size(smem, mode=[0]), cute.size(smem, mode=[1]))
+    per_row = shape[1] * smem.element_type.width // 128
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), smem.element_type, num_bits_per_copy=128)
+    thread_layout = cute.make_layout((threads // per_row, per_row), stride=(per_row, 1))
+    tiled_copy = cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, 128 // smem.element_type.width)))
+    thr_copy = tiled_copy.get_slice(tidx)
+    t_s = thr_copy.partition_S(smem)
+    t_g = thr_copy.partition_D(gmem)
+    t_c = thr_copy.partition_S(cute.make_identity_tensor(shape))
+    values = cute.make_rmem_tensor_like(t_s)
+    cute.autovec_copy(t_s, values)
+    for m in cutlass.range_constexpr(cute.size(values.shape[1])):
+        if t_c[0, m, 0][0] < rows:
+            cute.copy(tiled_copy, values[None, m, None], t_g[None, m, None])
+
+
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, zero_init: bool) -> None:
     """Issue acc (+)= a @ b over the k-blocks of one warpgroup and commit the group."""
     warpgroup.fence()

@@ -24,7 +24,7 @@ import torch
 
 from ..reference import ColumnMask
 from .config import BwdConfig, FwdConfig, bwd_config, fwd_config
-from .segments import cached_segment_plan
+from .segments import cached_segment_plan, query_tile_rows
 from .tile_plan import backward_cta_steps, block_minmax, cached_longest_first, dq_ranks, forward_tile_steps, full_mask
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -215,6 +215,8 @@ def forward(
     width = mask.startend_row_indices.shape[-1]
     config = config or fwd_config(d, mask.causal, width)
     tile_rows = None
+    if config.segment_tiles and timeline is not None:  # its buffer is sized for the sequence's tiles
+        raise ValueError("a timeline build runs on the sequence's tiles: pass a config with segment_tiles=False")
     if config.segment_tiles:
         if uniform_work or sq != sk:  # no segments: the sequence's tiles
             config = dataclasses.replace(config, segment_tiles=False)
@@ -312,11 +314,22 @@ def backward(
     uniform_work = mask is None  # every CTA sees every query tile: nothing to order
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
-    row_indices = mask.startend_row_indices.contiguous()
-    width = row_indices.shape[-1]
+    width = mask.startend_row_indices.shape[-1]
     config = config or bwd_config(d, mask.causal, width)
     tile_m, tile_n = Kernel.tile_m, config.key_tile
-    tiles_m = -(-sq // tile_m)
+    step_rows = None
+    if config.segment_steps and timeline is not None:  # its buffer is sized for the sequence's tiles
+        raise ValueError("a profiled build runs on the sequence's tiles: pass a config with segment_steps=False")
+    if config.segment_steps:
+        # A CTA's key tile serves every query head of its KV head: they must share one virtual layout.
+        shared_layout = (hq // mask.heads) % (hq // hkv) == 0
+        if uniform_work or sq != sk or not shared_layout:  # no segments: the sequence's tiles
+            config = dataclasses.replace(config, segment_steps=False)
+        else:
+            plan = cached_segment_plan(mask)
+            mask, step_rows = plan.mask, query_tile_rows(plan, tile_m, b, hq)
+    row_indices = mask.startend_row_indices.contiguous()
+    tiles_m = -(-mask.seqlen_q // tile_m)
     bounds = block_minmax(mask, tile_n)
     # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
     ranks = dq_ranks(mask, tile_m, tile_n) if deterministic else bounds[:1, :1, :1]
@@ -324,7 +337,7 @@ def backward(
     lse2 = torch.empty(b, hq, tiles_m * tile_m, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
     dq_accum = torch.empty(b, hq, tiles_m, tile_m * d, dtype=torch.float32, device=q.device)
-    prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum]
+    prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum, step_rows]
     dims_v = None if head_dim_v == d else head_dim_v
     _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [], head_dim_v=dims_v)
     dk = torch.empty_like(k) if dk is None else dk
@@ -341,11 +354,12 @@ def backward(
             lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, tile_n),
             config.longest_ctas_first_buckets,
         )
-    tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, timeline]
+    tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, step_rows]
+    tensors.append(timeline)
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic, dims_v)
     dq = torch.empty_like(q)
-    _launch("bwd_post", q.dtype, d, False, 2, None, [dq_accum, dq], [float(softmax_scale)])
+    _launch("bwd_post", q.dtype, d, False, 2, None, [dq_accum, dq, step_rows], [float(softmax_scale)])
     return dq, dk, dv
 
 
@@ -427,11 +441,12 @@ def compile_check(
             fake(cutlass.Float32, (b, hq, tm, FlashMaskBackwardSm90.tile_m * head_dim)),
             kv_like,
             v_like,
-            row_indices,
+            fake(cutlass.Int32, (bm, hm, cute.sym_int32(), width)) if config.segment_steps else row_indices,
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
             fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_ctas_first_waves and not deterministic else None,
+            fake(cutlass.Int32, (b, hq, tm, 2)) if config.segment_steps else None,
             fake(cutlass.Int64, (cute.sym_int32(), len(BwdEvent))) if timeline else None,
         ]
     else:
@@ -458,7 +473,7 @@ def compile_check(
         kernel = _make_kernel(dtype, head_dim, causal, width, config, direction, deterministic, head_dim_v)
         cute.compile(kernel, *args, **flags)
         if direction == "bwd":
-            pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream, head_dim_v)
+            pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream, head_dim_v, config.segment_steps)
             pre = _make_kernel(dtype, head_dim, False, 2, None, "bwd_pre", head_dim_v=head_dim_v)
             cute.compile(pre, *pre_args, **flags)
             cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_post"), *post_args, **flags)

@@ -148,6 +148,19 @@ def segment_plan(mask: ColumnMask, granule: int = GRANULE, min_len: int = GRANUL
     return SegmentPlan(virtual_mask, tile_rows.to(torch.int32).contiguous(), granule)
 
 
+def query_tile_rows(plan: SegmentPlan, tile: int, batch: int, heads: int) -> torch.Tensor:
+    """int32 [batch, heads, Sv / tile, 2]: `plan.tile_rows` per `tile`-row query tile (a divisor of
+    the granule) for each batch element and query head (mask batch 1 or `batch`, mask heads
+    dividing `heads`), as the backward's kernels index them."""
+    rows = plan.tile_rows.to(torch.int64)
+    first, count = rows[..., :1], rows[..., 1:]
+    offsets = torch.arange(0, plan.granule, tile, device=rows.device)
+    per_tile = torch.stack([first + offsets, (count - offsets).clamp(0, tile)], dim=-1)  # [Bm, Hm, Tv, parts, 2]
+    per_tile = per_tile.flatten(2, 3).to(torch.int32)
+    per_tile = per_tile.expand(batch, -1, -1, -1).repeat_interleave(heads // plan.mask.heads, dim=1)
+    return per_tile.contiguous()
+
+
 def loaded_rows(plan: SegmentPlan) -> torch.Tensor:
     """int64 [Bm, Hm, Sv]: the real row each virtual row is loaded from (a tile's real first row
     plus its place in the tile; Sq or more reads zeros), as the kernels' loads do."""

@@ -459,6 +459,25 @@ def test_segment_tiles_keep_the_loop_in_registers(tmp_path, head_dim, causal, wi
     assert "STG.E.128" in sass and "UTMASTG" in sass
 
 
+@pytest.mark.slow  # compiles and disassembles five backwards, ~40 s
+@pytest.mark.parametrize(
+    "head_dim, causal, width", [(128, True, 1), (128, True, 2), (128, False, 2), (128, False, 4), (64, False, 4)]
+)
+def test_segment_steps_keep_the_loop_in_registers(tmp_path, head_dim, causal, width):
+    """`segment_steps` (loads from each tile's real first row, a segment's last key tile stored
+    row by row): no local memory (at mask width 4 with the producer warpgroup at 32 registers), the
+    step's WGMMAs in flight, as many as the sequence tiles' step, and the row-by-row store's 16-byte
+    global stores beside the TMA stores."""
+    setup = "import dataclasses; from flashmask3.optimized import bwd_config"
+    config = f"dataclasses.replace(bwd_config({head_dim}, {causal}, {width}), segment_steps=True)"
+    args = f"'bf16', {head_dim}, {causal}, {width}, {config}, direction='bwd'"
+    name = f"segment_steps_{head_dim}_{causal}_{width}"
+    sass = compiled_sass(tmp_path, name, "FlashMaskBackward", args, setup)
+    _, summary = hot_loop_in_registers(sass, name)
+    assert f" {({64: 24, 128: 32})[head_dim]} HGMMA" in summary, summary
+    assert "STG.E.128" in sass and "UTMASTG" in sass
+
+
 def test_backward_grid_order_build_compiles():
     """The build long grids run (the default compile is the longest-first one): key tile, KV head
     and batch from the 3-D grid."""

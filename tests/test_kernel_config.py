@@ -76,6 +76,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             longest_ctas_first_waves=16,
             longest_ctas_first_buckets=16,
             diagonal_steps=False,
+            segment_steps=False,
         )
 
 
@@ -140,6 +141,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "longest_ctas_first_waves": int,
         "longest_ctas_first_buckets": int,
         "diagonal_steps": bool,
+        "segment_steps": bool,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
@@ -175,3 +177,9 @@ def test_segment_tiles_are_for_128_row_tiles():
     with pytest.raises(ValueError, match="segment_tiles needs tile_m=128 .*got tile_m=192"):
         dataclasses.replace(fwd_config(64, True, 1), segment_tiles=True)
     assert dataclasses.replace(fwd_config(128, True, 1), segment_tiles=True).segment_tiles
+
+
+def test_segment_steps_are_for_128_key_tiles():
+    with pytest.raises(ValueError, match="segment_steps needs key_tile=128 .*got key_tile=48"):
+        dataclasses.replace(bwd_config(256, True, 1), segment_steps=True)
+    assert dataclasses.replace(bwd_config(128, True, 1), segment_steps=True).segment_steps

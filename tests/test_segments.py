@@ -9,6 +9,7 @@ from conftest import random_column_mask
 from flashmask3.optimized.segments import (
     cached_segment_plan,
     loaded_rows,
+    query_tile_rows,
     segment_plan,
     segment_starts,
     stored_rows,
@@ -159,3 +160,15 @@ def test_segments_need_as_many_queries_as_keys():
     idx = torch.full((1, 1, 64, 1), 32, dtype=torch.int32)
     with pytest.raises(ValueError, match="segments need Sq = Sk, got Sq=32, Sk=64"):
         segment_plan(ColumnMask(idx, True, 32))
+
+
+def test_query_tile_rows_split_each_granule_for_every_batch_element_and_head():
+    mask = masks.build("causal_document", 1000, batch=1, heads=1, num_docs=6)
+    plan = segment_plan(mask)
+    rows = query_tile_rows(plan, 64, batch=2, heads=4)
+    assert rows.shape == (2, 4, plan.seqlen // 64, 2) and rows.dtype == torch.int32
+    loaded, stored = loaded_rows(plan)[0, 0], stored_rows(plan)[0, 0]
+    for b in range(2):
+        for h in range(4):
+            assert torch.equal(rows[b, h, :, 0].long(), loaded[::64])
+            assert torch.equal(rows[b, h, :, 1].long(), stored.reshape(-1, 64).sum(-1))
