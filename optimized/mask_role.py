@@ -261,6 +261,7 @@ def list_work_tiles(
             timeline.record(tiles_done, Event.LISTED)
         m_block, head, batch = work_tiles.decode(entry)
         row_start = m_block * tile_m
+        choices = (tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
         if const_expr(mTileRows is None):
             position = list_key_tiles(
                 tile_list,
@@ -270,32 +271,16 @@ def list_work_tiles(
                 cutlass.min(row_start + tile_m, seqlen_q),
                 seqlen_k,
                 seqlen_k - seqlen_q,
-                tile_n,
-                causal,
-                width,
-                flag_uniform,
-                flag_diagonal,
-                flag_off_diagonal,
+                *choices,
             )
         else:
             mask_batch, mask_head = batch * mask_batch_stride, head // qheads_per_maskhead
             real_rows = mTileRows[mask_batch, mask_head, m_block, 1]
             position = header + 2
-            if real_rows > 0:
+            if real_rows > 0:  # Sq = Sk on the virtual rows
+                bounds = mBlockBounds[mask_batch, mask_head, None, None]
                 position = list_key_tiles(
-                    tile_list,
-                    header + 1,
-                    mBlockBounds[mask_batch, mask_head, None, None],
-                    row_start,
-                    row_start + real_rows,
-                    seqlen_k,
-                    0,  # Sq = Sk
-                    tile_n,
-                    causal,
-                    width,
-                    flag_uniform,
-                    flag_diagonal,
-                    flag_off_diagonal,
+                    tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *choices
                 )
             else:
                 _put_single(tile_list, header + 1, END_OF_LIST)
