@@ -127,6 +127,36 @@ def test_attention_through_the_virtual_rows_equals_attention_on_the_real_rows(na
     torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["causal_document", "share_question", "prefix_lm_document"])
+def test_gradients_through_the_virtual_rows_equal_the_real_ones(name):
+    """The backward's premise: on the virtual rows, with every virtual row's dO loaded as the
+    kernels load it (a padding row's from another segment's row), the padding rows and keys add
+    nothing to any real row's gradient (padding rows are masked for every key between segments),
+    so dQ, dK and dV gathered back to the real rows are the reference's."""
+    gen = torch.Generator().manual_seed(4)
+    s, hq, hkv = 301, 4, 2
+    mask = masks.build(name, s, batch=2, heads=1, num_docs=4)
+    q, k, v = (torch.randn(2, s, h, 16, generator=gen, dtype=torch.float64).requires_grad_() for h in (hq, hkv, hkv))
+    dout = torch.randn(2, s, hq, 16, generator=gen, dtype=torch.float64)
+    plan = segment_plan(mask, 32, 32)
+    loss = torch.zeros((), dtype=torch.float64)
+    for bi in range(2):
+        rows = loaded_rows(plan)[bi, 0].clamp(max=s)
+
+        def gather(x, head):
+            return torch.cat([x[bi, :, head], torch.zeros_like(x[bi, :1, head])])[rows].unsqueeze(0).unsqueeze(2)
+
+        one = ColumnMask._unchecked(plan.mask.startend_row_indices[bi : bi + 1], mask.causal, plan.seqlen)
+        for h in range(hq):
+            out, _ = reference_attention(gather(q, h), gather(k, h * hkv // hq), gather(v, h * hkv // hq), one, 0.25)
+            loss = loss + (out * gather(dout, h)).sum()  # the real rows' dO and the padding rows' loaded one
+    got = torch.autograd.grad(loss, (q, k, v))
+    expected_out, _ = reference_attention(q, k, v, mask, 0.25)
+    expected = torch.autograd.grad((expected_out * dout).sum(), (q, k, v))
+    for grad, want in zip(got, expected):
+        torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
+
+
 def _steps(mask: ColumnMask, tile: int, real_rows: torch.Tensor | None = None) -> tuple[int, int]:
     """(key-tile steps, masked ones) of tile x tile tiles with a visible element, counting only
     `real_rows` of each query tile where given (as the kernels' mask role classifies them)."""
