@@ -67,7 +67,8 @@ class FwdConfig:
     # Masks over Sq = Sk whose rows split into independent segments (packed documents): query and
     # key tiles aligned to the segments instead of the sequence, through a virtual sequence that
     # pads each segment to whole tiles (segments.py); the tiles straddling two documents, and their
-    # masked steps, are gone. 128-row query tiles only (the plan's granule).
+    # masked steps, are gone. 128-row query tiles and key tiles dividing 128 only (the plan's
+    # granule: a key tile must not span two).
     segment_tiles: bool
 
     def __post_init__(self) -> None:
@@ -81,8 +82,11 @@ class FwdConfig:
             raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
         if self.longest_tiles_first_waves < 0:
             raise ValueError(f"longest_tiles_first_waves must be >= 0, got {self.longest_tiles_first_waves}")
-        if self.segment_tiles and self.tile_m != 128:
-            raise ValueError(f"segment_tiles needs tile_m=128 (the segments' granule), got tile_m={self.tile_m}")
+        if self.segment_tiles and (self.tile_m != 128 or 128 % self.tile_n):
+            raise ValueError(
+                "segment_tiles needs tile_m=128 and a tile_n dividing 128 (a tile within one 128-row granule), "
+                f"got tile_m={self.tile_m}, tile_n={self.tile_n}"
+            )
         if self.late_k_release and self.tile_m != 128:
             raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
 

@@ -873,7 +873,9 @@ class FlashMaskForwardSm90:
                 gO = cute.local_tile(real_tile, (self.tile_m, self.head_dim_v), (0, 0))
                 threads = 128 * self.num_consumer_wgs
                 store_rows(sO, gO, real_rows, tidx, threads)
-                # Every thread has read the Q buffer before it is released.
+                # Every thread has read the Q buffer (ordered before the next TMA write into it)
+                # before it is released.
+                cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=threads)
         elif tidx == 0:
             self.store_tile(tma_o, sO, mO[None, None, head, batch], m_block)

@@ -218,7 +218,7 @@ def forward(
     if config.segment_tiles and timeline is not None:  # its buffer is sized for the sequence's tiles
         raise ValueError("a timeline build runs on the sequence's tiles: pass a config with segment_tiles=False")
     if config.segment_tiles:
-        if uniform_work or sq != sk:  # no segments: the sequence's tiles
+        if uniform_work or sq != sk or _capturing(q):  # no segments (or no host sync): the sequence's tiles
             config = dataclasses.replace(config, segment_tiles=False)
         else:
             plan = cached_segment_plan(mask)
@@ -269,6 +269,12 @@ def _work_tiles(batch: int, heads: int, seqlen_q: int, config: FwdConfig) -> int
     """The forward's work tiles: query tiles (of the virtual rows with segment tiles) x query heads
     x batch."""
     return batch * heads * -(-seqlen_q // config.tile_m)
+
+
+def _capturing(q: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream: the segment plan's host sync
+    (the virtual length) cannot run there, and a plan kept from before would be replayed stale."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @functools.cache
@@ -323,7 +329,7 @@ def backward(
     if config.segment_steps:
         # A CTA's key tile serves every query head of its KV head: they must share one virtual layout.
         shared_layout = (hq // mask.heads) % (hq // hkv) == 0
-        if uniform_work or sq != sk or not shared_layout:  # no segments: the sequence's tiles
+        if uniform_work or sq != sk or not shared_layout or _capturing(q):  # the sequence's tiles
             config = dataclasses.replace(config, segment_steps=False)
         else:
             plan = cached_segment_plan(mask)

@@ -182,15 +182,12 @@ _plans: dict[int, tuple[tuple, SegmentPlan]] = {}
 def cached_segment_plan(mask: ColumnMask) -> SegmentPlan:
     """`segment_plan(mask)`, computed once per boundaries tensor (its version, shape and storage)
     while it lives: the layers of a training step share their mask, so the host sync runs once per
-    mask, not once per layer."""
+    mask, not once per layer. An inference tensor records no version, so its plan is not kept (a
+    stale plan, unlike a stale work order, would give wrong numbers)."""
     boundaries = mask.startend_row_indices
-    state = (
-        mask.causal,
-        mask.seqlen_q,
-        None if torch.is_inference(boundaries) else boundaries._version,
-        tuple(boundaries.shape),
-        boundaries.data_ptr(),
-    )
+    if torch.is_inference(boundaries):
+        return segment_plan(mask)
+    state = (mask.causal, mask.seqlen_q, boundaries._version, tuple(boundaries.shape), boundaries.data_ptr())
     kept = _plans.get(id(boundaries))
     if kept is None or kept[0] != state:
         if kept is None:

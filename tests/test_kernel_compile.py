@@ -186,7 +186,7 @@ def test_launch_compiles_once_per_configuration_and_passes_torch_tensors(monkeyp
     monkeypatch.setattr(interface, "_compiled", {})
     out, dq = torch.zeros(2, 8, 2, 64, dtype=torch.float32), torch.zeros(2, 8, 2, 64, dtype=torch.bfloat16)
     for _ in range(2):
-        interface._launch("bwd_post", torch.bfloat16, 64, False, 2, None, [out, dq], [0.125])
+        interface._launch("bwd_post", torch.bfloat16, 64, False, 2, None, [out, dq, None], [0.125])
     ((name, args, flags),) = compiled
     assert name == "BackwardPostprocess" and len(args) == 4 and len(calls) == 2
     assert flags == {"options": "--enable-tvm-ffi"}
@@ -219,7 +219,7 @@ def test_threads_launching_a_new_kernel_together_compile_it_once_and_one_at_a_ti
     out, dq = torch.zeros(2, 8, 2, 64, dtype=torch.float32), torch.zeros(2, 8, 2, 64, dtype=torch.bfloat16)
 
     def launch(head_dim):
-        interface._launch("bwd_post", torch.bfloat16, head_dim, False, 2, None, [out, dq], [0.125])
+        interface._launch("bwd_post", torch.bfloat16, head_dim, False, 2, None, [out, dq, None], [0.125])
 
     threads = [threading.Thread(target=launch, args=(64 if i < 4 else 128,)) for i in range(6)]
     for thread in threads:

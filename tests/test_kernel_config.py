@@ -173,9 +173,12 @@ def test_late_k_release_is_for_128_row_tiles():
         dataclasses.replace(fwd_config(64, True, 1), late_k_release=True)
 
 
-def test_segment_tiles_are_for_128_row_tiles():
-    with pytest.raises(ValueError, match="segment_tiles needs tile_m=128 .*got tile_m=192"):
+def test_segment_tiles_are_for_128_row_tiles_and_key_tiles_dividing_them():
+    with pytest.raises(ValueError, match="segment_tiles needs tile_m=128 .*got tile_m=192, tile_n=128"):
         dataclasses.replace(fwd_config(64, True, 1), segment_tiles=True)
+    with pytest.raises(ValueError, match="a tile_n dividing 128 .*got tile_m=128, tile_n=96"):
+        dataclasses.replace(fwd_config(128, True, 1), segment_tiles=True, tile_n=96)
+    assert dataclasses.replace(fwd_config(256, True, 1), segment_tiles=True).tile_n == 64
     assert dataclasses.replace(fwd_config(128, True, 1), segment_tiles=True).segment_tiles
 
 

@@ -202,3 +202,11 @@ def test_query_tile_rows_split_each_granule_for_every_batch_element_and_head():
         for h in range(4):
             assert torch.equal(rows[b, h, :, 0].long(), loaded[::64])
             assert torch.equal(rows[b, h, :, 1].long(), stored.reshape(-1, 64).sum(-1))
+
+
+def test_the_plan_of_an_inference_tensor_is_not_kept():
+    with torch.inference_mode():
+        mask = ColumnMask.causal_document(torch.tensor([0, 200, 512], dtype=torch.int32))
+        assert cached_segment_plan(mask).seqlen == 256 + 384
+        mask.startend_row_indices.fill_(512)  # in place, with no version to show it
+        assert cached_segment_plan(mask).seqlen == 512
