@@ -188,10 +188,10 @@ def test_launch_compiles_once_per_configuration_and_passes_torch_tensors(monkeyp
     for _ in range(2):
         interface._launch("bwd_post", torch.bfloat16, 64, False, 2, None, [out, dq, None], [0.125])
     ((name, args, flags),) = compiled
-    assert name == "BackwardPostprocess" and len(args) == 4 and len(calls) == 2
+    assert name == "BackwardPostprocess" and len(args) == 5 and len(calls) == 2  # no step table: None
     assert flags == {"options": "--enable-tvm-ffi"}
-    assert calls[1][0] is not out and calls[1][0].data_ptr() == out.data_ptr() and calls[1][2:] == (0.125,)
-    assert len(calls[1]) == 3
+    assert calls[1][0] is not out and calls[1][0].data_ptr() == out.data_ptr() and calls[1][2:] == (None, 0.125)
+    assert len(calls[1]) == 4
 
 
 def test_threads_launching_a_new_kernel_together_compile_it_once_and_one_at_a_time(monkeypatch):
