@@ -252,11 +252,11 @@ def forward(
     return out, lse
 
 
-def backward_ctas(k: torch.Tensor, config: BwdConfig) -> int:
+def backward_ctas(k: torch.Tensor, config: BwdConfig, seqlen_k: int | None = None) -> int:
     """The backward's grid size for k [B, Sk, Hkv, D] under `config`: one CTA per key tile, KV head
-    and batch."""
+    and batch; `seqlen_k`: the keys the CTAs walk where not k's (the virtual rows of segment steps)."""
     b, sk, hkv, _ = k.shape
-    return b * hkv * -(-sk // config.key_tile)
+    return b * hkv * -(-(sk if seqlen_k is None else seqlen_k) // config.key_tile)
 
 
 def forward_ctas(q: torch.Tensor, config: FwdConfig) -> int:
@@ -351,7 +351,7 @@ def backward(
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     order = None
     # Deterministic mode keeps the grid order: its key tiles wait for the ones before them.
-    short_grid = backward_ctas(k, config) <= config.longest_ctas_first_waves * _sm_count(q.device)
+    short_grid = backward_ctas(k, config, mask.seqlen_k) <= config.longest_ctas_first_waves * _sm_count(q.device)
     if not (deterministic or uniform_work) and short_grid:
         key = ("bwd", b, hq, hkv, tile_m, tile_n)
         order = cached_longest_first(
