@@ -25,7 +25,15 @@ import torch
 from ..reference import ColumnMask
 from .config import BwdConfig, FwdConfig, bwd_config, fwd_config
 from .segments import cached_segment_plan, query_tile_rows
-from .tile_plan import backward_cta_steps, block_minmax, cached_longest_first, dq_ranks, forward_tile_steps, full_mask
+from .tile_plan import (
+    backward_cta_steps,
+    block_minmax,
+    cached_longest_first,
+    dq_ranks,
+    forward_tile_steps,
+    full_mask,
+    kept_per_mask,
+)
 
 _DTYPES = (torch.bfloat16, torch.float16)
 FORWARD_HEAD_DIMS = ((64, 64), (128, 128), (128, 64), (192, 128))
@@ -333,7 +341,10 @@ def backward(
             config = dataclasses.replace(config, segment_steps=False)
         else:
             plan = cached_segment_plan(mask)
-            mask, step_rows = plan.mask, query_tile_rows(plan, tile_m, b, hq)
+            step_rows = kept_per_mask(
+                mask, ("query_tile_rows", b, hq), lambda: query_tile_rows(plan, tile_m, b, hq), keep_unversioned=False
+            )
+            mask = plan.mask
     row_indices = mask.startend_row_indices.contiguous()
     tiles_m = -(-mask.seqlen_q // tile_m)
     bounds = block_minmax(mask, tile_n)

@@ -20,12 +20,12 @@ segments are masked for every key too (the segments are independent), which the 
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ..reference import ColumnMask
+from .tile_plan import kept_per_mask
 
 GRANULE = 128
 """Rows per virtual granule: the forward's query tile, a multiple of every key tile and query step."""
@@ -176,21 +176,9 @@ def stored_rows(plan: SegmentPlan) -> torch.Tensor:
     return (offsets < count.unsqueeze(-1)).flatten(-2)
 
 
-_plans: dict[int, tuple[tuple, SegmentPlan]] = {}
-
-
 def cached_segment_plan(mask: ColumnMask) -> SegmentPlan:
-    """`segment_plan(mask)`, computed once per boundaries tensor (its version, shape and storage)
-    while it lives: the layers of a training step share their mask, so the host sync runs once per
-    mask, not once per layer. An inference tensor records no version, so its plan is not kept (a
-    stale plan, unlike a stale work order, would give wrong numbers)."""
-    boundaries = mask.startend_row_indices
-    if torch.is_inference(boundaries):
-        return segment_plan(mask)
-    state = (mask.causal, mask.seqlen_q, boundaries._version, tuple(boundaries.shape), boundaries.data_ptr())
-    kept = _plans.get(id(boundaries))
-    if kept is None or kept[0] != state:
-        if kept is None:
-            weakref.finalize(boundaries, _plans.pop, id(boundaries), None)
-        kept = _plans[id(boundaries)] = (state, segment_plan(mask))
-    return kept[1]
+    """`segment_plan(mask)`, kept per mask by `tile_plan.kept_per_mask`: the layers of a training
+    step share their mask, so the host sync runs once per mask, not once per layer. Not kept for an
+    inference tensor, whose in-place changes record no version (a stale plan, unlike a stale work
+    order, would give wrong numbers)."""
+    return kept_per_mask(mask, "segments", lambda: segment_plan(mask), keep_unversioned=False)

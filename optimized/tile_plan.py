@@ -8,17 +8,21 @@
   tile sees (the order of its dQ sum).
 - `forward_tile_steps` / `backward_cta_steps` / `longest_first`: the steps of the forward's work
   tiles and of the backward's CTAs, and either ordered by them, most first; `cached_longest_first`
-  computes such an order once per mask (the layers of a training step share their mask).
+  computes such an order once per mask (the layers of a training step share their mask), through
+  `kept_per_mask`, which keeps any such per-mask result.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import torch
 
 from ..reference import PARTIAL, SKIP, ColumnMask
+
+T = TypeVar("T")
 
 
 def full_mask(batch: int, seqlen_q: int, seqlen_k: int, device) -> ColumnMask:
@@ -103,29 +107,36 @@ def longest_first(steps: torch.Tensor, buckets: int = 0) -> torch.Tensor:
 
 # Per live boundaries tensor, by identity: the custom ops rebuild the ColumnMask around the same
 # tensor at each call, and comparing masks by value would read the boundaries (a host sync).
-_orders: dict[int, dict[Hashable, tuple[Hashable, torch.Tensor]]] = {}
+_per_mask: dict[int, dict[Hashable, tuple[Hashable, Any]]] = {}
+
+
+def kept_per_mask(mask: ColumnMask, key: Hashable, compute: Callable[[], T], keep_unversioned: bool = True) -> T:
+    """`compute()`, computed on the first call per `mask` (its boundaries tensor, variant and
+    seqlen_q) and `key`, and kept while that tensor lives unchanged (its version, shape and
+    storage). An inference tensor records no version: its result is kept on its shape and storage
+    only where `keep_unversioned` (a result that stays right past an in-place change), else not at
+    all. While a CUDA graph is captured nothing is kept (the computation is recorded in it)."""
+    boundaries = mask.startend_row_indices
+    unversioned = torch.is_inference(boundaries)
+    if (boundaries.is_cuda and torch.cuda.is_current_stream_capturing()) or (unversioned and not keep_unversioned):
+        return compute()
+    kept = _per_mask.get(id(boundaries))
+    if kept is None:
+        kept = _per_mask[id(boundaries)] = {}
+        weakref.finalize(boundaries, _per_mask.pop, id(boundaries), None)
+    key = (mask.causal, mask.seqlen_q, key)
+    state = (None if unversioned else boundaries._version, tuple(boundaries.shape), boundaries.data_ptr())
+    entry = kept.get(key)
+    if entry is None or entry[0] != state:
+        entry = kept[key] = (state, compute())
+    return entry[1]
 
 
 def cached_longest_first(
     mask: ColumnMask, key: Hashable, steps: Callable[[], torch.Tensor], buckets: int = 0
 ) -> torch.Tensor:
-    """`longest_first(steps(), buckets)`, computed on the first call per `mask` (its boundaries tensor,
-    variant and seqlen_q) and `key` (which must fix the kernel's grid), and kept while that tensor
-    lives unchanged (its version, shape and storage): the sort's few dozen small kernels then run
-    once per mask, not once per layer. An order only permutes the kernel's work units, so one kept
-    past an in-place change that no version records (inference tensors) still gives the same
-    numbers. While a CUDA graph is captured the sort is recorded in it and nothing is kept."""
-    boundaries = mask.startend_row_indices
-    if boundaries.is_cuda and torch.cuda.is_current_stream_capturing():
-        return longest_first(steps(), buckets)
-    kept = _orders.get(id(boundaries))
-    if kept is None:
-        kept = _orders[id(boundaries)] = {}
-        weakref.finalize(boundaries, _orders.pop, id(boundaries), None)
-    key = (mask.causal, mask.seqlen_q, key, buckets)
-    version = None if torch.is_inference(boundaries) else boundaries._version
-    state = (version, tuple(boundaries.shape), boundaries.data_ptr())
-    entry = kept.get(key)
-    if entry is None or entry[0] != state:
-        entry = kept[key] = (state, longest_first(steps(), buckets))
-    return entry[1]
+    """`longest_first(steps(), buckets)`, kept per mask and `key` (which must fix the kernel's grid)
+    by `kept_per_mask`: the sort's few dozen small kernels then run once per mask, not once per
+    layer. An order only permutes the kernel's work units, so one kept past an in-place change that
+    no version records (inference tensors) still gives the same numbers."""
+    return kept_per_mask(mask, (key, buckets), lambda: longest_first(steps(), buckets))

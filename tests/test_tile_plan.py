@@ -151,9 +151,9 @@ def test_an_order_is_sorted_once_per_mask_until_its_boundaries_change():
     other_mask = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
     cached_longest_first(other_mask, "bwd", steps)
     assert len(calls) == 3
-    kept = len(tile_plan._orders)
+    kept = len(tile_plan._per_mask)
     del other_mask  # its orders go with it
-    assert len(tile_plan._orders) == kept - 1
+    assert len(tile_plan._per_mask) == kept - 1
     mask.startend_row_indices[..., 0] = 0  # every key masked from row 0 on: no steps anywhere
     changed = cached_longest_first(mask, "bwd", lambda: backward_cta_steps(mask, 1, 2, 2, 64, 128))
     assert changed is not first and changed.tolist() == list(range(len(first)))
