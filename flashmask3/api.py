@@ -41,9 +41,9 @@ def attention(
         k: [B, Sk, Hkv, D] keys, with q's head dim D; Hq must be a multiple of Hkv (GQA / MQA).
         v: [B, Sk, Hkv, Dv] values: k's batch, length and heads, and a head dim Dv that may differ
             from D (DeepSeek's MLA: D = 192, Dv = 128) on the reference, sdpa and flex backends;
-            cute's forward takes (D, Dv) = (128, 64) and (192, 128) too, its backward Dv = D only
-            (with inputs that require grad "auto" falls back to flex). q, k, v share a dtype and
-            a device.
+            cute takes (D, Dv) = (64, 64), (128, 128), (192, 128) and (256, 256), and (128, 64)
+            in the forward only (with inputs that require grad "auto" falls back to flex there).
+            q, k, v share a dtype and a device.
         mask: a `ColumnMask` (FlashMask column-wise format) or None for full attention. Use its
             constructors (`ColumnMask.causal_document(cu_seqlens)`, ...), `masks.build(...)`,
             `ColumnMask.from_dense` or `ColumnMask.from_mask_mod` to make one.

@@ -19,6 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+FORWARD_HEAD_DIMS = ((64, 64), (128, 128), (128, 64), (192, 128), (256, 256))
+"""The (q/k head dim, v head dim) pairs the public entry runs on the forward kernel: the ones checked
+against the reference on the H200 (the kernel builds a few more)."""
+BACKWARD_HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+"""The (q/k head dim, v head dim) pairs the backward kernel builds, all checked on the H200."""
+
 
 @dataclass(frozen=True)
 class FwdConfig:

@@ -52,7 +52,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .config import BwdConfig
+from .config import BACKWARD_HEAD_DIMS, BwdConfig
 from .hopper import (
     assume_aligned,
     check_smem_fits,
@@ -80,15 +80,11 @@ class BwdBarrier(enum.IntEnum):
     PDS_FREE = 4  # queries on rows: both warpgroups' GEMMs of the last step have read the P and dS buffers
 
 
-HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
-"""The (q/k head dim, v head dim) pairs the backward compiles for."""
-
-
 def head_dims_refusal(head_dim: int, head_dim_v: int) -> str | None:
     """Why the backward kernel cannot take q/k head dim `head_dim` with v head dim `head_dim_v`, or None."""
-    if (head_dim, head_dim_v) in HEAD_DIMS:
+    if (head_dim, head_dim_v) in BACKWARD_HEAD_DIMS:
         return None
-    pairs = ", ".join(map(str, HEAD_DIMS))
+    pairs = ", ".join(map(str, BACKWARD_HEAD_DIMS))
     return f"the cute backward takes head dims (q/k, v) of {pairs}, got ({head_dim}, {head_dim_v})"
 
 

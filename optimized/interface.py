@@ -23,7 +23,7 @@ import time
 import torch
 
 from ..reference import ColumnMask
-from .config import BwdConfig, FwdConfig, bwd_config, fwd_config
+from .config import BACKWARD_HEAD_DIMS, FORWARD_HEAD_DIMS, BwdConfig, FwdConfig, bwd_config, fwd_config
 from .segments import cached_segment_plan, query_tile_rows
 from .tile_plan import (
     backward_cta_steps,
@@ -36,8 +36,6 @@ from .tile_plan import (
 )
 
 _DTYPES = (torch.bfloat16, torch.float16)
-FORWARD_HEAD_DIMS = ((64, 64), (128, 128), (128, 64), (192, 128))
-"""The (q/k head dim, v head dim) pairs the forward takes; the backward takes equal ones only."""
 _compiled: dict[tuple, object] = {}
 _compile_lock = threading.Lock()
 """One compilation at a time: the DSL's compiler is not thread-safe (CP ranks as threads compiling
@@ -50,21 +48,21 @@ causal, mask width, config, deterministic, which tensors are None)."""
 def head_dims_unsupported(head_dim: int, head_dim_v: int, backward: bool = False) -> str | None:
     """Why the kernels cannot take q/k head dim `head_dim` with v head dim `head_dim_v` (with the
     backward too, where `backward`), or None. Shapes only: the same under torch.compile."""
-    if (head_dim, head_dim_v) not in FORWARD_HEAD_DIMS:
-        both = ", ".join(f"({d}, {dv})" for d, dv in FORWARD_HEAD_DIMS if d == dv)
-        forward_only = ", ".join(f"({d}, {dv})" for d, dv in FORWARD_HEAD_DIMS if d != dv)
+    pair = (head_dim, head_dim_v)
+    if pair in (BACKWARD_HEAD_DIMS if backward else FORWARD_HEAD_DIMS):
+        return None
+    both = ", ".join(map(str, BACKWARD_HEAD_DIMS))
+    forward_only = ", ".join(str(p) for p in FORWARD_HEAD_DIMS if p not in BACKWARD_HEAD_DIMS)
+    if pair in FORWARD_HEAD_DIMS:
         return (
-            f"backend='cute' takes head dims (q/k, v) of {both} (forward and backward) and {forward_only} "
-            f"(forward only), got ({head_dim}, {head_dim_v})"
+            f"backend='cute' computes gradients at head dims (q/k, v) of {both}, got q/k head dim {head_dim} "
+            f"and v head dim {head_dim_v} on inputs that require grad; its forward takes them without grad "
+            "(torch.no_grad(), or detached inputs), and backend='flex' trains with them"
         )
-    if backward and head_dim_v != head_dim:
-        return (
-            f"backend='cute' computes gradients only where v's head dim equals q's and k's (64 or 128), "
-            f"got q/k head dim {head_dim} and v head dim {head_dim_v} on inputs that require grad; "
-            "its forward takes them without grad (torch.no_grad(), or detached inputs), and "
-            "backend='flex' trains with them"
-        )
-    return None
+    return (
+        f"backend='cute' takes head dims (q/k, v) of {both} (forward and backward) and {forward_only} "
+        f"(forward only), got ({head_dim}, {head_dim_v})"
+    )
 
 
 def requires_backward(*tensors: torch.Tensor | None) -> bool:
@@ -207,8 +205,8 @@ def forward(
     config: FwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, Dv], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
-    V's head dim Dv may be below Q's and K's D (`FORWARD_HEAD_DIMS`: 64 with D = 128, or 128 with
-    D = 192, which takes one Q buffer); `backward` takes Dv = D only.
+    Head dims (D, Dv): `config.FORWARD_HEAD_DIMS`, V's below Q's and K's at (128, 64) and (192, 128);
+    above 128 with one Q buffer.
 
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
     `timeline`: an int64 [CTAs, work tiles, len(timeline.Event)] buffer runs a build of the kernel
@@ -309,8 +307,7 @@ def backward(
 
     `deterministic=True` makes the key tiles add into dQ in a fixed order: bitwise identical
     gradients run to run. `dk` / `dv` may be given (contiguous, k's and v's shapes) to write into.
-    Head dims: the kernel's `HEAD_DIMS` (flash_bwd_sm90.py), of which the public entry takes the
-    ones `head_dims_unsupported` allows.
+    Head dims (D, Dv): `config.BACKWARD_HEAD_DIMS`.
     `config`: the main kernel's configuration (default: `bwd_config`'s choice for the head dim and
     mask). `timeline`: an int64 [CTAs, len(timeline.BwdEvent)] buffer runs a build of the main
     kernel that records each CTA's phases and the cycles of each segment of its steps

@@ -1,6 +1,7 @@
 """Backward kernel on the H200: gradients against the reference, determinism, then fwd+bwd speed.
 
     python scripts/bench_bwd.py check                 # dQ/dK/dV, every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
+    python scripts/bench_bwd.py check --head-dim 192 --head-dim-v 128   # the same cases at MLA's head dims
     python scripts/bench_bwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_bwd.py bench --seqlens 8192 --peers fa4,fa4_sparse   # only these peers
     python scripts/bench_bwd.py bench --seqlens 32768 --batch 1 --heads 16 --kv-heads 4   # GQA, as in training
@@ -14,9 +15,8 @@ precision), dK/dV written into NaN-poisoned buffers; `deterministic=True` run tw
 bit for bit. Speed: fwd+bwd (loss.backward through autograd, mask preprocessing and the dQ/Delta passes
 included), CUDA events, median over input sets, cute and its peers taking turns round by round;
 TFLOP/s on unmasked work, 3.5x the forward FLOPs (over the mean head dim where v's differs: at
-192/128 about 3% under the GEMMs' own count). `bench` times ours through the public entry, which
-refuses gradients at head dims 192/128 and 256 with backend='cute' until their kernels' GPU check
-has passed; `ablate` calls the kernels directly. Peers in the same run, fwd+bwd through autograd
+192/128 about 3% under the GEMMs' own count). `bench` times ours through the public entry;
+`ablate` calls the kernels directly. Peers in the same run, fwd+bwd through autograd
 (`--peers`, default all; `flashmask3.bench_peers` says which masks each takes): Flex with BACKEND
 TRITON and FLASH, FA4's own API (causal, window, varlen documents), FA4 with mask_mod + block
 sparsity in both directions, cuDNN SDPA. Each row holds per peer its time, TFLOP/s and largest
@@ -43,6 +43,7 @@ from bench_fwd import (
     bench_table,
     check_common_arguments,
     check_head_dim_v,
+    check_head_dims,
     forward_flops,
     head_counts,
     new_record,
@@ -64,8 +65,8 @@ from flashmask3 import bench_peers
 from flashmask3.bench import progress
 
 
-def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
-    q, k, v, dout = random_inputs(b, sq, sk, hq, hkv, d, dtype, "cuda", seed=seed)
+def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed, dv=None) -> dict:
+    q, k, v, dout = random_inputs(b, sq, sk, hq, hkv, d, dtype, "cuda", seed=seed, head_dim_v=dv)
     report = compare("cute", q, k, v, mask, dout)
     scale = 1 / math.sqrt(d)
     out, lse = cute_forward(q, k, v, mask, scale)
@@ -81,6 +82,7 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
         "hq": hq,
         "hkv": hkv,
         "d": d,
+        "dv": v.shape[-1],
         "dtype": str(dtype)[6:],
         "unwritten": unwritten,
         "notes": report.notes,
@@ -91,13 +93,16 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
     return row
 
 
-def run_determinism(names=("document", "causal", "share_question", "random_eviction")) -> dict:
-    """Gradients of deterministic runs must be bitwise equal (many key tiles per query tile), at both
-    head dims (their query steps may differ); the atomic default is shown for contrast."""
+def run_determinism(
+    names=("document", "causal", "share_question", "random_eviction"), head_dims: tuple[int, int] | None = None
+) -> dict:
+    """Gradients of deterministic runs must be bitwise equal (many key tiles per query tile), at head
+    dims 128 and 64 (their query steps may differ) or at the pair `head_dims` (q/k, v); the atomic
+    default is shown for contrast."""
     result = {}
     built = {name: masks.build(name, 4096, batch=2, heads=8, seed=7, device="cuda") for name in names}
-    for d in (128, 64):
-        q, k, v, dout = random_inputs(2, 4096, 4096, 8, 2, d, torch.bfloat16, "cuda", seed=7)
+    for d, dv in ((128, 128), (64, 64)) if head_dims is None else (head_dims,):
+        q, k, v, dout = random_inputs(2, 4096, 4096, 8, 2, d, torch.bfloat16, "cuda", seed=7, head_dim_v=dv)
         scale = 1 / math.sqrt(d)
         for name, mask in built.items():
             out, lse = cute_forward(q, k, v, mask, scale)
@@ -289,8 +294,8 @@ def main() -> None:
     check_head_dim_v(parser, args)
     result, save = new_record(args, "bwd")
     if args.what in ("check", "all"):
-        result["check"] = run_check(check_case, first_seed=100)
-        result["determinism"] = run_determinism()
+        result["check"] = run_check(check_case, first_seed=100, head_dims=check_head_dims(args))
+        result["determinism"] = run_determinism(head_dims=check_head_dims(args))
         result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
         print(
             f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} "

@@ -1,6 +1,7 @@
 """Forward kernel on the H200: correctness against the reference, then speed against the peers.
 
     python scripts/bench_fwd.py check                 # every mask, bf16/fp16, hdim 64/128, GQA, odd lengths
+    python scripts/bench_fwd.py check --head-dim 256  # the same cases at head dim 256
     python scripts/bench_fwd.py bench --seqlens 8192   # paper setup: hidden 4096, 128K tokens per run
     python scripts/bench_fwd.py bench --seqlens 32768 --peers fa4,flex_flash   # only these peers
     python scripts/bench_fwd.py bench --seqlens 32768 --batch 1 --heads 16 --kv-heads 4   # GQA, as in training
@@ -48,10 +49,10 @@ from flashmask3 import bench_peers
 from flashmask3.bench import attention_flops, git_commit, host_us, interleaved_ms, progress, result_json, results_dir
 
 
-def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed) -> dict:
-    q, k, v, _ = random_inputs(b, sq, sk, hq, hkv, d, dtype, "cuda", seed=seed)
+def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed, dv=None) -> dict:
+    q, k, v, _ = random_inputs(b, sq, sk, hq, hkv, d, dtype, "cuda", seed=seed, head_dim_v=dv)
     report = compare("cute", q, k, v, mask)
-    out = torch.full_like(q, math.nan)
+    out = torch.full((b, sq, hq, v.shape[-1]), math.nan, dtype=dtype, device="cuda")
     lse = torch.full((b, hq, sq), math.nan, device="cuda")
     cute_forward(q, k, v, mask, 1 / math.sqrt(d), out=out, lse=lse)
     torch.cuda.synchronize()
@@ -65,6 +66,7 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
         "hq": hq,
         "hkv": hkv,
         "d": d,
+        "dv": v.shape[-1],
         "dtype": str(dtype)[6:],
         "err_out": report.errors["out"],
         "err_lse": report.errors["lse"],
@@ -76,21 +78,31 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
     }
 
 
-def run_check(case=check_case, first_seed: int = 0) -> list[dict]:
+def run_check(case=check_case, first_seed: int = 0, head_dims: tuple[int, int] | None = None) -> list[dict]:
     """`case` (this script's forward check, or bench_bwd's gradient check) over every mask at three
-    dtype / head dim / length combinations, plus Sq != Sk, MQA and no mask."""
+    dtype / head dim / length combinations, plus Sq != Sk, MQA and no mask. `head_dims` (q/k, v):
+    every case at that pair instead of at 64 and 128."""
+    d_big, d_small, dv = (128, 64, None) if head_dims is None else (head_dims[0], head_dims[0], head_dims[1])
     rows, seed = [], first_seed
     for name in progress(masks.MASK_NAMES, "check"):
-        for sq, d, dtype in ((1024, 128, torch.bfloat16), (1531, 64, torch.float16), (2048, 128, torch.float16)):
+        combos = ((1024, d_big, torch.bfloat16), (1531, d_small, torch.float16), (2048, d_big, torch.float16))
+        for sq, d, dtype in combos:
             seed += 1
             mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device="cuda")
-            rows.append(case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed))
+            rows.append(case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed, dv))
     # Sq != Sk (causal bottom-right), MQA, and no mask.
     for sq, sk in ((700, 1300), (1300, 700)):
         mask = ColumnMask(torch.full((1, 1, sk, 1), sq, dtype=torch.int32, device="cuda"), True, sq)
-        rows.append(case("causal_sq!=sk", mask, 1, sq, sk, 8, 1, 128, torch.bfloat16, seed + sq))
-        rows.append(case("none_sq!=sk", None, 1, sq, sk, 8, 1, 64, torch.bfloat16, seed + sk))
+        rows.append(case("causal_sq!=sk", mask, 1, sq, sk, 8, 1, d_big, torch.bfloat16, seed + sq, dv))
+        rows.append(case("none_sq!=sk", None, 1, sq, sk, 8, 1, d_small, torch.bfloat16, seed + sk, dv))
     return rows
+
+
+def check_head_dims(args: argparse.Namespace) -> tuple[int, int] | None:
+    """The head-dim pair `check` runs every case at: --head-dim / --head-dim-v where given, else None
+    (64 and 128, the default check)."""
+    pair = (args.head_dim, args.head_dim_v or args.head_dim)
+    return None if pair in ((64, 64), (128, 128)) else pair
 
 
 TOKENS_PER_RUN = 131072
@@ -363,18 +375,18 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_head_dim_v_argument(parser: argparse.ArgumentParser) -> None:
-    """--head-dim-v (bench and ablate; `check_head_dim_v` refuses it elsewhere after parsing)."""
+    """--head-dim-v (check, bench and ablate; `check_head_dim_v` refuses it elsewhere after parsing)."""
     parser.add_argument(
         "--head-dim-v",
         type=positive_int,
-        help="bench, ablate: V's head dim where not --head-dim (e.g. 128 with 192: MLA's shape)",
+        help="check, bench, ablate: V's head dim where not --head-dim (e.g. 128 with 192: MLA's shape)",
     )
 
 
 def check_head_dim_v(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The parser's error where --head-dim-v differs from --head-dim outside 'bench' and 'ablate'."""
-    if args.head_dim_v not in (None, args.head_dim) and args.what not in ("bench", "ablate"):
-        parser.error(f"--head-dim-v is for 'bench' and 'ablate', got it with {args.what!r}")
+    """The parser's error where --head-dim-v differs from --head-dim outside 'check', 'bench' and 'ablate'."""
+    if args.head_dim_v not in (None, args.head_dim) and args.what not in ("check", "bench", "ablate"):
+        parser.error(f"--head-dim-v is for 'check', 'bench' and 'ablate', got it with {args.what!r}")
 
 
 def check_common_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -438,7 +450,7 @@ def main() -> None:
     check_head_dim_v(parser, args)
     result, save = new_record(args, "fwd")
     if args.what in ("check", "all"):
-        result["check"] = run_check()
+        result["check"] = run_check(head_dims=check_head_dims(args))
         result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
         print(f"{'case':24s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_out':>9s} {'tol':>9s} {'err_lse':>9s} ok")
         for r in result["check"]:

@@ -277,27 +277,29 @@ def test_a_training_step_replays_from_a_cuda_graph():
         torch.testing.assert_close(got, expected)
 
 
-def test_the_public_entry_runs_mlas_head_dims_forward_only_and_trains_them_on_flex():
-    """attention(..., backend="cute") at q/k 192, v 128 without grad: the kernel's numbers (the
-    same as `interface.forward`'s, bit for bit); with inputs that require grad, "auto" trains on
-    flex and "cute" names what it cannot do."""
-    from flashmask3.optimized.interface import forward
+def test_the_public_entry_trains_mlas_head_dims_on_the_kernels():
+    """attention(...) at q/k 192, v 128: "cute" gives the kernel's numbers (those of
+    `interface.forward` and `interface.backward`, bit for bit, deterministic mode), "auto" takes the
+    kernels for gradients too; at (128, 64), which the backward does not build, "cute" names what it
+    cannot do with inputs that require grad."""
+    from flashmask3.optimized.interface import backward, forward
 
     import flashmask3 as fm
 
-    seqlen = 1000
+    seqlen, scale = 1000, 1 / math.sqrt(192)
     mask = masks.build("causal_document", seqlen, batch=2, heads=4, seed=5, device="cuda")
-    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, 192, torch.bfloat16, "cuda", seed=5, head_dim_v=128)
+    q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, 192, torch.bfloat16, "cuda", seed=5, head_dim_v=128)
     out, lse = fm.attention(q, k, v, mask, backend="cute", return_lse=True)
-    expected, expected_lse = forward(q, k, v, mask, 1 / math.sqrt(192))
+    expected, expected_lse = forward(q, k, v, mask, scale)
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    trained = fm.attention(*leaves, mask)
-    trained.float().square().sum().backward()
-    assert all(x.grad is not None and x.grad.isfinite().all() for x in leaves)
-    torch.testing.assert_close(trained.detach(), fm.attention(q, k, v, mask, backend="flex"), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="computes gradients only where v's head dim equals"):
-        fm.attention(*leaves, mask, backend="cute")
+    expected_grads = backward(dout, q, k, v, out, lse, mask, scale, deterministic=True)
+    for backend in ("cute", "auto"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        fm.attention(*leaves, mask, backend=backend, deterministic=True).backward(dout)
+        assert all(torch.equal(x.grad, want) for x, want in zip(leaves, expected_grads))
+    q, k, v, _ = random_inputs(1, 256, 256, 4, 2, 128, torch.bfloat16, "cuda", seed=5, head_dim_v=64)
+    with pytest.raises(ValueError, match="computes gradients at head dims"):
+        fm.attention(q.requires_grad_(), k, v, mask=None, backend="cute")
 
 
 @pytest.mark.parametrize("name", ["full", "causal_document", "random_eviction"])

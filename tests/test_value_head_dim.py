@@ -1,7 +1,7 @@
 """A value head dim Dv other than the query/key head dim D (DeepSeek's MLA: 192 / 128): q [B, Sq, Hq, D],
 k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv]. The fp64 reference against textbook
 attention (forward, LSE, gradients, gradcheck, sinks), sdpa and flex against the reference, the
-cute backend's head dims (its forward at (128, 64) and (192, 128), gradients at Dv = D) and auto's
+cute backend's head dims (its forward at (128, 64) too, gradients at (192, 128)) and auto's
 fallback, and the other entry points (varlen, Paddle, Hugging
 Face's DeepSeek-V3, context parallelism)."""
 
@@ -199,13 +199,14 @@ def test_reference_gradcheck_with_sinks_and_another_value_head_dim():
 # -- the cute backend: its head dims, and auto's fallback ------------------------------------------
 
 
+BOTH_DIRECTIONS = r"\(64, 64\), \(128, 128\), \(192, 128\), \(256, 256\)"
 CUTE_GRAD_REFUSAL = (
-    r"backend='cute' computes gradients only where v's head dim equals q's and k's \(64 or 128\), got "
-    r"q/k head dim 192 and v head dim 128 on inputs that require grad"
+    rf"backend='cute' computes gradients at head dims \(q/k, v\) of {BOTH_DIRECTIONS}, got q/k head dim 128 "
+    r"and v head dim 64 on inputs that require grad"
 )
 CUTE_SHAPE_REFUSAL = (
-    r"backend='cute' takes head dims \(q/k, v\) of \(64, 64\), \(128, 128\) \(forward and backward\) and "
-    r"\(128, 64\), \(192, 128\) \(forward only\), got \(128, 96\)"
+    rf"backend='cute' takes head dims \(q/k, v\) of {BOTH_DIRECTIONS} \(forward and backward\) and "
+    r"\(128, 64\) \(forward only\), got \(128, 96\)"
 )
 
 
@@ -229,9 +230,9 @@ def test_cute_backend_names_the_head_dims_it_takes(cute_on_a_hopper_gpu):
 
 
 def test_cute_backend_refuses_gradients_at_another_value_head_dim(cute_on_a_hopper_gpu):
-    """The forward at (192, 128) runs without grad and matches the reference; with inputs that
-    require grad it is refused by name, before any launch (the backward kernel takes Dv = D only)."""
-    q, k, v, _ = inputs(1, 16, 16, 2, 1, 192, 128, dtype=torch.bfloat16)
+    """The forward at (128, 64) runs without grad and matches the reference; with inputs that
+    require grad it is refused by name, before any launch (the backward kernel does not build it)."""
+    q, k, v, _ = inputs(1, 16, 16, 2, 1, 128, 64, dtype=torch.bfloat16)
     expected = fm.attention(q, k, v, causal=True, backend="reference")
     torch.testing.assert_close(fm.attention(q, k, v, causal=True, backend="cute"), expected)  # bf16 rounding
     with torch.no_grad():
@@ -245,8 +246,8 @@ def test_cute_backend_refuses_gradients_at_another_value_head_dim(cute_on_a_hopp
 
 
 def test_the_backward_kernel_refuses_a_head_dim_pair_it_does_not_build_by_name():
-    """The kernel builds (192, 128) and (256, 256) besides 64 and 128, though the public entry does not
-    take them for gradients yet; (128, 64) it refuses, naming what it builds."""
+    """The kernel builds (192, 128) and (256, 256) besides 64 and 128; (128, 64) it refuses, naming
+    what it builds."""
     from flashmask3.optimized import interface
 
     q, k, v, _ = inputs(1, 16, 16, 2, 1, 128, 64, dtype=torch.bfloat16)
@@ -266,9 +267,9 @@ def test_auto_is_the_reference_on_cpu():
 
 
 def test_auto_takes_cute_for_the_forward_and_flex_for_gradients_at_another_value_head_dim(monkeypatch):
-    """On a Hopper GPU (the device checks stood in for here): auto runs the kernels at Dv = D, and at
-    (128, 64) or (192, 128) for the forward alone; where gradients are needed, or the pair is not
-    one the kernels take, it falls back to flex."""
+    """On a Hopper GPU (the device checks stood in for here): auto runs the kernels at Dv = D and at
+    (192, 128) in both directions, and at (128, 64) for the forward alone; where gradients are
+    needed there, or the pair is not one the kernels take, it falls back to flex."""
     monkeypatch.setattr(api, "unsupported_reason", head_dims_only)
 
     def on_cuda(*shape):
@@ -278,6 +279,9 @@ def test_auto_takes_cute_for_the_forward_and_flex_for_gradients_at_another_value
     for backward in (False, True):
         assert api._auto_backend(q, k, on_cuda(1, 128, 2, 128), backward) == "cute"
         assert api._auto_backend(q, k, on_cuda(1, 128, 2, 96), backward) == "flex"
+    for q_k_head_dim, v_head_dim in ((192, 128), (256, 256)):
+        q_other, k_other = on_cuda(1, 128, 4, q_k_head_dim), on_cuda(1, 128, 2, q_k_head_dim)
+        assert api._auto_backend(q_other, k_other, on_cuda(1, 128, 2, v_head_dim), backward=True) == "cute"
     assert api._auto_backend(q, k, on_cuda(1, 128, 2, 64), backward=False) == "cute"
     assert api._auto_backend(q, k, on_cuda(1, 128, 2, 64), backward=True) == "flex"
     assert "v head dim 64" in api._cute_unsupported(q, k, on_cuda(1, 128, 2, 64), backward=True)
