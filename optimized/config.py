@@ -196,7 +196,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     the same numbers); one Q buffer at head dims 192 and 256, where two do not fit beside two K/V
     stages, and their work tiles longest first only up to 64 per SM; 64-key tiles at head dim 256
     (FA4's SM90 choice there is 80; a 64-key tile keeps the scores' registers beside O's 128 per
-    thread and two K/V stages in smem; not yet run on a GPU); at head dim 128 the row maxima by fmax
+    thread and two K/V stages in smem); at head dim 128 the row maxima by fmax
     chains on the non-causal variants (+0.9-2.4% on full and document; -0.1 to -2.4% on the causal
     masks, so not there); on the causal masks with one bound per key, the tiles only the diagonal
     cuts masked without their bounds (sliding window +5.2% at 8K, +0.9-1.1% at 32K, the others
@@ -235,7 +235,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     dQ before dK, the dQ add while dK runs: +1.1-1.4% fwd+bwd at 8K over issuing dV and dK first).
     Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
-    thread; read after the S GEMM, the width-4 build at 192 spills); not yet run on a GPU."""
+    thread; read after the S GEMM, the width-4 build at 192 spills)."""
     queries_on_rows = head_dim > 128
     return BwdConfig(
         key_tile={192: 96, 256: 48}.get(head_dim, 128),

@@ -294,7 +294,9 @@ def main() -> None:
     check_head_dim_v(parser, args)
     result, save = new_record(args, "bwd")
     if args.what in ("check", "all"):
-        result["check"] = run_check(check_case, first_seed=100, head_dims=check_head_dims(args))
+        result["check"] = run_check(
+            check_case, 100, check_head_dims(args), save=lambda rows: save({**result, "check": rows})
+        )
         result["determinism"] = run_determinism(head_dims=check_head_dims(args))
         result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
         print(

@@ -78,10 +78,13 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
     }
 
 
-def run_check(case=check_case, first_seed: int = 0, head_dims: tuple[int, int] | None = None) -> list[dict]:
+def run_check(
+    case=check_case, first_seed: int = 0, head_dims: tuple[int, int] | None = None, save=lambda rows: None
+) -> list[dict]:
     """`case` (this script's forward check, or bench_bwd's gradient check) over every mask at three
     dtype / head dim / length combinations, plus Sq != Sk, MQA and no mask. `head_dims` (q/k, v):
-    every case at that pair instead of at 64 and 128."""
+    every case at that pair instead of at 64 and 128. `save(rows)` after each case, so a run cut
+    short keeps what it checked."""
     d_big, d_small, dv = (128, 64, None) if head_dims is None else (head_dims[0], head_dims[0], head_dims[1])
     rows, seed = [], first_seed
     for name in progress(masks.MASK_NAMES, "check"):
@@ -90,11 +93,13 @@ def run_check(case=check_case, first_seed: int = 0, head_dims: tuple[int, int] |
             seed += 1
             mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device="cuda")
             rows.append(case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed, dv))
+            save(rows)
     # Sq != Sk (causal bottom-right), MQA, and no mask.
     for sq, sk in ((700, 1300), (1300, 700)):
         mask = ColumnMask(torch.full((1, 1, sk, 1), sq, dtype=torch.int32, device="cuda"), True, sq)
         rows.append(case("causal_sq!=sk", mask, 1, sq, sk, 8, 1, d_big, torch.bfloat16, seed + sq, dv))
         rows.append(case("none_sq!=sk", None, 1, sq, sk, 8, 1, d_small, torch.bfloat16, seed + sk, dv))
+        save(rows)
     return rows
 
 
@@ -450,7 +455,7 @@ def main() -> None:
     check_head_dim_v(parser, args)
     result, save = new_record(args, "fwd")
     if args.what in ("check", "all"):
-        result["check"] = run_check(head_dims=check_head_dims(args))
+        result["check"] = run_check(head_dims=check_head_dims(args), save=lambda rows: save({**result, "check": rows}))
         result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
         print(f"{'case':24s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_out':>9s} {'tol':>9s} {'err_lse':>9s} ok")
         for r in result["check"]:
