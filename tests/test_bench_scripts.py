@@ -1023,3 +1023,27 @@ def test_cp_calibrate_never_fits_a_chunk_that_saves_time():
     assert coef["per_needed_chunk_s"] == 0.0
     assert coef["fixed_s"] == pytest.approx(1e-3 - 1e-5 * needed.mean())
     assert coef["per_load_s"] == 2e-6
+
+
+def test_check_runs_every_case_at_the_head_dim_pair_it_is_given(monkeypatch):
+    """`check --head-dim 192 --head-dim-v 128`: every case (12 masks x 3, Sq != Sk, no mask) at that
+    pair, each row saved as it is checked; without the options, the cases at 128 and 64."""
+    import argparse
+
+    cases, saved = [], []
+
+    def case(name, mask, b, sq, sk, hq, hkv, d, dtype, seed, dv=None):
+        cases.append((d, dv))
+        return {"mask": name}
+
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench_fwd, "ColumnMask", lambda *args: None)
+    monkeypatch.setattr(bench_fwd.torch, "full", lambda *args, **kwargs: None)
+    pair = bench_fwd.check_head_dims(argparse.Namespace(head_dim=192, head_dim_v=128))
+    rows = bench_fwd.run_check(case, head_dims=pair, save=lambda rows: saved.append(len(rows)))
+    assert pair == (192, 128) and set(cases) == {(192, 128)} and len(rows) == 3 * len(bench_fwd.masks.MASK_NAMES) + 4
+    assert saved[0] == 1 and saved[-1] == len(rows)
+    cases.clear()
+    default = bench_fwd.check_head_dims(argparse.Namespace(head_dim=128, head_dim_v=None))
+    bench_fwd.run_check(case, head_dims=default)
+    assert default is None and set(cases) == {(128, None), (64, None)}
