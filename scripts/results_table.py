@@ -80,6 +80,10 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Forward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 16 heads",
         ("fwd_bench_hdim192_v128_8k_peers.json",),
     ),
+    (
+        "Forward + backward, head dim 256: S = 8K, 16 sequences, 16 heads",
+        ("bwd_bench_hd256_8k_full_causal.json", "bwd_bench_hd256_8k_documents.json"),
+    ),
 )
 
 
