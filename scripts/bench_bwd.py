@@ -294,10 +294,9 @@ def main() -> None:
     check_head_dim_v(parser, args)
     result, save = new_record(args, "bwd")
     if args.what in ("check", "all"):
-        result["check"] = run_check(
-            check_case, 100, check_head_dims(args), save=lambda rows: save({**result, "check": rows})
-        )
-        result["determinism"] = run_determinism(head_dims=check_head_dims(args))
+        head_dims = check_head_dims(args)
+        result["check"] = run_check(check_case, 100, head_dims, save=lambda rows: save({**result, "check": rows}))
+        result["determinism"] = run_determinism(head_dims=head_dims)
         result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
         print(
             f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} "

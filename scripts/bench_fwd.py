@@ -104,8 +104,8 @@ def run_check(
 
 
 def check_head_dims(args: argparse.Namespace) -> tuple[int, int] | None:
-    """The head-dim pair `check` runs every case at: --head-dim / --head-dim-v where given, else None
-    (64 and 128, the default check)."""
+    """The head-dim pair `check` runs every case at: --head-dim / --head-dim-v, or None where that is
+    (64, 64) or (128, 128), which the default check covers (its cases at both)."""
     pair = (args.head_dim, args.head_dim_v or args.head_dim)
     return None if pair in ((64, 64), (128, 128)) else pair
 
