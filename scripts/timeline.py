@@ -1,7 +1,7 @@
 """Where the kernels' time goes, per CTA: the timeline builds' event stamps, summarized (and drawn).
 
-    python scripts/timeline.py --mask sliding_window --seqlen 8192 [--kernel persistent=false]
-    python scripts/timeline.py --backward --mask full --seqlen 8192 [--kernel q_stages=2]
+    python scripts/timeline.py --mask sliding_window --seqlen 8192 [--kernel persistent=false] [--peer fa4]
+    python scripts/timeline.py --backward --mask full --seqlen 8192 [--kernel q_stages=2] [--peer fa4]
 
 Runs the forward once at 128K tokens (B = 128K/S, H = 4096/D, bf16) in the build that stamps each
 role's events (`optimized/timeline.py`), then per work tile: the consumers' wait before it (from
@@ -17,6 +17,14 @@ for dP, dS, the barrier between the warpgroups, waiting for dQ, the dQ add, wait
 the next query tile's list entry), as
 medians over CTAs per step and as shares of the step. The profiled build reads the clock at every
 segment (a few % slower); compare segments, not its total, with the default build.
+
+`--peer fa4`: FA4's own path for the mask, as the benchmarks run it (causal, window_size, or varlen
+over the documents), on the same inputs, in a build that stamps the same events per CTA
+(`flashmask3/fa4_timeline.py`). FA4 runs one CTA per work tile, so its CTAs are taken per SM in the
+order they ran. Summarized under "fa4" in the same terms (forward: the wait before each work
+tile's loop, split into the launch gap and the CTA's setup, the loop per key block, the epilogue;
+backward: the consumers' time per step from their start, their setup, steps and epilogue); the
+forward is drawn below ours.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from flashmask3.optimized.timeline import STEP_SEGMENTS, BwdEvent, Event
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
 
+from flashmask3 import bench_peers, fa4_timeline
 from flashmask3.bench import git_commit, results_dir
 
 EVENTS = tuple(e.name.lower() for e in Event)
@@ -107,6 +116,7 @@ def summarize_backward(stamps: torch.Tensor, sm_count: int) -> dict:
         "kernel_us": span_ns / 1e3,
         "sm_busy_share": round(lifetimes_ns / (sm_count * span_ns), 4),
         "mean_step_us": sum(row[2] - row[1] for row in rows) / 1e3 / sum(row[4] for row in rows),
+        "mean_step_from_start_us": sum(row[2] - row[0] for row in rows) / 1e3 / sum(row[4] for row in rows),
         "mean_cta_overhead_us": statistics.fmean((row[1] - row[0] + row[3] - row[2]) / 1e3 for row in rows),
         "median_kv_wait_us": statistics.median((row[1] - row[0]) / 1e3 for row in rows),
         "median_step_us": statistics.median((row[2] - row[1]) / 1e3 / row[4] for row in rows),
@@ -117,14 +127,24 @@ def summarize_backward(stamps: torch.Tensor, sm_count: int) -> dict:
     }
 
 
-def draw(per_cta: list[list[dict]], path: Path, ctas: int, until_us: float, title: str) -> None:
-    """A row per CTA: the consumers' wait (grey), main loop (blue) and epilogue (orange) per work tile."""
+def draw(panels: list[tuple[str, list[list[dict]]]], path: Path, ctas: int, until_us: float, title: str) -> None:
+    """A panel per (label, work tiles per CTA or per SM), a row per CTA or SM: the consumers' wait
+    (grey), main loop (blue) and epilogue (orange) per work tile."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(12, 0.35 * ctas + 1.2))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, len(panels) * (0.35 * ctas + 1.2)), squeeze=False)
+    for (label, per_cta), ax in zip(panels, axes[:, 0]):
+        _draw_panel(ax, per_cta, ctas, until_us)
+        ax.set_ylabel(label)
+    axes[0, 0].set_title(title + " (grey: waiting for the tile; blue: main loop; orange: epilogue)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _draw_panel(ax, per_cta: list[list[dict]], ctas: int, until_us: float) -> None:
     for row, tiles in enumerate(per_cta[:ctas]):
         previous_store = 0.0
         for tile in tiles:
@@ -139,16 +159,48 @@ def draw(per_cta: list[list[dict]], path: Path, ctas: int, until_us: float, titl
             previous_store = tile["stored"]
     ax.set_xlim(0, until_us)
     ax.set_xlabel("us since the kernel's first event")
-    ax.set_ylabel("CTA")
-    ax.set_title(title + " (grey: waiting for the tile; blue: main loop; orange: epilogue)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+
+
+def with_step_shape(summary: dict, rows: int, keys: int) -> None:
+    """Add a backward summary's step shape (query rows x keys) and its time per step from the
+    consumers' start scaled to a 64 x 128 step, so kernels with other step shapes compare."""
+    summary["step_shape"] = [rows, keys]
+    summary["mean_us_per_64x128_step_from_start"] = summary["mean_step_from_start_us"] * 64 * 128 / (rows * keys)
+
+
+def fa4_forward_work_tiles(case, q, k, v, rows: int) -> tuple[torch.Tensor, list[list[dict]]]:
+    """FA4's own forward for `case`, stamped (compile, warm-up, then the recorded run): its output
+    and its CTAs per SM (`fa4_timeline.per_sm_work_tiles`)."""
+    run = bench_peers.PEERS["fa4"](case)
+    stamps = fa4_timeline.stamp_rows(rows)
+    with fa4_timeline.stamped_fa4(stamps):
+        for _ in range(3):
+            stamps.fill_(-1)
+            out = run(q, k, v)
+        torch.cuda.synchronize()
+    return out, fa4_timeline.per_sm_work_tiles(stamps.cpu())
+
+
+def fa4_backward_stamps(case, q, k, v, dout, rows: int) -> torch.Tensor:
+    """FA4's own backward for `case` (its forward unstamped), stamped: compile, warm-up, then the
+    recorded run; the stamps on the CPU."""
+    run = bench_peers.PEERS["fa4"](case)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = run(q, k, v)
+    stamps = fa4_timeline.stamp_rows(rows)
+    with fa4_timeline.stamped_fa4(stamps):
+        for _ in range(3):
+            stamps.fill_(-1)
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        torch.cuda.synchronize()
+    return stamps.cpu()
 
 
 def main() -> None:
     from bench_fwd import kernel_overrides
     from flashmask3.optimized import bwd_config, fwd_config
     from flashmask3.optimized.config import apply_overrides
+    from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90
     from flashmask3.optimized.interface import backward, backward_ctas, forward, forward_ctas, mask_variant
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,7 +214,11 @@ def main() -> None:
     parser.add_argument("--until-us", type=float, default=200.0)
     parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE", help="config change")
     parser.add_argument("--backward", action="store_true", help="profile the backward's main kernel instead")
+    parser.add_argument("--peer", choices=["fa4"], help="also FA4's own path for the mask, stamped the same way")
     args = parser.parse_args()
+    if args.peer == "fa4" and args.mask not in bench_peers.FA4_NATIVE_MASKS:
+        native = ", ".join(bench_peers.FA4_NATIVE_MASKS)
+        parser.error(f"--peer fa4 runs FA4's own API, which has a path for {native}; got --mask {args.mask}")
     heads = args.heads or 4096 // args.head_dim
     batch = args.batch or max(1, 131072 // args.seqlen)
     kv_heads = args.kv_heads or heads
@@ -178,6 +234,9 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "timeline_bwd" if args.backward else "timeline"
     name = f"{kind}_{args.mask}_{args.seqlen}_b{batch}_h{heads}_kv{kv_heads}" + "".join(f"_{o}" for o in args.kernel)
+    name += f"_{args.peer}" if args.peer else ""
+    case = bench_peers.PeerCase(args.mask, mask, batch, heads, scale)
+    peer_rows = batch * heads * (args.seqlen // 16 + 8)  # above FA4's grid: a CTA per 64+ rows or a document
     if args.backward:
         bwd = apply_overrides(bwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
         out, lse = forward(q, k, v, mask, scale, config=config)
@@ -188,6 +247,14 @@ def main() -> None:
         torch.cuda.synchronize()
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
         measured = {"bwd_config": dataclasses.asdict(bwd), **summarize_backward(stamps.cpu(), sm_count)}
+        with_step_shape(measured, FlashMaskBackwardSm90.tile_m, bwd.key_tile)
+        if args.peer:
+            from flash_attn.cute.interface import _tile_size_bwd_sm90
+
+            fa4_stamps = fa4_backward_stamps(case, q, k, v, dout, peer_rows)
+            measured["fa4"] = fa4_timeline.summarize_backward(fa4_stamps, sm_count)
+            fa4_config = _tile_size_bwd_sm90(args.head_dim, args.head_dim, mask.causal, args.mask == "sliding_window")
+            with_step_shape(measured["fa4"], fa4_config.m_block_size, fa4_config.n_block_size)
     else:
         ctas = forward_ctas(q, config)
         per_cta_tiles = 4 * -(-batch * heads * args.seqlen // (128 * ctas)) + 16
@@ -198,7 +265,16 @@ def main() -> None:
         torch.cuda.synchronize()
         per_cta = work_tiles_of(stamps.cpu())
         measured = {"fwd_config": dataclasses.asdict(config), **summarize(per_cta)}
-        draw(per_cta, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
+        panels = [("ours: CTA", per_cta)]
+        if args.peer:
+            fa4_out, fa4_per_sm = fa4_forward_work_tiles(case, q, k, v, peer_rows)
+            ours = forward(q, k, v, mask, scale, config=config)[0]
+            measured["fa4"] = {
+                "max_diff": bench_peers.max_abs_diff(ours, fa4_out),
+                **fa4_timeline.summarize_per_sm(fa4_per_sm),
+            }
+            panels.append(("FA4: SM", fa4_per_sm))
+        draw(panels, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
     summary = {
         "commit": git_commit(),
         "command": " ".join(["scripts/timeline.py", *sys.argv[1:]]),

@@ -303,14 +303,9 @@ _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
 }
 
 
-def compiled_sass(tmp_path, name: str, kernel: str, args: str, setup: str = "") -> str:
-    """SASS of one kernel as `compile_check(args)` builds it for sm_90a (after the statements
-    `setup`), disassembled by nvdisasm (the nvidia-cuda-nvdisasm wheel, a dev extra; the test
-    skips without it)."""
+def nvdisasm_path() -> str:
+    """The nvdisasm of the nvidia-cuda-nvdisasm wheel (a dev extra); the calling test skips without it."""
     import importlib.util
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     spec = importlib.util.find_spec("nvidia")
@@ -319,6 +314,17 @@ def compiled_sass(tmp_path, name: str, kernel: str, args: str, setup: str = "") 
     nvdisasm = next((c for c in candidates if c.exists()), None)
     if nvdisasm is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    return str(nvdisasm)
+
+
+def compiled_sass(tmp_path, name: str, kernel: str, args: str, setup: str = "") -> str:
+    """SASS of one kernel as `compile_check(args)` builds it for sm_90a (after the statements
+    `setup`), disassembled by nvdisasm."""
+    import os
+    import subprocess
+    import sys
+
+    nvdisasm = nvdisasm_path()
     (tmp_path / name).mkdir()
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path / name))
     code = f"{setup}\nfrom flashmask3.optimized.interface import compile_check; compile_check({args})"

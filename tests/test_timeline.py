@@ -36,6 +36,7 @@ def test_the_backward_profile_is_summarized_per_step():
     assert summary["kernel_us"] == pytest.approx(45.0)
     assert summary["sm_busy_share"] == pytest.approx(67 / 90, abs=1e-4)  # 22 + 45 us on 2 SMs over 45 us
     assert summary["mean_step_us"] == pytest.approx(2.0)  # 60 us over 30 steps
+    assert summary["mean_step_from_start_us"] == pytest.approx(64 / 30)  # 21 + 43 us from the consumers' start
     assert summary["mean_cta_overhead_us"] == pytest.approx(3.5)  # (1 + 1) and (3 + 2) us
     assert summary["median_kv_wait_us"] == pytest.approx(2.0)
     assert summary["median_step_us"] == pytest.approx(2.0)  # 20 us / 10 steps and 40 us / 20 steps
@@ -63,8 +64,72 @@ def test_the_picture_is_drawn(tmp_path):
     pytest.importorskip("matplotlib")
     stamps = torch.full((1, 1, 9), -1, dtype=torch.int64)
     stamps[0, 0] = torch.tensor([0, 0, 10, 20, 900, 1000, 5000, 5600, 3])
-    timeline.draw(timeline.work_tiles_of(stamps), tmp_path / "t.png", 1, 10.0, "test")
+    per_cta = timeline.work_tiles_of(stamps)
+    timeline.draw([("ours: CTA", per_cta), ("FA4: SM", per_cta)], tmp_path / "t.png", 1, 10.0, "test")
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def fa4_row(sm, start, block_min, block_max, loop_start, loop_end, stored):
+    return [sm, start, block_min, block_max, loop_start, loop_end, stored]
+
+
+def test_fa4_ctas_are_ordered_per_sm_and_summarized_as_our_work_tiles():
+    from flashmask3.fa4_timeline import per_sm_work_tiles, summarize_per_sm
+
+    # SM, consumers' start, first block, one past the last, loop start, loop end, stored (ns)
+    stamps = torch.full((5, 7), -1, dtype=torch.int64)
+    stamps[0] = torch.tensor(fa4_row(7, 14000, 0, 4, 15000, 23000, 24000))  # SM 7's second CTA
+    stamps[1] = torch.tensor(fa4_row(7, 1000, 2, 12, 2000, 12000, 13000))  # SM 7's first
+    stamps[2] = torch.tensor(fa4_row(3, 1500, 0, 5, 3500, 8500, 9000))
+    stamps[4] = torch.tensor(fa4_row(3, 9500, 3, 3, 10500, 10500, 11000))  # a CTA with no key block
+    per_sm = per_sm_work_tiles(stamps)  # row 3 never ran
+    assert [[tile["work_tile"] for tile in tiles] for tiles in per_sm] == [[2, 4], [1, 0]]
+    assert [tile["key_tiles"] for tile in per_sm[1]] == [10, 4]
+    assert per_sm[1][1]["loop_start"] == pytest.approx(14.0)  # us after the first consumers' start
+    summary = summarize_per_sm(per_sm)
+    assert (summary["sms"], summary["work_tiles"], summary["kernel_us"]) == (2, 4, pytest.approx(23.0))
+    # before each loop: 2.5 (SM 3 from the start), 1.5 (after its store at 8.0), 1.0 (SM 7), 2.0 (after 12.0)
+    assert summary["median_wait_before_tile_us"] == pytest.approx(1.75)
+    assert summary["median_launch_gap_us"] == pytest.approx(0.5)  # 0.5, 0.5, 0.0, 1.0
+    assert summary["median_setup_us"] == pytest.approx(1.0)  # 2.0, 1.0, 1.0, 1.0
+    assert summary["median_loop_per_block_us"] == pytest.approx(1.0)  # 5/5, 10/10, 8/4: the empty CTA left out
+    assert summary["median_epilogue_us"] == pytest.approx(0.75)  # 0.5, 0.5, 1.0, 1.0
+    assert summary["max_idle_tail_us"] == pytest.approx(13.0)  # SM 3 done at 10.0, the kernel at 23.0
+
+
+def test_fa4_backward_ctas_are_summarized_per_step():
+    from flashmask3.fa4_timeline import summarize_backward
+
+    stamps = torch.full((3, 7), -1, dtype=torch.int64)
+    stamps[0] = torch.tensor(fa4_row(0, 0, 0, 10, 1000, 21000, 22000))
+    stamps[1] = torch.tensor(fa4_row(1, 0, 4, 24, 2000, 42000, 45000))
+    stamps[2] = torch.tensor(fa4_row(0, 22500, 5, 5, 23000, 23000, 23500))  # no query block sees its keys
+    summary = summarize_backward(stamps, sm_count=2)
+    assert (summary["ctas"], summary["ctas_with_steps"], summary["median_steps"]) == (3, 2, 15)
+    assert summary["kernel_us"] == pytest.approx(45.0)
+    assert summary["sm_busy_share"] == pytest.approx(68 / 90, abs=1e-4)  # 22 + 45 + 1 us on 2 SMs over 45
+    assert summary["mean_step_from_start_us"] == pytest.approx(63 / 30)  # 21 + 42 us over 10 + 20 steps
+    assert summary["median_setup_us"] == pytest.approx(1.5)
+    assert summary["median_step_us"] == pytest.approx(2.0)
+    assert summary["median_epilogue_us"] == pytest.approx(2.0)
+
+
+def test_backward_steps_of_other_shapes_are_scaled_to_a_64_by_128_step():
+    ours, fa4 = {"mean_step_from_start_us": 2.0}, {"mean_step_from_start_us": 2.4}
+    timeline.with_step_shape(ours, 64, 128)
+    timeline.with_step_shape(fa4, 80, 128)  # FA4's non-causal steps at head dim 128
+    assert (ours["step_shape"], ours["mean_us_per_64x128_step_from_start"]) == ([64, 128], pytest.approx(2.0))
+    assert (fa4["step_shape"], fa4["mean_us_per_64x128_step_from_start"]) == ([80, 128], pytest.approx(1.92))
+
+
+def test_the_fa4_stamps_buffer_is_checked():
+    from flashmask3.fa4_timeline import stamped_fa4
+
+    with pytest.raises(
+        ValueError, match=r"stamps must be a contiguous int64 \[CTAs, 7\] tensor, got torch.int32 \[4, 7\]"
+    ):
+        with stamped_fa4(torch.zeros(4, 7, dtype=torch.int32)):
+            pass
 
 
 def test_results_table_merges_runs_and_compares_with_the_fastest_peer():
@@ -99,3 +164,69 @@ def test_results_table_merges_runs_and_compares_with_the_fastest_peer():
     assert lines[0] == "| mask | S | ours | FA4 native | FA4 block-sparse | Flex FLASH | cuDNN | ours / best peer |"
     assert lines[2] == "| full | 8K | 620 | 640 | – | – | 610 | 0.97 |"
     assert lines[3] == "| share_question | 8K | 370 | – | 330 | 300 | – | 1.12 |"
+
+
+FA4_BUILD = """
+import contextlib, sys
+import fa4_fwd_sass
+fa4_fwd_sass._stub_autotuner()
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+from flashmask3.fa4_timeline import stamp_rows, stamped_fa4
+stamps = stamp_rows(1024, "cpu")
+with (stamped_fa4(stamps) if sys.argv[1] == "stamped" else contextlib.nullcontext()), FakeTensorMode():
+    q = torch.empty(1, 4096, 16, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.empty(1, 4096, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    out, lse, *_ = _flash_attn_fwd(q, k, v, causal=True, return_lse=True)
+    _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, causal=True)
+"""
+
+
+@pytest.mark.slow  # four compiles, ~20 s
+def test_the_stamped_fa4_kernels_record_each_event_outside_their_loops(tmp_path):
+    """FA4's SM90 forward and backward, built by FA4's own interface for sm_90a under a fake-tensor
+    mode (no GPU), plain and stamped: the stamped builds read the global timer at their events
+    (forward: consumers' start, loop start and end, stores; the backward's consumer entry is traced
+    twice) and record the SM, while their hot loops keep the plain builds' instructions."""
+    import collections
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("FA4 (flash-attn-4) not installed")
+    import sass_path
+    from ncu_source_summary import opcode
+    from test_kernel_compile import nvdisasm_path
+
+    nvdisasm = nvdisasm_path()
+    tools = Path(__file__).parents[1] / "tools"
+    path = os.pathsep.join([str(tools), *sys.path])
+    fa4_target = {"FLASH_ATTENTION_ARCH": "sm_90", "FLASH_ATTENTION_NUM_SMS": "132"}  # its kernel choice, no GPU
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", PYTHONPATH=path, **fa4_target)
+    sass = {}
+    for build in ("plain", "stamped"):
+        dump = tmp_path / build
+        dump.mkdir()
+        env["CUTE_DSL_DUMP_DIR"] = str(dump)
+        subprocess.run([sys.executable, "-c", FA4_BUILD, build], env=env, check=True, capture_output=True, timeout=600)
+        for kernel in ("ForwardSm90", "BackwardSm90"):
+            (cubin,) = dump.glob(f"*FlashAttention{kernel}*.cubin")
+            disassembled = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True)
+            sass[build, kernel] = disassembled.stdout
+
+    def loop_opcodes(text: str) -> collections.Counter:
+        blocks = sass_path.hot_loop(sass_path.read_blocks(text.splitlines()))
+        return collections.Counter(opcode(inst) for _, body in blocks for inst in body)
+
+    for kernel, timer_reads in (("ForwardSm90", 4), ("BackwardSm90", 6)):
+        plain, stamped = sass["plain", kernel], sass["stamped", kernel]
+        assert "GLOBALTIMER" not in plain and stamped.count("SR_GLOBALTIMER") == timer_reads, kernel
+        assert "SR_VIRTUALSMID" in stamped and "STL" not in stamped and "LDL" not in stamped, kernel
+        before, after = loop_opcodes(plain), loop_opcodes(stamped)
+        assert sum(before.values()) == sum(after.values()), kernel
+        for op in ("HGMMA", "WARPGROUP", "MUFU", "SYNCS", "BAR", "STG", "CS2R"):
+            assert before[op] == after[op], (kernel, op)
