@@ -10,6 +10,12 @@ kernels' block loops. FA4 runs one CTA per work tile on SM90 (its schedulers the
 persistent), so a CTA's row is one work tile; `per_sm_work_tiles` orders the rows per SM, which
 makes each SM's sequence of CTAs comparable with our persistent CTA's sequence of work tiles.
 
+With a `step_marks` buffer the backward's steps are profiled too: the recorder thread reads the SM
+clock at each step's entry and after each synchronization the step calls (pipeline waits, WGMMA
+group waits, named barriers), as our profiled backward build does at its step's segments
+(`BwdEvent`); `step_segments` gives the cycles between consecutive marks, named after the call
+that ends each. These marks sit inside the loop, so time the steps from a build without them.
+
 FA4 compiles a kernel per argument set and caches it in memory (on disk too, where
 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1; `stamped_fa4` refuses to run then): the stamped
 build bakes in the buffer's address, so the cache is cleared on entry and on exit, and a plain
@@ -43,43 +49,116 @@ class PeerEvent(IntEnum):
     STORED = 6  # the epilogue's stores are issued
 
 
+STEP_SLOTS = 32
+"""Backward steps profiled per CTA: the step of query block m in slot m % STEP_SLOTS."""
+STEP_MARKS = 16
+"""Clock marks per step at most: its entry, one after each synchronization call, its exit."""
+
+
 def stamp_rows(num_ctas: int, device: torch.device | str = "cuda") -> torch.Tensor:
     """A buffer for `num_ctas` CTAs (at least FA4's grid), -1 where nothing is written."""
     return torch.full((num_ctas, len(PeerEvent)), -1, dtype=torch.int64, device=device)
 
 
-def _stamper(address: int, rows: int) -> Callable:
-    """The traced stamp: the recorder thread writes the time, or `value`, at `column` of its CTA's
-    row of the int64 [rows, len(PeerEvent)] buffer at `address` (rows past `rows` are dropped)."""
-    import cutlass
+def step_mark_rows(num_ctas: int, device: torch.device | str = "cuda") -> torch.Tensor:
+    """A buffer of backward step marks for `num_ctas` CTAs: int32 [CTAs, STEP_SLOTS, STEP_MARKS + 1],
+    the SM clock at each mark, and in the last column the step's query block + 1 once its marks are
+    all written (0: no step)."""
+    return torch.zeros((num_ctas, STEP_SLOTS, STEP_MARKS + 1), dtype=torch.int32, device=device)
+
+
+def _cta_index():
     import cutlass.cute as cute
-    from cutlass import Int32, Int64
 
-    columns = len(PeerEvent)
-
-    @cute.jit
-    def stamp(column: cutlass.Constexpr[int], value: Int32 | None = None) -> None:
-        tidx, _, _ = cute.arch.thread_idx()
-        if tidx == RECORDER:
-            bx, by, bz = cute.arch.block_idx()
-            gx, gy, _ = cute.arch.grid_dim()
-            cta = bx + gx * (by + gy * bz)
-            if cta < rows:
-                pointer = cute.make_ptr(Int64, address, cute.AddressSpace.gmem, assumed_align=8)
-                row = cute.make_tensor(pointer + cta * columns, cute.make_layout(columns))
-                if cutlass.const_expr(value is None):
-                    row[column] = cute.arch.globaltimer()
-                else:
-                    row[column] = Int64(value)
-
-    return stamp
+    bx, by, bz = cute.arch.block_idx()
+    gx, gy, _ = cute.arch.grid_dim()
+    return bx + gx * (by + gy * bz)
 
 
-def _wrapped_methods(stamp: Callable) -> list[tuple[type, str, Callable]]:
-    """(class, method name, wrapper) for FA4's SM90 forward and backward."""
+class _Recorder:
+    """What the stamped builds write, and the trace-time state of the backward's step marks: the
+    step being traced (its slot, a traced value), the next mark's index, and the marks' names."""
+
+    def __init__(self, stamps: torch.Tensor, step_marks: torch.Tensor | None):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Int32, Int64
+
+        rows, columns, address = stamps.shape[0], len(PeerEvent), stamps.data_ptr()
+
+        @cute.jit
+        def stamp(column: cutlass.Constexpr[int], value: Int32 | None = None) -> None:
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx == RECORDER:
+                cta = _cta_index()
+                if cta < rows:
+                    pointer = cute.make_ptr(Int64, address, cute.AddressSpace.gmem, assumed_align=8)
+                    row = cute.make_tensor(pointer + cta * columns, cute.make_layout(columns))
+                    if cutlass.const_expr(value is None):
+                        row[column] = cute.arch.globaltimer()
+                    else:
+                        row[column] = Int64(value)
+
+        self.stamp = stamp
+        self.mark = None
+        if step_marks is not None:
+            mark_rows, mark_address, per_slot = step_marks.shape[0], step_marks.data_ptr(), STEP_MARKS + 1
+
+            @cute.jit
+            def mark(slot: Int32, index: cutlass.Constexpr[int], value: Int32 | None = None) -> None:
+                tidx, _, _ = cute.arch.thread_idx()
+                if tidx == RECORDER:
+                    cta = _cta_index()
+                    if cta < mark_rows:
+                        pointer = cute.make_ptr(Int32, mark_address, cute.AddressSpace.gmem, assumed_align=4)
+                        step = cute.make_tensor(pointer + (cta * STEP_SLOTS + slot) * per_slot, per_slot)
+                        if cutlass.const_expr(value is None):
+                            step[index] = cute.arch.clock()
+                        else:
+                            step[index] = value
+
+            self.mark = mark
+        self.slot = None
+        self.next_mark = 0
+        self.labels: list[str] = []
+        self.labels_done = False
+
+    def begin_step(self, query_block) -> None:
+        if self.mark is not None:
+            self.slot = query_block % STEP_SLOTS
+            self.next_mark = 0
+            self.after("entry")
+
+    def after(self, label: str) -> None:
+        """A mark, if a backward step is being traced."""
+        if self.slot is None:
+            return
+        if self.next_mark >= STEP_MARKS:
+            raise RuntimeError(f"FA4's backward step makes more than STEP_MARKS={STEP_MARKS} synchronization calls")
+        self.mark(self.slot, self.next_mark)
+        if not self.labels_done:
+            self.labels.append(label)
+        self.next_mark += 1
+
+    def end_step(self, query_block) -> None:
+        if self.slot is not None:
+            self.after("exit")
+            self.mark(self.slot, STEP_MARKS, query_block + 1)
+            self.labels_done = True
+            self.slot = None
+
+
+def _wrapped(recorder: _Recorder) -> list[tuple[object, str, Callable]]:
+    """(class or module, attribute, wrapper) for FA4's SM90 forward and backward; with step marks,
+    also the synchronization calls a backward step makes."""
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import warpgroup
+    from flash_attn.cute import pipeline
     from flash_attn.cute.block_info import BlockInfo
     from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+
+    stamp = recorder.stamp
 
     def before(method: Callable, *columns: PeerEvent) -> Callable:
         def wrapper(self, *args, **kwargs):
@@ -99,8 +178,6 @@ def _wrapped_methods(stamp: Callable) -> list[tuple[type, str, Callable]]:
         return wrapper
 
     def at_start(method: Callable) -> Callable:
-        import cutlass.cute as cute
-
         def wrapper(self, *args, **kwargs):
             stamp(PeerEvent.SM, cute.arch.smid())
             stamp(PeerEvent.START)
@@ -129,7 +206,7 @@ def _wrapped_methods(stamp: Callable) -> list[tuple[type, str, Callable]]:
         return wrapper
 
     fwd, bwd = FlashAttentionForwardSm90, FlashAttentionBackwardSm90
-    return [
+    wrapped: list[tuple[object, str, Callable]] = [
         (fwd, "mma", at_start(fwd.mma)),
         (BlockInfo, "get_n_block_min_max", block_range(BlockInfo.get_n_block_min_max)),
         (fwd, "first_half_block_overlap", before(fwd.first_half_block_overlap, PeerEvent.LOOP_START)),
@@ -139,6 +216,52 @@ def _wrapped_methods(stamp: Callable) -> list[tuple[type, str, Callable]]:
         (BlockInfo, "get_m_block_min_max", block_range(BlockInfo.get_m_block_min_max, PeerEvent.LOOP_START)),
         (bwd, "epilogue_dKV", around(bwd.epilogue_dKV, PeerEvent.LOOP_END, PeerEvent.STORED)),
     ]
+    if recorder.mark is None:
+        return wrapped
+
+    def step(method: Callable) -> Callable:
+        def wrapper(self, m_block, *args, **kwargs):
+            recorder.begin_step(m_block)
+            result = method(self, m_block, *args, **kwargs)
+            recorder.end_step(m_block)
+            return result
+
+        return wrapper
+
+    def marked(function: Callable, label: Callable[..., str]) -> Callable:
+        def wrapper(*args, **kwargs):
+            result = function(*args, **kwargs)
+            recorder.after(label(*args, **kwargs))
+            return result
+
+        return wrapper
+
+    def wait_label(n, *args, **kwargs) -> str:
+        return f"wait_group({n})"
+
+    def barrier_label(*args, number_of_threads=None, **kwargs) -> str:  # the thread count tells them apart
+        return f"barrier ({number_of_threads} threads)"
+
+    def arrive_label(*args, number_of_threads=None, **kwargs) -> str:
+        return f"barrier arrive ({number_of_threads} threads)"
+
+    # NamedBarrier.arrive_and_wait goes through cute.arch.barrier: marked there
+    wrapped += [
+        (bwd, "mma_one_m_block", step(bwd.mma_one_m_block)),
+        (warpgroup, "wait_group", marked(warpgroup.wait_group, wait_label)),
+        (
+            pipeline.PipelineTmaAsync,
+            "consumer_wait",
+            marked(pipeline.PipelineTmaAsync.consumer_wait, _named("TMA wait")),
+        ),
+        (cute.arch, "barrier", marked(cute.arch.barrier, barrier_label)),
+        (cute.arch, "barrier_arrive", marked(cute.arch.barrier_arrive, arrive_label)),
+    ]
+    return wrapped
+
+
+def _named(label: str) -> Callable[..., str]:
+    return lambda *args, **kwargs: label
 
 
 def _clear_compile_caches() -> None:
@@ -149,10 +272,12 @@ def _clear_compile_caches() -> None:
 
 
 @contextlib.contextmanager
-def stamped_fa4(stamps: torch.Tensor) -> Iterator[None]:
+def stamped_fa4(stamps: torch.Tensor, step_marks: torch.Tensor | None = None) -> Iterator[list[str]]:
     """FA4's SM90 forward and backward, compiled inside the block, stamp each CTA's events into
-    `stamps` (int64 [CTAs, len(PeerEvent)], contiguous, e.g. from `stamp_rows`). FA4's forward
-    must run with intra-warpgroup overlap (its SM90 default at every head dim)."""
+    `stamps` (int64 [CTAs, len(PeerEvent)], contiguous, e.g. from `stamp_rows`) and, given
+    `step_marks` (from `step_mark_rows`), mark the backward's steps. Yields the marks' names, filled
+    in when the backward is compiled. FA4's forward must run with intra-warpgroup overlap (its SM90
+    default at every head dim)."""
     if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1":
         raise RuntimeError(
             "stamped_fa4 needs FA4's on-disk compile cache off (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1)"
@@ -161,20 +286,22 @@ def stamped_fa4(stamps: torch.Tensor) -> Iterator[None]:
     if stamps.dtype != torch.int64 or list(stamps.shape[1:]) != [columns] or not stamps.is_contiguous():
         got = f"{stamps.dtype} {list(stamps.shape)}"
         raise ValueError(f"stamps must be a contiguous int64 [CTAs, {columns}] tensor, got {got}")
-    stamp = _stamper(stamps.data_ptr(), stamps.shape[0])
-    wrapped = _wrapped_methods(stamp)
-    saved = [(cls, name, cls.__dict__.get(name)) for cls, name, _ in wrapped]
+    if step_marks is not None and (step_marks.dtype != torch.int32 or not step_marks.is_contiguous()):
+        raise ValueError(f"step_marks must be a contiguous int32 tensor from step_mark_rows, got {step_marks.dtype}")
+    recorder = _Recorder(stamps, step_marks)
+    wrapped = _wrapped(recorder)
+    saved = [(owner, name, vars(owner).get(name)) for owner, name, _ in wrapped]
     _clear_compile_caches()
     try:
-        for cls, name, wrapper in wrapped:
-            setattr(cls, name, wrapper)
-        yield
+        for owner, name, wrapper in wrapped:
+            setattr(owner, name, wrapper)
+        yield recorder.labels
     finally:
-        for cls, name, original in saved:
+        for owner, name, original in reversed(saved):
             if original is None:
-                delattr(cls, name)
+                delattr(owner, name)
             else:
-                setattr(cls, name, original)
+                setattr(owner, name, original)
         _clear_compile_caches()
 
 
@@ -269,4 +396,18 @@ def summarize_backward(stamps: torch.Tensor, sm_count: int) -> dict:
             (row[PeerEvent.LOOP_END] - row[PeerEvent.LOOP_START]) / 1e3 / n for row, n in zip(with_steps, steps)
         ),
         "median_epilogue_us": median_us(PeerEvent.LOOP_END, PeerEvent.STORED),
+    }
+
+
+def step_segments(step_marks: torch.Tensor, labels: list[str]) -> dict:
+    """Medians over the marked backward steps: SM cycles from each mark to the next, named after the
+    call that ends the segment (numbered, in the step's order), and of the whole step."""
+    marks = step_marks.reshape(-1, STEP_MARKS + 1).to(torch.int64)
+    marks = marks[marks[:, STEP_MARKS] > 0, : len(labels)]
+    cycles = (marks[:, 1:] - marks[:, :-1]) % (1 << 32)  # the 32-bit clock may wrap within a step
+    names = [f"{index:02d} {label}" for index, label in enumerate(labels[1:], start=1)]
+    return {
+        "marked_steps": len(marks),
+        "median_step_cycles": float(cycles.sum(dim=1).median()) if len(marks) else float("nan"),
+        "segment_cycles_per_step": {name: float(cycles[:, i].median()) for i, name in enumerate(names)},
     }

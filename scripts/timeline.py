@@ -23,8 +23,9 @@ over the documents), on the same inputs, in a build that stamps the same events 
 (`flashmask3/fa4_timeline.py`). FA4 runs one CTA per work tile, so its CTAs are taken per SM in the
 order they ran. Summarized under "fa4" in the same terms (forward: the wait before each work
 tile's loop, split into the launch gap and the CTA's setup, the loop per key block, the epilogue;
-backward: the consumers' time per step from their start, their setup, steps and epilogue); the
-forward is drawn below ours.
+backward: the consumers' time per step from their start, their setup, steps and epilogue, and from
+a second, profiled build the SM cycles between clock marks at the step's entry and after each
+synchronization it calls, beside ours' segments); the forward is drawn below ours.
 """
 
 from __future__ import annotations
@@ -181,19 +182,24 @@ def fa4_forward_work_tiles(case, q, k, v, rows: int) -> tuple[torch.Tensor, list
     return out, fa4_timeline.per_sm_work_tiles(stamps.cpu())
 
 
-def fa4_backward_stamps(case, q, k, v, dout, rows: int) -> torch.Tensor:
+def fa4_backward_stamps(case, q, k, v, dout, rows: int, profiled: bool) -> tuple[torch.Tensor, dict | None]:
     """FA4's own backward for `case` (its forward unstamped), stamped: compile, warm-up, then the
-    recorded run; the stamps on the CPU."""
+    recorded run. The stamps on the CPU and, if `profiled`, its steps' segments
+    (`fa4_timeline.step_segments`, from a build with clock marks in the step: time the steps
+    from a run without)."""
     run = bench_peers.PEERS["fa4"](case)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     out = run(q, k, v)
     stamps = fa4_timeline.stamp_rows(rows)
-    with fa4_timeline.stamped_fa4(stamps):
+    marks = fa4_timeline.step_mark_rows(rows) if profiled else None
+    with fa4_timeline.stamped_fa4(stamps, marks) as labels:
         for _ in range(3):
             stamps.fill_(-1)
+            if marks is not None:
+                marks.zero_()
             torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         torch.cuda.synchronize()
-    return stamps.cpu()
+    return stamps.cpu(), fa4_timeline.step_segments(marks.cpu(), labels) if marks is not None else None
 
 
 def main() -> None:
@@ -251,8 +257,9 @@ def main() -> None:
         if args.peer:
             from flash_attn.cute.interface import _tile_size_bwd_sm90
 
-            fa4_stamps = fa4_backward_stamps(case, q, k, v, dout, peer_rows)
-            measured["fa4"] = fa4_timeline.summarize_backward(fa4_stamps, sm_count)
+            fa4_stamps, _ = fa4_backward_stamps(case, q, k, v, dout, peer_rows, profiled=False)
+            _, fa4_segments = fa4_backward_stamps(case, q, k, v, dout, peer_rows, profiled=True)
+            measured["fa4"] = {**fa4_timeline.summarize_backward(fa4_stamps, sm_count), **fa4_segments}
             fa4_config = _tile_size_bwd_sm90(args.head_dim, args.head_dim, mask.causal, args.mask == "sliding_window")
             with_step_shape(measured["fa4"], fa4_config.m_block_size, fa4_config.n_block_size)
     else:

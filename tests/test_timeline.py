@@ -122,6 +122,23 @@ def test_backward_steps_of_other_shapes_are_scaled_to_a_64_by_128_step():
     assert (fa4["step_shape"], fa4["mean_us_per_64x128_step_from_start"]) == ([80, 128], pytest.approx(1.92))
 
 
+def test_fa4_step_marks_become_cycles_per_segment():
+    from flashmask3.fa4_timeline import STEP_MARKS, step_mark_rows, step_segments
+
+    marks = step_mark_rows(2, "cpu")
+    labels = ["entry", "TMA wait", "wait_group(0)", "exit"]
+    marks[0, 3, :4] = torch.tensor([1000, 1100, 1400, 1450])  # query block 3
+    marks[0, 4, :4] = torch.tensor([2000, 2300, 2500, 2600])
+    marks[1, 0, :4] = torch.tensor([2**31 - 100, -(2**31) + 100, -(2**31) + 300, -(2**31) + 340])  # the clock wraps
+    for cta, slot, block in ((0, 3, 3), (0, 4, 4), (1, 0, 32)):
+        marks[cta, slot, STEP_MARKS] = block + 1
+    marks[1, 5, :4] = torch.tensor([1, 2, 3, 4])  # never completed: left out
+    segments = step_segments(marks, labels)
+    assert segments["marked_steps"] == 3
+    assert segments["segment_cycles_per_step"] == {"01 TMA wait": 200.0, "02 wait_group(0)": 200.0, "03 exit": 50.0}
+    assert segments["median_step_cycles"] == 450.0  # 450, 600 and 440 cycles
+
+
 def test_the_fa4_stamps_buffer_is_checked():
     from flashmask3.fa4_timeline import stamped_fa4
 
@@ -167,30 +184,42 @@ def test_results_table_merges_runs_and_compares_with_the_fastest_peer():
 
 
 FA4_BUILD = """
-import contextlib, sys
+import contextlib, json, sys
 import fa4_fwd_sass
 fa4_fwd_sass._stub_autotuner()
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-from flashmask3.fa4_timeline import stamp_rows, stamped_fa4
-stamps = stamp_rows(1024, "cpu")
-with (stamped_fa4(stamps) if sys.argv[1] == "stamped" else contextlib.nullcontext()), FakeTensorMode():
+from flashmask3.fa4_timeline import stamp_rows, stamped_fa4, step_mark_rows
+build = sys.argv[1]
+stamps, marks = stamp_rows(1024, "cpu"), step_mark_rows(1024, "cpu") if build == "marked" else None
+with (stamped_fa4(stamps, marks) if build != "plain" else contextlib.nullcontext([])) as labels, FakeTensorMode():
     q = torch.empty(1, 4096, 16, 128, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.empty(1, 4096, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     out, lse, *_ = _flash_attn_fwd(q, k, v, causal=True, return_lse=True)
     _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, causal=True)
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
+from flash_attn.cute.block_info import BlockInfo
+from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90 as Bwd
+from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90 as Fwd
+restored = (cute.arch.barrier, warpgroup.wait_group, BlockInfo.get_m_block_min_max, Bwd.mma_one_m_block, Fwd.epilogue)
+assert not any("wrapper" in function.__qualname__ for function in restored), "a wrapper outlived stamped_fa4"
+print(json.dumps(labels))
 """
 
 
-@pytest.mark.slow  # four compiles, ~20 s
+@pytest.mark.slow  # six compiles, ~30 s
 def test_the_stamped_fa4_kernels_record_each_event_outside_their_loops(tmp_path):
     """FA4's SM90 forward and backward, built by FA4's own interface for sm_90a under a fake-tensor
-    mode (no GPU), plain and stamped: the stamped builds read the global timer at their events
-    (forward: consumers' start, loop start and end, stores; the backward's consumer entry is traced
-    twice) and record the SM, while their hot loops keep the plain builds' instructions."""
+    mode (no GPU): plain, stamped, and with the backward's steps marked. The stamped builds read the
+    global timer at their events (forward: consumers' start, loop start and end, stores; the
+    backward's consumer entry is traced twice) and record the SM, while their hot loops keep the
+    plain builds' instructions; the marked backward reads the SM clock at the step's entry, after
+    each of its ten synchronization calls and at its exit, with its WGMMAs as they were."""
     import collections
     import importlib.util
+    import json
     import os
     import subprocess
     import sys
@@ -207,12 +236,15 @@ def test_the_stamped_fa4_kernels_record_each_event_outside_their_loops(tmp_path)
     path = os.pathsep.join([str(tools), *sys.path])
     fa4_target = {"FLASH_ATTENTION_ARCH": "sm_90", "FLASH_ATTENTION_NUM_SMS": "132"}  # its kernel choice, no GPU
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", PYTHONPATH=path, **fa4_target)
-    sass = {}
-    for build in ("plain", "stamped"):
+    sass, labels = {}, {}
+    for build in ("plain", "stamped", "marked"):
         dump = tmp_path / build
         dump.mkdir()
         env["CUTE_DSL_DUMP_DIR"] = str(dump)
-        subprocess.run([sys.executable, "-c", FA4_BUILD, build], env=env, check=True, capture_output=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-c", FA4_BUILD, build], env=env, check=True, capture_output=True, text=True, timeout=600
+        )
+        labels[build] = json.loads(done.stdout.splitlines()[-1])
         for kernel in ("ForwardSm90", "BackwardSm90"):
             (cubin,) = dump.glob(f"*FlashAttention{kernel}*.cubin")
             disassembled = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True)
@@ -230,3 +262,21 @@ def test_the_stamped_fa4_kernels_record_each_event_outside_their_loops(tmp_path)
         assert sum(before.values()) == sum(after.values()), kernel
         for op in ("HGMMA", "WARPGROUP", "MUFU", "SYNCS", "BAR", "STG", "CS2R"):
             assert before[op] == after[op], (kernel, op)
+    assert labels["stamped"] == [] and labels["marked"] == [
+        "entry",
+        "TMA wait",
+        "TMA wait",
+        "wait_group(1)",
+        "wait_group(0)",
+        "barrier (256 threads)",
+        "wait_group(1)",
+        "wait_group(1)",
+        "barrier (160 threads)",
+        "barrier arrive (160 threads)",
+        "wait_group(0)",
+        "exit",
+    ]
+    marked = sass["marked", "BackwardSm90"]
+    assert marked.count("SR_CLOCKLO") == 12 and "STL" not in marked and "LDL" not in marked
+    before, after = loop_opcodes(sass["plain", "BackwardSm90"]), loop_opcodes(marked)
+    assert (before["HGMMA"], before["WARPGROUP"]) == (after["HGMMA"], after["WARPGROUP"])
