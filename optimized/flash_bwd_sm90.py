@@ -67,7 +67,7 @@ from .hopper import (
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_causal_diagonal, apply_column_mask
 from .mask_role import DIAGONAL_ONLY, END_OF_LIST, PARTIAL, TileList, entry_tile, list_query_tiles
-from .timeline import STEP_SEGMENTS, BwdEvent, StepProfile
+from .timeline import STEP_SEGMENTS, BwdEvent, SegmentProfile
 
 LOG2_E = math.log2(math.e)
 
@@ -533,7 +533,7 @@ class FlashMaskBackwardSm90:
                 qheads_per_maskhead,
                 self.rows(mQ, mStepRows),
                 self.rows(mK, mStepRows),
-                StepProfile(mTimeline, cycles, tidx == 128),
+                SegmentProfile(mTimeline, cycles, tidx == 128, BwdEvent.WAIT_Q, len(STEP_SEGMENTS)),
             )
 
     @cute.jit
@@ -686,7 +686,7 @@ class FlashMaskBackwardSm90:
         profile,
     ):
         """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T (or, queries on rows, S, dP,
-        P, dS), the dV/dK/dQ products. `profile`: the profiled build's `StepProfile` (compiles to
+        P, dS), the dV/dK/dQ products. `profile`: the profiled build's `SegmentProfile` (compiles to
         nothing otherwise). `segments`: with segment_steps, dK and dV themselves and the query
         tiles' real rows (`store_dkv`); the steps work on the virtual rows."""
         wg = cute.arch.make_warp_uniform(tidx // 128)

@@ -58,7 +58,7 @@ from .mask_role import (
 )
 from .softmax import rescale_rows, softmax_finalize, softmax_rescore
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
-from .timeline import Event, Timeline
+from .timeline import TURN_SEGMENTS, Event, SegmentProfile, Timeline, TurnEvent
 
 LOG2_E = math.log2(math.e)
 # Named barriers (0 is sync_threads), with n consumer warpgroups: 1..n whose turn on the tensor
@@ -134,6 +134,7 @@ class FlashMaskForwardSm90:
         mTileOrder: cute.Tensor | None,  # [work tiles] int32 when few per SM: the n-th to draw
         mTileRows: cute.Tensor | None,  # [Bm, Hm, Tv, 2] int32 with segment_tiles (segments.py), else None
         mTimeline: cute.Tensor | None,  # [CTAs, work tiles, len(Event)] int64 in a timeline build, else None
+        mTurnProfile: cute.Tensor | None,  # [CTAs, len(TurnEvent)] int64 in a turn-profiled build, else None
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
         qheads_per_maskhead: Int32,
@@ -190,6 +191,8 @@ class FlashMaskForwardSm90:
             (self.tile_n, w, 2, self.num_consumer_wgs), stride=(w, 1, self.tile_n * w, 2 * self.tile_n * w)
         )
 
+        turn_slots = len(TURN_SEGMENTS) + 1 if const_expr(mTurnProfile is not None) else 0
+
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.q_buffers * 2]
@@ -201,6 +204,7 @@ class FlashMaskForwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sBounds: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(bounds_layout)], 16]
+            turn_cycles: cute.struct.MemRange[cutlass.Int64, turn_slots]  # the turn profile's, and its count
 
         check_smem_fits(
             SharedStorage.size_in_bytes(),
@@ -221,6 +225,7 @@ class FlashMaskForwardSm90:
             mTileOrder,
             mTileRows,
             mTimeline,
+            mTurnProfile,
             tma_q,
             tma_k,
             tma_v,
@@ -257,6 +262,7 @@ class FlashMaskForwardSm90:
         mTileOrder: cute.Tensor | None,
         mTileRows: cute.Tensor | None,
         mTimeline: cute.Tensor | None,
+        mTurnProfile: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -358,6 +364,12 @@ class FlashMaskForwardSm90:
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            cycles = None
+            if const_expr(mTurnProfile is not None):
+                cycles = storage.turn_cycles.get_tensor(cute.make_layout(len(TURN_SEGMENTS) + 1))
+            turn_profile = SegmentProfile(
+                mTurnProfile, cycles, tidx == 128, TurnEvent.WAIT_K, len(TURN_SEGMENTS), TurnEvent.TURNS
+            )
             self.consume(
                 tma_o,
                 mO,
@@ -383,6 +395,7 @@ class FlashMaskForwardSm90:
                 seqlen_q,
                 seqlen_k,
                 timeline,
+                turn_profile,
             )
 
     def work_tiles(self, mQ: cute.Tensor, mRowIndices: cute.Tensor, order: cute.Tensor | None) -> WorkTiles:
@@ -515,11 +528,13 @@ class FlashMaskForwardSm90:
         seqlen_q,
         seqlen_k,
         timeline,
+        turn_profile,
     ):
         """Consumer warpgroups: per work tile, the masked online-softmax main loop and the epilogue.
         `sBounds`: the warpgroups' smem buffers of prefetched column bounds (`prefetch_bounds`).
         With segment_tiles the loop works on the virtual rows and the epilogue stores the tile's real
-        rows (`mTileRows`; `mO_rows`: O itself, for a tile of fewer than 128 real rows)."""
+        rows (`mTileRows`; `mO_rows`: O itself, for a tile of fewer than 128 real rows).
+        `turn_profile`: the turn-profiled build's `SegmentProfile` (compiles to nothing otherwise)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
@@ -548,6 +563,7 @@ class FlashMaskForwardSm90:
             cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
         position = Int32(0)
         tiles_done = Int32(0)
+        turn_profile.start()
         work = tile_list.read(position)
         while work != NO_MORE_WORK:
             m_block, head, batch = work_tiles.decode(work)
@@ -602,6 +618,7 @@ class FlashMaskForwardSm90:
                 position + 1,
                 mask_args,
                 bounds,
+                turn_profile,
             )
             if tidx == 0:
                 timeline.record(tiles_done, Event.LOOP_END)
@@ -630,6 +647,7 @@ class FlashMaskForwardSm90:
                 timeline.record(tiles_done, Event.STORED)
             tiles_done += 1
             work = tile_list.read(position)
+        turn_profile.write_cycles(cute.arch.block_idx()[0])
         if tidx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem stays valid until the last store has read it
 
@@ -657,6 +675,7 @@ class FlashMaskForwardSm90:
         position,
         mask_args,
         bounds,
+        turn_profile,
     ):
         """One work tile's main loop, from its first list entry at `position`, with intra-warpgroup
         overlap (FA3): in one turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
@@ -665,7 +684,8 @@ class FlashMaskForwardSm90:
         GEMMs. Entered inside the warpgroup's first turn; once its first S GEMM is in flight, frees the
         previous work tile's Q buffer (`free_previous_q`: the pipeline, that buffer's state, and whether
         this thread does it). Returns the K and V pipeline states and the position after END_OF_LIST.
-        `bounds`: the warpgroup's (smem buffers, lane, warpgroup) for `prefetch_bounds`."""
+        `bounds`: the warpgroup's (smem buffers, lane, warpgroup) for `prefetch_bounds`; `turn_profile`
+        marks the segments of the steady-state turns (`TurnEvent`)."""
         entry = tile_list.read(position)
         if entry != END_OF_LIST:
             self.prefetch_bounds(bounds, entry, position, mask_args)
@@ -677,17 +697,23 @@ class FlashMaskForwardSm90:
             position += 1
             entry = tile_list.read(position)
             self.prefetch_bounds(bounds, entry, position, mask_args)
+            clock = turn_profile.now()
             while entry != END_OF_LIST:
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
                 pipe_k.consumer_wait(k_state)  # K_j comes before V_{j-1}: start the QK before waiting for V
+                clock = turn_profile.mark(clock, TurnEvent.WAIT_K)
                 self.begin_turn(wg)
+                clock = turn_profile.mark(clock, TurnEvent.WAIT_TURN)
                 wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
                 pipe_v.consumer_wait(v_state)
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
+                clock = turn_profile.mark(clock, TurnEvent.ISSUE)
                 next_entry = tile_list.read(position + 1)
                 self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
+                clock = turn_profile.mark(clock, TurnEvent.NEXT_ENTRY)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
+                clock = turn_profile.mark(clock, TurnEvent.WAIT_S)
                 if const_expr(not self.late_k_release):
                     pipe_k.consumer_release(k_state)
                     k_state.advance()
@@ -695,12 +721,17 @@ class FlashMaskForwardSm90:
                 if const_expr(self.late_k_release):  # keeps the PV's wait below the softmax
                     pipe_k.consumer_release(k_state)
                     k_state.advance()
+                clock = turn_profile.mark(clock, TurnEvent.MASK)
                 correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)
+                clock = turn_profile.mark(clock, TurnEvent.SOFTMAX)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
                 v_state.advance()
+                clock = turn_profile.mark(clock, TurnEvent.WAIT_PV)
                 rescale_rows(acc_O, correction)
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+                clock = turn_profile.mark(clock, TurnEvent.RESCALE)
+                turn_profile.add_pass()
                 position += 1
                 entry = next_entry
             pipe_v.consumer_wait(v_state)

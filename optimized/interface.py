@@ -203,6 +203,7 @@ def forward(
     lse: torch.Tensor | None = None,
     timeline: torch.Tensor | None = None,
     config: FwdConfig | None = None,
+    turn_profile: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, Dv], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
     Head dims (D, Dv): `config.FORWARD_HEAD_DIMS`, V's below Q's and K's at (128, 64) and (192, 128);
@@ -212,6 +213,8 @@ def forward(
     `timeline`: an int64 [CTAs, work tiles, len(timeline.Event)] buffer runs a build of the kernel
     that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`.
     `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask).
+    `turn_profile`: an int64 [CTAs, len(timeline.TurnEvent)] buffer runs a build that sums the SM
+    cycles of each segment of the key-tile loop's turns into it (consumer thread 0).
     """
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -223,6 +226,10 @@ def forward(
     tile_rows = None
     if config.segment_tiles and timeline is not None:  # its buffer is sized for the sequence's tiles
         raise ValueError("a timeline build runs on the sequence's tiles: pass a config with segment_tiles=False")
+    if config.tile_m == 192 and turn_profile is not None:  # three consumer warpgroups at 160 registers each
+        raise ValueError(
+            "the turn profile spills at tile_m=192 (head dim 64's tiles): profile a config with tile_m=128"
+        )
     if config.segment_tiles:
         if uniform_work or sq != sk or _capturing(q):  # no segments (or no host sync): the sequence's tiles
             config = dataclasses.replace(config, segment_tiles=False)
@@ -251,7 +258,7 @@ def forward(
         mask.causal,
         width,
         config,
-        [q, k, v, out, lse, row_indices, bounds, tile_counter, order, tile_rows, timeline],
+        [q, k, v, out, lse, row_indices, bounds, tile_counter, order, tile_rows, timeline, turn_profile],
         scalars,
         head_dim_v=None if dv == d else dv,
     )
@@ -415,18 +422,19 @@ def compile_check(
     deterministic: bool = False,
     timeline: bool = False,
     head_dim_v: int | None = None,
+    turn_profile: bool = False,
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
     without a GPU (fake tensors), launched as `_launch` does (TVM-FFI); return the seconds taken.
     Set CUTE_DSL_ARCH=sm_90a first when no GPU is present. `head_dim_v`: V's and O's head dim
     when not `head_dim`. `config`: the forward's (backward's)
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
-    backward's profiled build."""
+    backward's profiled build; `turn_profile`: the forward's turn-profiled build."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from .timeline import BwdEvent, Event
+    from .timeline import BwdEvent, Event, TurnEvent
 
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
     b, sq, sk, hq, hkv = (cute.sym_int32() for _ in range(5))
@@ -477,6 +485,7 @@ def compile_check(
             fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_tiles_first_waves else None,
             fake(cutlass.Int32, (bm, hm, tm, 2)) if config.segment_tiles else None,
             fake(cutlass.Int64, (cute.sym_int32(), cute.sym_int32(), len(Event))) if timeline else None,
+            fake(cutlass.Int64, (cute.sym_int32(), len(TurnEvent))) if turn_profile else None,
         ]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = [Float32(0.1), Int32(1), Int32(1), Int32(1)] + ([] if direction == "bwd" else [Int32(132)])

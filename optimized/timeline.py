@@ -5,11 +5,16 @@ buffer (a debugging build, off by default: the default kernel has none of it). O
 writes `%globaltimer` (ns) at its events into an int64 buffer [CTAs, work tiles per CTA,
 len(Event)]; work tiles past the buffer's second dim are not recorded.
 
-Backward (`BwdEvent`, `StepProfile`): compiled in only when `interface.backward` is given a
+Forward turn profile (`TurnEvent`, `SegmentProfile`): compiled in only when `interface.forward`
+is given a `turn_profile` buffer [CTAs, len(TurnEvent)] int64. Consumer thread 0 sums the SM clock
+cycles of each segment of the key-tile loop's steady-state turns (`clock` between consecutive
+marks, into smem) and counts the turns, written out once at the end. The marks sit in the loop:
+time the loop from the timeline build, compare segments here.
+
+Backward (`BwdEvent`, `SegmentProfile`): compiled in only when `interface.backward` is given a
 `timeline` buffer [CTAs, len(BwdEvent)] int64. Consumer thread 0 stamps the CTA's phases with
-`%globaltimer` and sums the SM clock cycles of each segment of its query-tile steps (`clock`
-between consecutive marks, into smem), written out once at the end.
-`scripts/timeline.py` runs either and summarizes it.
+`%globaltimer` and sums the SM clock cycles of each segment of its query-tile steps, as above.
+`scripts/timeline.py` runs each and summarizes it.
 """
 
 from dataclasses import dataclass
@@ -72,14 +77,39 @@ class BwdEvent(IntEnum):
 STEP_SEGMENTS = tuple(e for e in BwdEvent if e >= BwdEvent.WAIT_Q)
 
 
+class TurnEvent(IntEnum):
+    """A forward CTA's turn profile: the steady-state turns of its key-tile loops, then cycles
+    summed over them per segment of a turn (each from the previous mark to its own)."""
+
+    TURNS = 0  # turns profiled (not cycles)
+    WAIT_K = 1  # from the previous turn's end: K's stage
+    WAIT_TURN = 2  # the turn barrier: the other warpgroup has issued its GEMMs
+    ISSUE = 3  # S issued, V's wait, PV issued, the turn handed over
+    NEXT_ENTRY = 4  # the next list entry and its bounds' cp.async
+    WAIT_S = 5  # S's wait
+    MASK = 6  # the element mask (PARTIAL and diagonal tiles), K's release
+    SOFTMAX = 7  # row maxima, exponentials, row sums
+    WAIT_PV = 8  # the PV GEMM's wait, V's release
+    RESCALE = 9  # O rescaled, P converted
+
+
+TURN_SEGMENTS = tuple(e for e in TurnEvent if e >= TurnEvent.WAIT_K)
+
+
 @dataclass(frozen=True)
-class StepProfile:
-    """The backward's record: `buffer` [CTAs, len(BwdEvent)] int64 and its smem accumulators, or
-    None (then every call compiles to nothing). Only consumer thread 0 (`recorder`) records."""
+class SegmentProfile:
+    """A profiled build's record: `buffer` [CTAs, columns] int64 and its smem accumulators, or None
+    (then every call compiles to nothing). Only one consumer thread (`recorder`) records. The
+    columns from `first` on hold cycles per segment (`segments` of them), events before it times
+    or values (`stamp`); `count`, a column whose smem slot follows the segments', counts the
+    passes (the forward's turns)."""
 
     buffer: cute.Tensor | None
-    cycles: cute.Tensor | None  # Int64 smem [len(STEP_SEGMENTS)]
+    cycles: cute.Tensor | None  # Int64 smem [segments], or [segments + 1] with `count`
     recorder: cutlass.Boolean
+    first: int
+    segments: int
+    count: int | None = None
 
     @cute.jit
     def start(self) -> Int32:
@@ -88,8 +118,15 @@ class StepProfile:
         now = Int32(0)
         if cutlass.const_expr(self.buffer is not None):
             if self.recorder:
-                for i in cutlass.range_constexpr(len(STEP_SEGMENTS)):
-                    self.cycles[i] = Int64(0)
+                self.cycles.fill(0)
+            now = cute.arch.clock()
+        return now
+
+    @cute.jit
+    def now(self) -> Int32:
+        """The clock to mark from (0 outside a profiled build)."""
+        now = Int32(0)
+        if cutlass.const_expr(self.buffer is not None):
             now = cute.arch.clock()
         return now
 
@@ -100,9 +137,16 @@ class StepProfile:
         if cutlass.const_expr(self.buffer is not None):
             now = cute.arch.clock()
             if self.recorder:
-                slot = segment - BwdEvent.WAIT_Q
+                slot = segment - self.first
                 self.cycles[slot] = self.cycles[slot] + Int64(now - last)
         return now
+
+    @cute.jit
+    def add_pass(self) -> None:
+        """One more pass through the segments (the `count` column)."""
+        if cutlass.const_expr(self.buffer is not None):
+            if self.recorder:
+                self.cycles[self.segments] = self.cycles[self.segments] + Int64(1)
 
     @cute.jit
     def stamp(self, cta: Int32, event: cutlass.Constexpr[int], value: Int32 | None = None) -> None:
@@ -114,7 +158,11 @@ class StepProfile:
 
     @cute.jit
     def write_cycles(self, cta: Int32) -> None:
+        """The accumulators into the CTA's row (and the pass count into `count`)."""
+        segments, first = self.segments, self.first
         if cutlass.const_expr(self.buffer is not None):
             if self.recorder:
-                for i in cutlass.range_constexpr(len(STEP_SEGMENTS)):
-                    self.buffer[cta, BwdEvent.WAIT_Q + i] = self.cycles[i]
+                for i in cutlass.range_constexpr(segments):
+                    self.buffer[cta, first + i] = self.cycles[i]
+                if cutlass.const_expr(self.count is not None):
+                    self.buffer[cta, self.count] = self.cycles[self.segments]

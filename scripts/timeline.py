@@ -22,10 +22,14 @@ segment (a few % slower); compare segments, not its total, with the default buil
 over the documents), on the same inputs, in a build that stamps the same events per CTA
 (`flashmask3/fa4_timeline.py`). FA4 runs one CTA per work tile, so its CTAs are taken per SM in the
 order they ran. Summarized under "fa4" in the same terms (forward: the wait before each work
-tile's loop, split into the launch gap and the CTA's setup, the loop per key block, the epilogue;
-backward: the consumers' time per step from their start, their setup, steps and epilogue, and from
-a second, profiled build the SM cycles between clock marks at the step's entry and after each
-synchronization it calls, beside ours' segments); the forward is drawn below ours.
+tile's loop, split into the launch gap and the CTA's setup, the loop per key tile, also scaled to
+a 128 x 128 tile, the epilogue; backward: the consumers' time per step from their start, scaled to
+a 64 x 128 step, the setup, steps and epilogue; the outputs' or gradients' largest differences
+from ours), and the forward is drawn below ours. Then each kernel's steps cut into segments by SM
+clock marks, from profiled builds (ours: `forward(..., turn_profile=...)`'s segments of the
+steady-state turns, or the backward's profiled segments above; FA4: marks at the step's entry,
+after each synchronization it calls, before each wait for all WGMMA groups, at its exit, in the
+first 1,024 CTAs of its grid).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import sys
 from pathlib import Path
 
 import torch
-from flashmask3.optimized.timeline import STEP_SEGMENTS, BwdEvent, Event
+from flashmask3.optimized.timeline import STEP_SEGMENTS, TURN_SEGMENTS, BwdEvent, Event, TurnEvent
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
 
@@ -48,6 +52,7 @@ from flashmask3.bench import git_commit, results_dir
 
 EVENTS = tuple(e.name.lower() for e in Event)
 SEGMENTS = tuple(e.name.lower() for e in STEP_SEGMENTS)
+TURN_NAMES = tuple(e.name.lower() for e in TURN_SEGMENTS)
 
 
 def work_tiles_of(stamps: torch.Tensor) -> list[list[dict]]:
@@ -162,6 +167,10 @@ def _draw_panel(ax, per_cta: list[list[dict]], ctas: int, until_us: float) -> No
     ax.set_xlabel("us since the kernel's first event")
 
 
+MARKED_CTAS = 1024
+"""FA4 CTAs whose steps are marked: the first in its grid order (a few heads' whole range of tiles)."""
+
+
 def with_step_shape(summary: dict, rows: int, keys: int) -> None:
     """Add a backward summary's step shape (query rows x keys) and its time per step from the
     consumers' start scaled to a 64 x 128 step, so kernels with other step shapes compare."""
@@ -169,37 +178,69 @@ def with_step_shape(summary: dict, rows: int, keys: int) -> None:
     summary["mean_us_per_64x128_step_from_start"] = summary["mean_step_from_start_us"] * 64 * 128 / (rows * keys)
 
 
-def fa4_forward_work_tiles(case, q, k, v, rows: int) -> tuple[torch.Tensor, list[list[dict]]]:
-    """FA4's own forward for `case`, stamped (compile, warm-up, then the recorded run): its output
-    and its CTAs per SM (`fa4_timeline.per_sm_work_tiles`)."""
-    run = bench_peers.PEERS["fa4"](case)
-    stamps = fa4_timeline.stamp_rows(rows)
-    with fa4_timeline.stamped_fa4(stamps):
-        for _ in range(3):
-            stamps.fill_(-1)
-            out = run(q, k, v)
-        torch.cuda.synchronize()
-    return out, fa4_timeline.per_sm_work_tiles(stamps.cpu())
+def with_tile_shape(summary: dict, rows: int, keys: int) -> None:
+    """Add a forward summary's work tile shape (query rows x keys per key tile) and its loop time
+    per key tile scaled to a 128 x 128 tile, so kernels with other tile shapes compare."""
+    summary["tile_shape"] = [rows, keys]
+    summary["median_loop_per_128x128_key_tile_us"] = summary["median_loop_per_key_tile_us"] * 128 * 128 / (rows * keys)
 
 
-def fa4_backward_stamps(case, q, k, v, dout, rows: int, profiled: bool) -> tuple[torch.Tensor, dict | None]:
-    """FA4's own backward for `case` (its forward unstamped), stamped: compile, warm-up, then the
-    recorded run. The stamps on the CPU and, if `profiled`, its steps' segments
-    (`fa4_timeline.step_segments`, from a build with clock marks in the step: time the steps
-    from a run without)."""
+def summarize_turns(profile: torch.Tensor) -> dict:
+    """Our forward's turn profile (`TurnEvent` rows per CTA): medians over CTAs of the cycles per
+    steady-state turn, per segment and in all."""
+    rows = [row for row in profile.tolist() if row[TurnEvent.TURNS] > 0]
+    per_turn = {name: [row[1 + i] / row[TurnEvent.TURNS] for row in rows] for i, name in enumerate(TURN_NAMES)}
+    return {
+        "profiled_ctas": len(rows),
+        "median_turn_cycles": statistics.median(sum(row[1:]) / row[TurnEvent.TURNS] for row in rows),
+        "segment_cycles_per_turn": {name: round(statistics.median(values), 1) for name, values in per_turn.items()},
+    }
+
+
+def fa4_grid_bound(case: bench_peers.PeerCase) -> int:
+    """Above FA4's grid for `case`, forward or backward: a CTA per 64 rows (its smallest tile) of
+    each sequence or document, and one more per document, per query head."""
+    pieces = case.batch
+    if case.mask_name in ("causal_document", "document"):
+        pieces = len(bench_peers.document_cu_seqlens(case.mask, case.batch)[0]) - 1
+    return case.heads * (case.batch * -(-case.mask.seqlen_q // 64) + pieces)
+
+
+def fa4_forward(case, q, k, v, marked: bool) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+    """FA4's own forward for `case`, stamped (compile, warm-up, then the recorded run): its output,
+    its stamps on the CPU and, if `marked`, its steps' segments (`fa4_timeline.step_segments`, from
+    a build with clock marks in the step: time the loop from a run without)."""
     run = bench_peers.PEERS["fa4"](case)
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out = run(q, k, v)
-    stamps = fa4_timeline.stamp_rows(rows)
-    marks = fa4_timeline.step_mark_rows(rows) if profiled else None
+    stamps = fa4_timeline.stamp_rows(fa4_grid_bound(case))
+    marks = fa4_timeline.step_mark_rows(MARKED_CTAS, -(-case.mask.seqlen_k // 64)) if marked else None
     with fa4_timeline.stamped_fa4(stamps, marks) as labels:
         for _ in range(3):
             stamps.fill_(-1)
             if marks is not None:
                 marks.zero_()
-            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            out = run(q, k, v)
         torch.cuda.synchronize()
-    return stamps.cpu(), fa4_timeline.step_segments(marks.cpu(), labels) if marks is not None else None
+    segments = fa4_timeline.step_segments(marks.cpu(), labels["forward"]) if marks is not None else None
+    return out, stamps.cpu(), segments
+
+
+def fa4_backward(case, q, k, v, dout, marked: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, dict | None]:
+    """FA4's own backward for `case` (its forward unstamped), stamped: compile, warm-up, then the
+    recorded run. Its gradients, its stamps on the CPU and, if `marked`, its steps' segments."""
+    run = bench_peers.PEERS["fa4"](case)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = run(q, k, v)
+    stamps = fa4_timeline.stamp_rows(fa4_grid_bound(case))
+    marks = fa4_timeline.step_mark_rows(MARKED_CTAS, -(-case.mask.seqlen_q // 64)) if marked else None
+    with fa4_timeline.stamped_fa4(stamps, marks) as labels:
+        for _ in range(3):
+            stamps.fill_(-1)
+            if marks is not None:
+                marks.zero_()
+            grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        torch.cuda.synchronize()
+    segments = fa4_timeline.step_segments(marks.cpu(), labels["backward"]) if marks is not None else None
+    return grads, stamps.cpu(), segments
 
 
 def main() -> None:
@@ -242,7 +283,6 @@ def main() -> None:
     name = f"{kind}_{args.mask}_{args.seqlen}_b{batch}_h{heads}_kv{kv_heads}" + "".join(f"_{o}" for o in args.kernel)
     name += f"_{args.peer}" if args.peer else ""
     case = bench_peers.PeerCase(args.mask, mask, batch, heads, scale)
-    peer_rows = batch * heads * (args.seqlen // 16 + 8)  # above FA4's grid: a CTA per 64+ rows or a document
     if args.backward:
         bwd = apply_overrides(bwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
         out, lse = forward(q, k, v, mask, scale, config=config)
@@ -257,9 +297,11 @@ def main() -> None:
         if args.peer:
             from flash_attn.cute.interface import _tile_size_bwd_sm90
 
-            fa4_stamps, _ = fa4_backward_stamps(case, q, k, v, dout, peer_rows, profiled=False)
-            _, fa4_segments = fa4_backward_stamps(case, q, k, v, dout, peer_rows, profiled=True)
-            measured["fa4"] = {**fa4_timeline.summarize_backward(fa4_stamps, sm_count), **fa4_segments}
+            ours = backward(dout, q, k, v, out, lse, mask, scale, config=bwd)
+            grads, fa4_stamps, _ = fa4_backward(case, q, k, v, dout, marked=False)
+            _, _, fa4_segments = fa4_backward(case, q, k, v, dout, marked=True)
+            differences = {f"max_diff_{name}": bench_peers.max_abs_diff(a, b) for name, a, b in zip("qkv", ours, grads)}
+            measured["fa4"] = {**differences, **fa4_timeline.summarize_backward(fa4_stamps, sm_count), **fa4_segments}
             fa4_config = _tile_size_bwd_sm90(args.head_dim, args.head_dim, mask.causal, args.mask == "sliding_window")
             with_step_shape(measured["fa4"], fa4_config.m_block_size, fa4_config.n_block_size)
     else:
@@ -272,14 +314,28 @@ def main() -> None:
         torch.cuda.synchronize()
         per_cta = work_tiles_of(stamps.cpu())
         measured = {"fwd_config": dataclasses.asdict(config), **summarize(per_cta)}
+        with_tile_shape(measured, config.tile_m, config.tile_n)
         panels = [("ours: CTA", per_cta)]
         if args.peer:
-            fa4_out, fa4_per_sm = fa4_forward_work_tiles(case, q, k, v, peer_rows)
+            from flash_attn.cute.interface import _tile_size_fwd_sm90
+
             ours = forward(q, k, v, mask, scale, config=config)[0]
+            if config.tile_m == 128:  # the profiled build spills at 192-row tiles
+                profile = torch.zeros(ctas, len(TurnEvent), dtype=torch.int64, device="cuda")
+                for _ in range(3):  # compile, warm up, then the recorded run
+                    profile.zero_()
+                    forward(q, k, v, mask, scale, config=config, turn_profile=profile)
+                measured.update(summarize_turns(profile.cpu()))
+            fa4_out, fa4_stamps, _ = fa4_forward(case, q, k, v, marked=False)
+            _, _, fa4_segments = fa4_forward(case, q, k, v, marked=True)
+            fa4_per_sm = fa4_timeline.per_sm_work_tiles(fa4_stamps)
             measured["fa4"] = {
                 "max_diff": bench_peers.max_abs_diff(ours, fa4_out),
                 **fa4_timeline.summarize_per_sm(fa4_per_sm),
+                **fa4_segments,
             }
+            fa4_config = _tile_size_fwd_sm90(args.head_dim, args.head_dim, mask.causal, args.mask == "sliding_window")
+            with_tile_shape(measured["fa4"], fa4_config.m_block_size, fa4_config.n_block_size)
             panels.append(("FA4: SM", fa4_per_sm))
         draw(panels, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
     summary = {

@@ -520,6 +520,28 @@ def test_forward_timeline_build_compiles():
     assert compile_check("bf16", 64, False, 4, timeline=True) > 0
 
 
+@pytest.mark.slow  # compiles and disassembles three forwards, ~15 s
+@pytest.mark.parametrize("head_dim, causal, width", [(128, False, 2), (128, True, 1), (256, True, 1)])
+def test_the_turn_profile_marks_each_segment_with_the_loop_in_registers(tmp_path, head_dim, causal, width):
+    """The turn-profiled build (`forward(..., turn_profile=...)`) reads the SM clock once per segment
+    of a steady-state turn (9) and once before the loop, with no local memory and its WGMMAs in
+    flight (the default build has none of it: the fingerprints test)."""
+    name = f"turn_profile_{head_dim}_{causal}_{width}"
+    args = f"'bf16', {head_dim}, {causal}, {width}, turn_profile=True"
+    sass = compiled_sass(tmp_path, name, "FlashMaskForward", args)
+    hot_loop_in_registers(sass, name)
+    assert sass.count("SR_CLOCKLO") == 10
+
+
+def test_the_turn_profile_is_refused_at_192_row_tiles():
+    import torch
+    from flashmask3.optimized.interface import forward
+
+    q, k, v = (torch.zeros(1, 256, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match="the turn profile spills at tile_m=192 .* a config with tile_m=128"):
+        forward(q, k, v, None, 0.125, turn_profile=torch.zeros(1, 10, dtype=torch.int64))
+
+
 @pytest.mark.slow  # compiles 23 configurations, ~40 s
 def test_the_kernels_machine_code_is_as_recorded():
     """Each configuration the host chooses compiles to the machine code recorded in

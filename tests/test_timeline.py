@@ -1,5 +1,7 @@
 """The timeline script's reading of the forward's event stamps (CPU, a hand-made buffer)."""
 
+import math
+
 import pytest
 import timeline  # scripts/, on pytest's pythonpath
 import torch
@@ -92,9 +94,22 @@ def test_fa4_ctas_are_ordered_per_sm_and_summarized_as_our_work_tiles():
     assert summary["median_wait_before_tile_us"] == pytest.approx(1.75)
     assert summary["median_launch_gap_us"] == pytest.approx(0.5)  # 0.5, 0.5, 0.0, 1.0
     assert summary["median_setup_us"] == pytest.approx(1.0)  # 2.0, 1.0, 1.0, 1.0
-    assert summary["median_loop_per_block_us"] == pytest.approx(1.0)  # 5/5, 10/10, 8/4: the empty CTA left out
+    assert summary["median_loop_per_key_tile_us"] == pytest.approx(1.0)  # 5/5, 10/10, 8/4: the empty CTA left out
     assert summary["median_epilogue_us"] == pytest.approx(0.75)  # 0.5, 0.5, 1.0, 1.0
     assert summary["max_idle_tail_us"] == pytest.approx(13.0)  # SM 3 done at 10.0, the kernel at 23.0
+    timeline.with_tile_shape(summary, 128, 80)  # FA4's tiles at head dim 256
+    assert summary["median_loop_per_128x128_key_tile_us"] == pytest.approx(1.6)
+
+
+def test_fa4_ctas_that_stored_without_their_loop_stamps_are_refused():
+    from flashmask3.fa4_timeline import per_sm_work_tiles, summarize_backward
+
+    stamps = torch.full((1, 7), -1, dtype=torch.int64)
+    stamps[0] = torch.tensor(fa4_row(0, 1000, 0, 4, -1, -1, 24000))  # a path without the loop's wrappers
+    with pytest.raises(ValueError, match="FA4 CTAs stored without a LOOP_START stamp"):
+        per_sm_work_tiles(stamps)
+    with pytest.raises(ValueError, match="FA4 CTAs stored without a LOOP_START stamp"):
+        summarize_backward(stamps, sm_count=1)
 
 
 def test_fa4_backward_ctas_are_summarized_per_step():
@@ -109,8 +124,8 @@ def test_fa4_backward_ctas_are_summarized_per_step():
     assert summary["kernel_us"] == pytest.approx(45.0)
     assert summary["sm_busy_share"] == pytest.approx(68 / 90, abs=1e-4)  # 22 + 45 + 1 us on 2 SMs over 45
     assert summary["mean_step_from_start_us"] == pytest.approx(63 / 30)  # 21 + 42 us over 10 + 20 steps
-    assert summary["median_setup_us"] == pytest.approx(1.5)
-    assert summary["median_step_us"] == pytest.approx(2.0)
+    assert summary["median_setup_before_loads_us"] == pytest.approx(1.5)
+    assert summary["median_step_with_first_loads_us"] == pytest.approx(2.0)
     assert summary["median_epilogue_us"] == pytest.approx(2.0)
 
 
@@ -125,18 +140,21 @@ def test_backward_steps_of_other_shapes_are_scaled_to_a_64_by_128_step():
 def test_fa4_step_marks_become_cycles_per_segment():
     from flashmask3.fa4_timeline import STEP_MARKS, step_mark_rows, step_segments
 
-    marks = step_mark_rows(2, "cpu")
+    marks = step_mark_rows(2, 8, "cpu")
     labels = ["entry", "TMA wait", "wait_group(0)", "exit"]
     marks[0, 3, :4] = torch.tensor([1000, 1100, 1400, 1450])  # query block 3
     marks[0, 4, :4] = torch.tensor([2000, 2300, 2500, 2600])
     marks[1, 0, :4] = torch.tensor([2**31 - 100, -(2**31) + 100, -(2**31) + 300, -(2**31) + 340])  # the clock wraps
-    for cta, slot, block in ((0, 3, 3), (0, 4, 4), (1, 0, 32)):
-        marks[cta, slot, STEP_MARKS] = block + 1
+    marks[1, 1, :4] = torch.tensor([0, 100, 200, 300])
+    for cta, block in ((0, 3), (0, 4), (1, 0), (1, 1)):
+        marks[cta, block, STEP_MARKS] = block + 1
     marks[1, 5, :4] = torch.tensor([1, 2, 3, 4])  # never completed: left out
     segments = step_segments(marks, labels)
-    assert segments["marked_steps"] == 3
-    assert segments["segment_cycles_per_step"] == {"01 TMA wait": 200.0, "02 wait_group(0)": 200.0, "03 exit": 50.0}
-    assert segments["median_step_cycles"] == 450.0  # 450, 600 and 440 cycles
+    assert segments["marked_steps"] == 4
+    # per segment: 100, 300, 200, 100 / 300, 200, 200, 100 / 50, 100, 40, 100 (the middle two's mean)
+    assert segments["segment_cycles_per_step"] == {"01 TMA wait": 150.0, "02 wait_group(0)": 200.0, "03 exit": 75.0}
+    assert segments["median_step_cycles"] == 445.0  # 450, 600, 440 and 300 cycles
+    assert math.isnan(step_segments(step_mark_rows(1, 8, "cpu"), labels)["median_step_cycles"])  # none marked
 
 
 def test_the_fa4_stamps_buffer_is_checked():
@@ -147,6 +165,36 @@ def test_the_fa4_stamps_buffer_is_checked():
     ):
         with stamped_fa4(torch.zeros(4, 7, dtype=torch.int32)):
             pass
+    stamps = torch.zeros(4, 7, dtype=torch.int64)
+    with pytest.raises(
+        ValueError, match=r"step_marks must be an int32 \[CTAs, steps, 17\] tensor, got torch.int32 \[4, 17\]"
+    ):
+        with stamped_fa4(stamps, torch.zeros(4, 17, dtype=torch.int32)):
+            pass
+
+
+def test_our_turn_profile_is_summarized_per_turn():
+    # turns, then cycles summed over them for wait_k, wait_turn, issue, next_entry, wait_s, mask, softmax,
+    # wait_pv, rescale
+    profile = torch.zeros(3, 10, dtype=torch.int64)
+    profile[0] = torch.tensor([10, 100, 200, 300, 400, 500, 600, 700, 800, 900])
+    profile[1] = torch.tensor([20, 400, 400, 400, 400, 400, 400, 400, 400, 400])  # a CTA of 20 turns
+    summary = timeline.summarize_turns(profile)  # the third CTA profiled no turn
+    assert summary["profiled_ctas"] == 2
+    assert summary["median_turn_cycles"] == pytest.approx((450 + 180) / 2)
+    assert summary["segment_cycles_per_turn"]["wait_k"] == pytest.approx(15.0)  # 10 and 20 per turn
+    assert summary["segment_cycles_per_turn"]["rescale"] == pytest.approx(55.0)  # 90 and 20
+    assert list(summary["segment_cycles_per_turn"]) == [
+        "wait_k",
+        "wait_turn",
+        "issue",
+        "next_entry",
+        "wait_s",
+        "mask",
+        "softmax",
+        "wait_pv",
+        "rescale",
+    ]
 
 
 def test_results_table_merges_runs_and_compares_with_the_fastest_peer():
@@ -190,33 +238,60 @@ fa4_fwd_sass._stub_autotuner()
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-from flashmask3.fa4_timeline import stamp_rows, stamped_fa4, step_mark_rows
+from flashmask3.fa4_timeline import patch_points, stamp_rows, stamped_fa4, step_mark_rows
 build = sys.argv[1]
-stamps, marks = stamp_rows(1024, "cpu"), step_mark_rows(1024, "cpu") if build == "marked" else None
-with (stamped_fa4(stamps, marks) if build != "plain" else contextlib.nullcontext([])) as labels, FakeTensorMode():
+originals = [(owner, name, vars(owner).get(name)) for owner, name in patch_points()]
+stamps, marks = stamp_rows(1024, "cpu"), step_mark_rows(1024, 64, "cpu") if build == "marked" else None
+with (stamped_fa4(stamps, marks) if build != "plain" else contextlib.nullcontext({})) as labels, FakeTensorMode():
     q = torch.empty(1, 4096, 16, 128, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.empty(1, 4096, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     out, lse, *_ = _flash_attn_fwd(q, k, v, causal=True, return_lse=True)
     _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, causal=True)
-import cutlass.cute as cute
-from cutlass.cute.nvgpu import warpgroup
-from flash_attn.cute.block_info import BlockInfo
-from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90 as Bwd
-from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90 as Fwd
-restored = (cute.arch.barrier, warpgroup.wait_group, BlockInfo.get_m_block_min_max, Bwd.mma_one_m_block, Fwd.epilogue)
-assert not any("wrapper" in function.__qualname__ for function in restored), "a wrapper outlived stamped_fa4"
+with contextlib.suppress(KeyError), stamped_fa4(stamps, marks):
+    raise KeyError("an error inside the block")
+assert all(vars(owner).get(name) is original for owner, name, original in originals), "a wrapper outlived stamped_fa4"
 print(json.dumps(labels))
 """
 
 
-@pytest.mark.slow  # six compiles, ~30 s
+FORWARD_MARKS = [
+    "entry",
+    "TMA wait",
+    "barrier (256 threads)",
+    "TMA wait",
+    "barrier arrive (256 threads)",
+    "wait_group(1)",
+    "before wait_group(0)",
+    "wait_group(0)",
+    "exit",
+]
+BACKWARD_MARKS = [
+    "entry",
+    "TMA wait",
+    "TMA wait",
+    "wait_group(1)",
+    "before wait_group(0)",
+    "wait_group(0)",
+    "barrier (256 threads)",
+    "wait_group(1)",
+    "wait_group(1)",
+    "barrier (160 threads)",
+    "barrier arrive (160 threads)",
+    "before wait_group(0)",
+    "wait_group(0)",
+    "exit",
+]
+
+
+@pytest.mark.slow  # six compiles, ~40 s
 def test_the_stamped_fa4_kernels_record_each_event_outside_their_loops(tmp_path):
     """FA4's SM90 forward and backward, built by FA4's own interface for sm_90a under a fake-tensor
-    mode (no GPU): plain, stamped, and with the backward's steps marked. The stamped builds read the
-    global timer at their events (forward: consumers' start, loop start and end, stores; the
-    backward's consumer entry is traced twice) and record the SM, while their hot loops keep the
-    plain builds' instructions; the marked backward reads the SM clock at the step's entry, after
-    each of its ten synchronization calls and at its exit, with its WGMMAs as they were."""
+    mode (no GPU): plain, stamped, and with their steps marked. The stamped builds read the global
+    timer at their events (forward: consumers' start, loop start and end, stores; backward: also the
+    loop start's stamp traced in the producer and dQ-writer warps, which never fire) and record the
+    SM, while their hot loops keep the plain builds' instructions. The marked builds read the SM
+    clock at each mark of the step (the forward's step is traced twice: its diagonal and interior
+    loops), with the WGMMAs as they were. Every patched attribute is restored, after an error too."""
     import collections
     import importlib.util
     import json
@@ -254,29 +329,16 @@ def test_the_stamped_fa4_kernels_record_each_event_outside_their_loops(tmp_path)
         blocks = sass_path.hot_loop(sass_path.read_blocks(text.splitlines()))
         return collections.Counter(opcode(inst) for _, body in blocks for inst in body)
 
-    for kernel, timer_reads in (("ForwardSm90", 4), ("BackwardSm90", 6)):
-        plain, stamped = sass["plain", kernel], sass["stamped", kernel]
+    for kernel, timer_reads, clock_reads in (("ForwardSm90", 4, 2 * 9), ("BackwardSm90", 6, 14)):
+        plain, stamped, marked = (sass[build, kernel] for build in ("plain", "stamped", "marked"))
         assert "GLOBALTIMER" not in plain and stamped.count("SR_GLOBALTIMER") == timer_reads, kernel
         assert "SR_VIRTUALSMID" in stamped and "STL" not in stamped and "LDL" not in stamped, kernel
         before, after = loop_opcodes(plain), loop_opcodes(stamped)
         assert sum(before.values()) == sum(after.values()), kernel
         for op in ("HGMMA", "WARPGROUP", "MUFU", "SYNCS", "BAR", "STG", "CS2R"):
             assert before[op] == after[op], (kernel, op)
-    assert labels["stamped"] == [] and labels["marked"] == [
-        "entry",
-        "TMA wait",
-        "TMA wait",
-        "wait_group(1)",
-        "wait_group(0)",
-        "barrier (256 threads)",
-        "wait_group(1)",
-        "wait_group(1)",
-        "barrier (160 threads)",
-        "barrier arrive (160 threads)",
-        "wait_group(0)",
-        "exit",
-    ]
-    marked = sass["marked", "BackwardSm90"]
-    assert marked.count("SR_CLOCKLO") == 12 and "STL" not in marked and "LDL" not in marked
-    before, after = loop_opcodes(sass["plain", "BackwardSm90"]), loop_opcodes(marked)
-    assert (before["HGMMA"], before["WARPGROUP"]) == (after["HGMMA"], after["WARPGROUP"])
+        assert marked.count("SR_CLOCKLO") == clock_reads and "STL" not in marked and "LDL" not in marked, kernel
+        in_loop = loop_opcodes(marked)
+        assert (in_loop["HGMMA"], in_loop["WARPGROUP"]) == (before["HGMMA"], before["WARPGROUP"]), kernel
+    assert labels["stamped"] == {}
+    assert labels["marked"] == {"forward": FORWARD_MARKS, "backward": BACKWARD_MARKS}
