@@ -145,9 +145,7 @@ class _Recorder:
         if self.block is None:
             return
         if self.next_mark >= STEP_MARKS:
-            raise RuntimeError(
-                f"FA4's {self.kind} step makes more than {STEP_MARKS - 2} marked synchronization calls"
-            )
+            raise RuntimeError(f"FA4's {self.kind} step makes more than {STEP_MARKS - 2} marked synchronization calls")
         self.mark(self.block, self.next_mark)
         labels = self.labels.setdefault(self.kind, [])
         if len(labels) == self.next_mark:  # the first trace of the step names the marks
@@ -267,7 +265,11 @@ def _wrapped(recorder: _Recorder) -> list[tuple[object, str, Callable]]:
         (fwd, "mma_one_n_block_intrawg_overlap", forward_step(fwd.mma_one_n_block_intrawg_overlap)),
         (bwd, "mma_one_m_block", backward_step(bwd.mma_one_m_block)),
         (warpgroup, "wait_group", wait_group),
-        (pipeline.PipelineTmaAsync, "consumer_wait", marked(pipeline.PipelineTmaAsync.consumer_wait, _named("TMA wait"))),
+        (
+            pipeline.PipelineTmaAsync,
+            "consumer_wait",
+            marked(pipeline.PipelineTmaAsync.consumer_wait, _named("TMA wait")),
+        ),
         (cute.arch, "barrier", marked(cute.arch.barrier, barrier_label)),
         (cute.arch, "barrier_arrive", marked(cute.arch.barrier_arrive, arrive_label)),
     ]
