@@ -362,8 +362,8 @@ def _stored_rows(stamps: torch.Tensor) -> list[list[int]]:
 
 
 def per_sm_work_tiles(stamps: torch.Tensor) -> list[list[dict]]:
-    """FA4's CTAs per SM in the order they ran, each as the work tile dict `scripts/timeline.py`
-    summarizes for ours (times in us from the first stamp): `start`, `loop_start`, `loop_end`,
+    """FA4's CTAs per SM in the order they ran, each as the work tile dict `scripts/timeline.py`'s
+    `summarize` reads for ours (times in us from the first stamp): `start`, `loop_start`, `loop_end`,
     `stored`, `key_tiles` (the CTA's blocks: key blocks forward, query-block steps backward) and
     `work_tile` (the CTA's row). CTAs that did not run their loop (no blocks) keep their times."""
     rows = _stored_rows(stamps)
@@ -386,41 +386,6 @@ def per_sm_work_tiles(stamps: torch.Tensor) -> list[list[dict]]:
         tile.update(work_tile=index, key_tiles=max(row[PeerEvent.BLOCK_MAX] - row[PeerEvent.BLOCK_MIN], 0))
         per_sm.setdefault(row[PeerEvent.SM], []).append(tile)
     return [sorted(tiles, key=lambda tile: tile["start"]) for _, tiles in sorted(per_sm.items())]
-
-
-def summarize_per_sm(per_sm: list[list[dict]]) -> dict:
-    """Medians over FA4's CTAs (us), in the terms of our forward's summary: the wait before a work
-    tile's loop (from the SM's previous CTA's stores, or the kernel's start, to this CTA's loop
-    start: CTA exit, launch, setup and the first loads), split into the launch gap (to the
-    consumers' start) and the setup (to the loop start); the loop per block; the epilogue; each
-    SM's idle tail."""
-    gaps, setups, waits, per_block, epilogues, tails = [], [], [], [], [], []
-    end = max(tiles[-1]["stored"] for tiles in per_sm if tiles)
-    for tiles in per_sm:
-        previous_store = 0.0
-        for tile in tiles:
-            gaps.append(tile["start"] - previous_store)
-            setups.append(tile["loop_start"] - tile["start"])
-            waits.append(tile["loop_start"] - previous_store)
-            if tile["key_tiles"] > 0:
-                per_block.append((tile["loop_end"] - tile["loop_start"]) / tile["key_tiles"])
-            epilogues.append(tile["stored"] - tile["loop_end"])
-            previous_store = tile["stored"]
-        if tiles:
-            tails.append(end - tiles[-1]["stored"])
-    return {
-        "sms": len(per_sm),
-        "work_tiles": sum(len(tiles) for tiles in per_sm),
-        "kernel_us": end,
-        "median_launch_gap_us": statistics.median(gaps),
-        "median_setup_us": statistics.median(setups),
-        "median_wait_before_tile_us": statistics.median(waits),
-        "mean_wait_before_tile_us": statistics.fmean(waits),
-        "median_loop_per_key_tile_us": statistics.median(per_block) if per_block else float("nan"),
-        "median_epilogue_us": statistics.median(epilogues),
-        "mean_idle_tail_us": statistics.fmean(tails),
-        "max_idle_tail_us": max(tails),
-    }
 
 
 def summarize_backward(stamps: torch.Tensor, sm_count: int) -> dict:

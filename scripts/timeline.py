@@ -40,6 +40,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,33 +74,45 @@ def work_tiles_of(stamps: torch.Tensor) -> list[list[dict]]:
     return per_cta
 
 
-def summarize(per_cta: list[list[dict]]) -> dict:
-    """Medians over work tiles (us) and the CTAs' idle tails."""
-    waits, per_key_tile, epilogues, q_latency, tails = [], [], [], [], []
+def summarize(per_cta: list[list[dict]], rows: str = "ctas") -> dict:
+    """Medians over work tiles (us) and the rows' idle tails: each row a CTA of ours, or an SM of
+    FA4's (`rows` names them). The wait before a work tile runs from the row's previous stores (or
+    the kernel's first stamp) to the tile's loop start; where the tiles have a `start` (FA4's CTAs:
+    the consumers' start) it splits into the launch gap and the setup; where they have Q's issue
+    and landing (ours), Q's latency."""
+    waits, per_key_tile, epilogues, q_latency, gaps, setups, tails = [], [], [], [], [], [], []
     end = max(tiles[-1]["stored"] for tiles in per_cta if tiles)
     for tiles in per_cta:
         previous_store = 0.0
         for tile in tiles:
             waits.append(tile["loop_start"] - previous_store)
+            if "start" in tile:
+                gaps.append(tile["start"] - previous_store)
+                setups.append(tile["loop_start"] - tile["start"])
             if tile["key_tiles"] > 0:
                 per_key_tile.append((tile["loop_end"] - tile["loop_start"]) / tile["key_tiles"])
             epilogues.append(tile["stored"] - tile["loop_end"])
-            q_latency.append(tile["q_landed"] - tile["q_issued"])
+            if "q_issued" in tile:
+                q_latency.append(tile["q_landed"] - tile["q_issued"])
             previous_store = tile["stored"]
         if tiles:
             tails.append(end - tiles[-1]["stored"])
-    return {
-        "ctas": len(per_cta),
+    summary = {
+        rows: len(per_cta),
         "work_tiles": sum(len(t) for t in per_cta),
         "kernel_us": end,
         "median_wait_before_tile_us": statistics.median(waits),
         "mean_wait_before_tile_us": statistics.fmean(waits),
         "median_loop_per_key_tile_us": statistics.median(per_key_tile) if per_key_tile else math.nan,
         "median_epilogue_us": statistics.median(epilogues),
-        "median_q_issue_to_landed_us": statistics.median(q_latency),
         "mean_idle_tail_us": statistics.fmean(tails),
         "max_idle_tail_us": max(tails),
     }
+    if gaps:
+        summary.update(median_launch_gap_us=statistics.median(gaps), median_setup_us=statistics.median(setups))
+    if q_latency:
+        summary["median_q_issue_to_landed_us"] = statistics.median(q_latency)
+    return summary
 
 
 def summarize_backward(stamps: torch.Tensor, sm_count: int) -> dict:
@@ -206,11 +219,11 @@ def fa4_grid_bound(case: bench_peers.PeerCase) -> int:
     return case.heads * (case.batch * -(-case.mask.seqlen_q // 64) + pieces)
 
 
-def fa4_forward(case, q, k, v, marked: bool) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
-    """FA4's own forward for `case`, stamped (compile, warm-up, then the recorded run): its output,
-    its stamps on the CPU and, if `marked`, its steps' segments (`fa4_timeline.step_segments`, from
-    a build with clock marks in the step: time the loop from a run without)."""
-    run = bench_peers.PEERS["fa4"](case)
+def fa4_stamped(case, run_once: Callable, kind: str, marked: bool) -> tuple[object, torch.Tensor, dict | None]:
+    """`run_once()` (FA4's forward or backward, `kind`) with FA4 stamped (compile, warm-up, then the
+    recorded run): its result, the stamps on the CPU and, if `marked`, the steps' segments
+    (`fa4_timeline.step_segments`, from a build with clock marks in the step: time the loop from a
+    run without)."""
     stamps = fa4_timeline.stamp_rows(fa4_grid_bound(case))
     marks = fa4_timeline.step_mark_rows(MARKED_CTAS, -(-case.mask.seqlen_k // 64)) if marked else None
     with fa4_timeline.stamped_fa4(stamps, marks) as labels:
@@ -218,29 +231,25 @@ def fa4_forward(case, q, k, v, marked: bool) -> tuple[torch.Tensor, torch.Tensor
             stamps.fill_(-1)
             if marks is not None:
                 marks.zero_()
-            out = run(q, k, v)
+            result = run_once()
         torch.cuda.synchronize()
-    segments = fa4_timeline.step_segments(marks.cpu(), labels["forward"]) if marks is not None else None
-    return out, stamps.cpu(), segments
+    segments = fa4_timeline.step_segments(marks.cpu(), labels[kind]) if marks is not None else None
+    return result, stamps.cpu(), segments
+
+
+def fa4_forward(case, q, k, v, marked: bool) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+    """FA4's own forward for `case`, stamped (`fa4_stamped`): its output, stamps and segments."""
+    run = bench_peers.PEERS["fa4"](case)
+    return fa4_stamped(case, lambda: run(q, k, v), "forward", marked)
 
 
 def fa4_backward(case, q, k, v, dout, marked: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, dict | None]:
-    """FA4's own backward for `case` (its forward unstamped), stamped: compile, warm-up, then the
-    recorded run. Its gradients, its stamps on the CPU and, if `marked`, its steps' segments."""
+    """FA4's own backward for `case` (its forward unstamped), stamped (`fa4_stamped`): its
+    gradients, stamps and segments."""
     run = bench_peers.PEERS["fa4"](case)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     out = run(q, k, v)
-    stamps = fa4_timeline.stamp_rows(fa4_grid_bound(case))
-    marks = fa4_timeline.step_mark_rows(MARKED_CTAS, -(-case.mask.seqlen_q // 64)) if marked else None
-    with fa4_timeline.stamped_fa4(stamps, marks) as labels:
-        for _ in range(3):
-            stamps.fill_(-1)
-            if marks is not None:
-                marks.zero_()
-            grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        torch.cuda.synchronize()
-    segments = fa4_timeline.step_segments(marks.cpu(), labels["backward"]) if marks is not None else None
-    return grads, stamps.cpu(), segments
+    return fa4_stamped(case, lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), "backward", marked)
 
 
 def main() -> None:
@@ -331,7 +340,7 @@ def main() -> None:
             fa4_per_sm = fa4_timeline.per_sm_work_tiles(fa4_stamps)
             measured["fa4"] = {
                 "max_diff": bench_peers.max_abs_diff(ours, fa4_out),
-                **fa4_timeline.summarize_per_sm(fa4_per_sm),
+                **summarize(fa4_per_sm, rows="sms"),
                 **fa4_segments,
             }
             fa4_config = _tile_size_fwd_sm90(args.head_dim, args.head_dim, mask.causal, args.mask == "sliding_window")

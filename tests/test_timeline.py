@@ -25,6 +25,7 @@ def test_work_tiles_are_read_per_cta_and_summarized():
     assert summary["median_epilogue_us"] == pytest.approx(1.0)
     assert summary["median_q_issue_to_landed_us"] == pytest.approx(1.0)
     assert summary["max_idle_tail_us"] == pytest.approx(34.3 - 2.5)
+    assert "median_launch_gap_us" not in summary  # one persistent CTA per SM: no launches between tiles
 
 
 def test_the_backward_profile_is_summarized_per_step():
@@ -76,7 +77,7 @@ def fa4_row(sm, start, block_min, block_max, loop_start, loop_end, stored):
 
 
 def test_fa4_ctas_are_ordered_per_sm_and_summarized_as_our_work_tiles():
-    from flashmask3.fa4_timeline import per_sm_work_tiles, summarize_per_sm
+    from flashmask3.fa4_timeline import per_sm_work_tiles
 
     # SM, consumers' start, first block, one past the last, loop start, loop end, stored (ns)
     stamps = torch.full((5, 7), -1, dtype=torch.int64)
@@ -88,8 +89,9 @@ def test_fa4_ctas_are_ordered_per_sm_and_summarized_as_our_work_tiles():
     assert [[tile["work_tile"] for tile in tiles] for tiles in per_sm] == [[2, 4], [1, 0]]
     assert [tile["key_tiles"] for tile in per_sm[1]] == [10, 4]
     assert per_sm[1][1]["loop_start"] == pytest.approx(14.0)  # us after the first consumers' start
-    summary = summarize_per_sm(per_sm)
+    summary = timeline.summarize(per_sm, rows="sms")
     assert (summary["sms"], summary["work_tiles"], summary["kernel_us"]) == (2, 4, pytest.approx(23.0))
+    assert "median_q_issue_to_landed_us" not in summary  # FA4's producer is not stamped
     # before each loop: 2.5 (SM 3 from the start), 1.5 (after its store at 8.0), 1.0 (SM 7), 2.0 (after 12.0)
     assert summary["median_wait_before_tile_us"] == pytest.approx(1.75)
     assert summary["median_launch_gap_us"] == pytest.approx(0.5)  # 0.5, 0.5, 0.0, 1.0
