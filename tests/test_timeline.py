@@ -139,6 +139,25 @@ def test_backward_steps_of_other_shapes_are_scaled_to_a_64_by_128_step():
     assert (fa4["step_shape"], fa4["mean_us_per_64x128_step_from_start"]) == ([80, 128], pytest.approx(1.92))
 
 
+@pytest.mark.parametrize("mask_name", ["causal_document", "document", "causal"])
+def test_fa4s_buffers_hold_its_whole_grid(mask_name):
+    """`fa4_grid_bound` is above FA4's grid at its smallest tiles (64 rows): one CTA per 64 rows of
+    each document (varlen) or sequence, per query head, and not far above it."""
+    from flashmask3.reference import masks
+
+    from flashmask3 import bench_peers
+
+    batch, heads, seqlen = 2, 3, 4096
+    mask = masks.build(mask_name, seqlen, batch=batch, heads=heads, seed=0)
+    case = bench_peers.PeerCase(mask_name, mask, batch, heads, 0.1)
+    if mask_name == "causal":
+        lengths = [seqlen] * batch
+    else:
+        lengths = bench_peers.document_cu_seqlens(mask, batch)[0].diff().tolist()
+    grid = heads * sum(-(-length // 64) for length in lengths)
+    assert grid <= timeline.fa4_grid_bound(case) <= grid + heads * (len(lengths) + batch)
+
+
 def test_fa4_step_marks_become_cycles_per_segment():
     from flashmask3.fa4_timeline import STEP_MARKS, step_mark_rows, step_segments
 
