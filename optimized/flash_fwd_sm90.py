@@ -204,7 +204,8 @@ class FlashMaskForwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sBounds: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(bounds_layout)], 16]
-            turn_cycles: cute.struct.MemRange[cutlass.Int64, turn_slots]  # the turn profile's, and its count
+            # The turn profile's cycles per segment, then its turn count (none in the default build).
+            turn_cycles: cute.struct.MemRange[cutlass.Int64, turn_slots]
 
         check_smem_fits(
             SharedStorage.size_in_bytes(),

@@ -214,7 +214,8 @@ def forward(
     that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`.
     `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask).
     `turn_profile`: an int64 [CTAs, len(timeline.TurnEvent)] buffer runs a build that sums the SM
-    cycles of each segment of the key-tile loop's turns into it (consumer thread 0).
+    cycles of each segment of the key-tile loop's turns into it (consumer thread 0); CTAs =
+    `forward_ctas(...)` (with segment tiles, the grid over the mask's virtual rows).
     """
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -228,7 +229,7 @@ def forward(
         raise ValueError("a timeline build runs on the sequence's tiles: pass a config with segment_tiles=False")
     if config.tile_m == 192 and turn_profile is not None:  # three consumer warpgroups at 160 registers each
         raise ValueError(
-            "the turn profile spills at tile_m=192 (head dim 64's tiles): profile a config with tile_m=128"
+            "the turn profile spills at tile_m=192 (head dim 64's tiles, causal): profile a config with tile_m=128"
         )
     if config.segment_tiles:
         if uniform_work or sq != sk or _capturing(q):  # no segments (or no host sync): the sequence's tiles
@@ -250,6 +251,8 @@ def forward(
         key = ("fwd", b, hq, config.tile_m, config.tile_n)
         order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, config.tile_n))
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
+    if turn_profile is not None:  # the kernel writes a row per CTA of its grid
+        _check_turn_profile(turn_profile, min(_work_tiles(b, hq, mask.seqlen_q, config), max_ctas), q.device)
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
     _launch(
         "fwd",
@@ -276,6 +279,17 @@ def forward_ctas(q: torch.Tensor, config: FwdConfig) -> int:
     """The forward's grid size for q [B, Sq, Hq, D] under `config`."""
     work_tiles = _work_tiles(q.shape[0], q.shape[2], q.shape[1], config)
     return min(work_tiles, _sm_count(q.device)) if config.persistent else work_tiles
+
+
+def _check_turn_profile(turn_profile: torch.Tensor, ctas: int, device: torch.device) -> None:
+    from .timeline import TurnEvent
+
+    shape = [ctas, len(TurnEvent)]
+    if turn_profile.dtype != torch.int64 or list(turn_profile.shape) != shape or not turn_profile.is_contiguous():
+        got = f"{turn_profile.dtype} {list(turn_profile.shape)}"
+        raise ValueError(f"turn_profile must be a contiguous int64 tensor of shape {shape} (CTAs, events), got {got}")
+    if turn_profile.device != device:
+        raise ValueError(f"turn_profile must be on q's device ({device}), got {turn_profile.device}")
 
 
 def _work_tiles(batch: int, heads: int, seqlen_q: int, config: FwdConfig) -> int:

@@ -79,10 +79,11 @@ STEP_SEGMENTS = tuple(e for e in BwdEvent if e >= BwdEvent.WAIT_Q)
 
 class TurnEvent(IntEnum):
     """A forward CTA's turn profile: the steady-state turns of its key-tile loops, then cycles
-    summed over them per segment of a turn (each from the previous mark to its own)."""
+    summed over them per segment of a turn (each from the previous mark to its own). Each mark
+    adds its shared-memory accumulate (a load, an add, a store) to the segment after it."""
 
     TURNS = 0  # turns profiled (not cycles)
-    WAIT_K = 1  # from the previous turn's end: K's stage
+    WAIT_K = 1  # from the previous turn's end: P's conversion (ptxas sinks it below the last mark), K's stage
     WAIT_TURN = 2  # the turn barrier: the other warpgroup has issued its GEMMs
     ISSUE = 3  # S issued, V's wait, PV issued, the turn handed over
     NEXT_ENTRY = 4  # the next list entry and its bounds' cp.async
@@ -90,7 +91,7 @@ class TurnEvent(IntEnum):
     MASK = 6  # the element mask (PARTIAL and diagonal tiles), K's release
     SOFTMAX = 7  # row maxima, exponentials, row sums
     WAIT_PV = 8  # the PV GEMM's wait, V's release
-    RESCALE = 9  # O rescaled, P converted
+    RESCALE = 9  # O rescaled
 
 
 TURN_SEGMENTS = tuple(e for e in TurnEvent if e >= TurnEvent.WAIT_K)
@@ -144,7 +145,7 @@ class SegmentProfile:
     @cute.jit
     def add_pass(self) -> None:
         """One more pass through the segments (the `count` column)."""
-        if cutlass.const_expr(self.buffer is not None):
+        if cutlass.const_expr(self.buffer is not None and self.count is not None):
             if self.recorder:
                 self.cycles[self.segments] = self.cycles[self.segments] + Int64(1)
 
@@ -159,10 +160,10 @@ class SegmentProfile:
     @cute.jit
     def write_cycles(self, cta: Int32) -> None:
         """The accumulators into the CTA's row (and the pass count into `count`)."""
-        segments, first = self.segments, self.first
+        segments, first = self.segments, self.first  # range_constexpr takes names, not attributes
         if cutlass.const_expr(self.buffer is not None):
             if self.recorder:
                 for i in cutlass.range_constexpr(segments):
                     self.buffer[cta, first + i] = self.cycles[i]
                 if cutlass.const_expr(self.count is not None):
-                    self.buffer[cta, self.count] = self.cycles[self.segments]
+                    self.buffer[cta, self.count] = self.cycles[segments]

@@ -53,7 +53,6 @@ from flashmask3.bench import git_commit, results_dir
 
 EVENTS = tuple(e.name.lower() for e in Event)
 SEGMENTS = tuple(e.name.lower() for e in STEP_SEGMENTS)
-TURN_NAMES = tuple(e.name.lower() for e in TURN_SEGMENTS)
 
 
 def work_tiles_of(stamps: torch.Tensor) -> list[list[dict]]:
@@ -200,13 +199,22 @@ def with_tile_shape(summary: dict, rows: int, keys: int) -> None:
 
 def summarize_turns(profile: torch.Tensor) -> dict:
     """Our forward's turn profile (`TurnEvent` rows per CTA): medians over CTAs of the cycles per
-    steady-state turn, per segment and in all."""
+    steady-state turn, per segment and in all (NaN where no CTA had a steady-state turn)."""
     rows = [row for row in profile.tolist() if row[TurnEvent.TURNS] > 0]
-    per_turn = {name: [row[1 + i] / row[TurnEvent.TURNS] for row in rows] for i, name in enumerate(TURN_NAMES)}
+
+    def median(values) -> float:
+        values = list(values)
+        return statistics.median(values) if values else math.nan
+
+    def per_turn(row: list[int], events) -> float:
+        return sum(row[event] for event in events) / row[TurnEvent.TURNS]
+
     return {
         "profiled_ctas": len(rows),
-        "median_turn_cycles": statistics.median(sum(row[1:]) / row[TurnEvent.TURNS] for row in rows),
-        "segment_cycles_per_turn": {name: round(statistics.median(values), 1) for name, values in per_turn.items()},
+        "median_turn_cycles": median(per_turn(row, TURN_SEGMENTS) for row in rows),
+        "segment_cycles_per_turn": {
+            event.name.lower(): round(median(per_turn(row, [event]) for row in rows), 1) for event in TURN_SEGMENTS
+        },
     }
 
 
@@ -330,7 +338,7 @@ def main() -> None:
             from flash_attn.cute.interface import _tile_size_fwd_sm90
 
             ours = forward(q, k, v, mask, scale, config=config)[0]
-            if config.tile_m == 128:  # the profiled build spills at 192-row tiles
+            if config.tile_m == 128:  # the profiled build spills at 192-row tiles (causal)
                 profile = torch.zeros(ctas, len(TurnEvent), dtype=torch.int64, device="cuda")
                 for _ in range(3):  # compile, warm up, then the recorded run
                     profile.zero_()

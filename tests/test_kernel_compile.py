@@ -533,13 +533,25 @@ def test_the_turn_profile_marks_each_segment_with_the_loop_in_registers(tmp_path
     assert sass.count("SR_CLOCKLO") == 10
 
 
-def test_the_turn_profile_is_refused_at_192_row_tiles():
+def test_the_turn_profile_is_refused_at_192_row_tiles_and_needs_a_row_per_cta(monkeypatch):
     import torch
-    from flashmask3.optimized.interface import forward
+    from flashmask3.optimized import interface
 
+    launched = []
+    monkeypatch.setattr(interface, "_launch", lambda direction, *args, **kw: launched.append(args))
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 3)  # 8 work tiles below: 3 CTAs
     q, k, v = (torch.zeros(1, 256, 2, 64, dtype=torch.bfloat16) for _ in range(3))
     with pytest.raises(ValueError, match="the turn profile spills at tile_m=192 .* a config with tile_m=128"):
-        forward(q, k, v, None, 0.125, turn_profile=torch.zeros(1, 10, dtype=torch.int64))
+        interface.forward(q, k, v, None, 0.125, turn_profile=torch.zeros(1, 10, dtype=torch.int64))
+    q, k, v = (torch.zeros(2, 512, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    message = (
+        r"turn_profile must be a contiguous int64 tensor of shape \[3, 10\] \(CTAs, events\), got torch.int64 \[8, 10\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        interface.forward(q, k, v, None, 0.125, turn_profile=torch.zeros(8, 10, dtype=torch.int64))
+    profile = torch.zeros(3, 10, dtype=torch.int64)
+    interface.forward(q, k, v, None, 0.125, turn_profile=profile)
+    assert launched[0][5][-1] is profile  # (dtype, d, causal, width, config, tensors, ...): the last tensor
 
 
 @pytest.mark.slow  # compiles 23 configurations, ~40 s

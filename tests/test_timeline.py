@@ -205,6 +205,7 @@ def test_our_turn_profile_is_summarized_per_turn():
     assert summary["median_turn_cycles"] == pytest.approx((450 + 180) / 2)
     assert summary["segment_cycles_per_turn"]["wait_k"] == pytest.approx(15.0)  # 10 and 20 per turn
     assert summary["segment_cycles_per_turn"]["rescale"] == pytest.approx(55.0)  # 90 and 20
+    assert math.isnan(timeline.summarize_turns(torch.zeros(2, 10, dtype=torch.int64))["median_turn_cycles"])
     assert list(summary["segment_cycles_per_turn"]) == [
         "wait_k",
         "wait_turn",
