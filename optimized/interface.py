@@ -214,8 +214,8 @@ def forward(
     that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`.
     `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask).
     `turn_profile`: an int64 [CTAs, len(timeline.TurnEvent)] buffer runs a build that sums the SM
-    cycles of each segment of the key-tile loop's turns into it (consumer thread 0); CTAs =
-    `forward_ctas(...)` (with segment tiles, the grid over the mask's virtual rows).
+    cycles of each segment of the key-tile loop's turns into it (consumer thread 0); CTAs: the
+    grid, `forward_ctas(...)` (with segment tiles the virtual rows' grid, which a mismatch names).
     """
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
