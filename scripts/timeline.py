@@ -318,7 +318,10 @@ def main() -> None:
             ours = backward(dout, q, k, v, out, lse, mask, scale, config=bwd)
             grads, fa4_stamps, _ = fa4_backward(case, q, k, v, dout, marked=False)
             _, _, fa4_segments = fa4_backward(case, q, k, v, dout, marked=True)
-            differences = {f"max_diff_{name}": bench_peers.max_abs_diff(a, b) for name, a, b in zip("qkv", ours, grads)}
+            differences = {
+                f"max_diff_d{tensor}": bench_peers.max_abs_diff(mine, theirs)
+                for tensor, mine, theirs in zip("qkv", ours, grads)
+            }
             measured["fa4"] = {**differences, **fa4_timeline.summarize_backward(fa4_stamps, sm_count), **fa4_segments}
             fa4_config = _tile_size_bwd_sm90(args.head_dim, args.head_dim, mask.causal, args.mask == "sliding_window")
             with_step_shape(measured["fa4"], fa4_config.m_block_size, fa4_config.n_block_size)
