@@ -165,18 +165,12 @@ def _wrapped(recorder: _Recorder) -> list[tuple[object, str, Callable]]:
 
     stamp = recorder.stamp
 
-    def before(method: Callable, *columns: PeerEvent) -> Callable:
+    def stamping(method: Callable, before: tuple[PeerEvent, ...] = (), after: tuple[PeerEvent, ...] = ()) -> Callable:
         def wrapper(self, *args, **kwargs):
-            for column in columns:
+            for column in before:
                 stamp(column)
-            return method(self, *args, **kwargs)
-
-        return wrapper
-
-    def after(method: Callable, *columns: PeerEvent) -> Callable:
-        def wrapper(self, *args, **kwargs):
             result = method(self, *args, **kwargs)
-            for column in columns:
+            for column in after:
                 stamp(column)
             return result
 
@@ -201,25 +195,16 @@ def _wrapped(recorder: _Recorder) -> list[tuple[object, str, Callable]]:
 
         return wrapper
 
-    def around(method: Callable, first: PeerEvent, last: PeerEvent) -> Callable:
-        def wrapper(self, *args, **kwargs):
-            stamp(first)
-            result = method(self, *args, **kwargs)
-            stamp(last)
-            return result
-
-        return wrapper
-
     fwd, bwd = FlashAttentionForwardSm90, FlashAttentionBackwardSm90
     wrapped: list[tuple[object, str, Callable]] = [
         (fwd, "mma", at_start(fwd.mma)),
         (BlockInfo, "get_n_block_min_max", block_range(BlockInfo.get_n_block_min_max)),
-        (fwd, "first_half_block_overlap", before(fwd.first_half_block_overlap, PeerEvent.LOOP_START)),
-        (fwd, "last_half_block_overlap", after(fwd.last_half_block_overlap, PeerEvent.LOOP_END)),
-        (fwd, "epilogue", after(fwd.epilogue, PeerEvent.STORED)),
+        (fwd, "first_half_block_overlap", stamping(fwd.first_half_block_overlap, before=(PeerEvent.LOOP_START,))),
+        (fwd, "last_half_block_overlap", stamping(fwd.last_half_block_overlap, after=(PeerEvent.LOOP_END,))),
+        (fwd, "epilogue", stamping(fwd.epilogue, after=(PeerEvent.STORED,))),
         (bwd, "mma", at_start(bwd.mma)),
         (BlockInfo, "get_m_block_min_max", block_range(BlockInfo.get_m_block_min_max, PeerEvent.LOOP_START)),
-        (bwd, "epilogue_dKV", around(bwd.epilogue_dKV, PeerEvent.LOOP_END, PeerEvent.STORED)),
+        (bwd, "epilogue_dKV", stamping(bwd.epilogue_dKV, before=(PeerEvent.LOOP_END,), after=(PeerEvent.STORED,))),
     ]
     if recorder.mark is None:
         return wrapped
