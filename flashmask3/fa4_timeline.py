@@ -27,8 +27,9 @@ compiles FA4's own kernel again.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from enum import IntEnum
 
 import torch
@@ -334,11 +335,11 @@ def patch_points() -> list[tuple[object, str]]:
     return [(owner, name) for owner, name, _ in _wrapped(recorder)]
 
 
-def _stored_rows(stamps: torch.Tensor) -> list[list[int]]:
-    """The rows of CTAs that stored, checked for the loop's stamps."""
-    rows = [row for row in stamps.tolist() if row[PeerEvent.STORED] >= 0]
+def _stored_rows(stamps: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """(CTA, row) of the CTAs that stored, checked for the loop's stamps."""
+    rows = [(cta, row) for cta, row in enumerate(stamps.tolist()) if row[PeerEvent.STORED] >= 0]
     for event in (PeerEvent.SM, PeerEvent.START, PeerEvent.LOOP_START, PeerEvent.LOOP_END):
-        if any(row[event] < 0 for row in rows):
+        if any(row[event] < 0 for _, row in rows):
             raise ValueError(
                 f"FA4 CTAs stored without a {event.name} stamp: a code path the wrappers do not cover "
                 "(the forward needs intra-warpgroup overlap and no block sparsity)"
@@ -354,11 +355,9 @@ def per_sm_work_tiles(stamps: torch.Tensor) -> list[list[dict]]:
     rows = _stored_rows(stamps)
     if not rows:
         return []
-    first = min(row[PeerEvent.START] for row in rows)
+    first = min(row[PeerEvent.START] for _, row in rows)
     per_sm: dict[int, list[dict]] = {}
-    for index, row in enumerate(stamps.tolist()):
-        if row[PeerEvent.STORED] < 0:
-            continue
+    for cta, row in rows:
         tile = {
             name: (row[event] - first) / 1e3
             for name, event in (
@@ -368,7 +367,7 @@ def per_sm_work_tiles(stamps: torch.Tensor) -> list[list[dict]]:
                 ("stored", PeerEvent.STORED),
             )
         }
-        tile.update(work_tile=index, key_tiles=max(row[PeerEvent.BLOCK_MAX] - row[PeerEvent.BLOCK_MIN], 0))
+        tile.update(work_tile=cta, key_tiles=max(row[PeerEvent.BLOCK_MAX] - row[PeerEvent.BLOCK_MIN], 0))
         per_sm.setdefault(row[PeerEvent.SM], []).append(tile)
     return [sorted(tiles, key=lambda tile: tile["start"]) for _, tiles in sorted(per_sm.items())]
 
@@ -380,7 +379,7 @@ def summarize_backward(stamps: torch.Tensor, sm_count: int) -> dict:
     first Q and dO), so its step and setup times are not our `median_step_us` and
     `median_kv_wait_us`. `sm_busy_share`: the CTAs' summed lifetimes (consumers' start to stores)
     over `sm_count` x the span."""
-    rows = _stored_rows(stamps)
+    rows = [row for _, row in _stored_rows(stamps)]
     with_steps = [row for row in rows if row[PeerEvent.BLOCK_MAX] > row[PeerEvent.BLOCK_MIN]]
     steps = [row[PeerEvent.BLOCK_MAX] - row[PeerEvent.BLOCK_MIN] for row in with_steps]
     span_ns = max(row[PeerEvent.STORED] for row in rows) - min(row[PeerEvent.START] for row in rows)
@@ -413,13 +412,14 @@ def step_segments(step_marks: torch.Tensor, labels: list[str]) -> dict:
     marks = marks[marks[:, STEP_MARKS] > 0, : len(labels)]
     cycles = ((marks[:, 1:] - marks[:, :-1]) % (1 << 32)).tolist()  # the 32-bit clock may wrap in a step
     names = [f"{index:02d} {label}" for index, label in enumerate(labels[1:], start=1)]
-
-    def median(values) -> float:
-        values = list(values)
-        return float(statistics.median(values)) if values else float("nan")
-
     return {
         "marked_steps": len(cycles),
-        "median_step_cycles": median(sum(step) for step in cycles),
-        "segment_cycles_per_step": {name: median(step[i] for step in cycles) for i, name in enumerate(names)},
+        "median_step_cycles": median_or_nan(sum(step) for step in cycles),
+        "segment_cycles_per_step": {name: median_or_nan(step[i] for step in cycles) for i, name in enumerate(names)},
     }
+
+
+def median_or_nan(values: Iterable[float]) -> float:
+    """The median, NaN when there are no values (a profile that recorded nothing)."""
+    values = list(values)
+    return float(statistics.median(values)) if values else math.nan

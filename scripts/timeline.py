@@ -201,10 +201,7 @@ def summarize_turns(profile: torch.Tensor) -> dict:
     """Our forward's turn profile (`TurnEvent` rows per CTA): medians over CTAs of the cycles per
     steady-state turn, per segment and in all (NaN where no CTA had a steady-state turn)."""
     rows = [row for row in profile.tolist() if row[TurnEvent.TURNS] > 0]
-
-    def median(values) -> float:
-        values = list(values)
-        return statistics.median(values) if values else math.nan
+    median = fa4_timeline.median_or_nan
 
     def per_turn(row: list[int], events) -> float:
         return sum(row[event] for event in events) / row[TurnEvent.TURNS]
