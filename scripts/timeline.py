@@ -215,13 +215,18 @@ def summarize_turns(profile: torch.Tensor) -> dict:
     }
 
 
+def fa4_blocks(case: bench_peers.PeerCase) -> int:
+    """Above FA4's tiles or steps per sequence for `case`: they have 64 rows or more."""
+    return -(-max(case.mask.seqlen_q, case.mask.seqlen_k) // 64)
+
+
 def fa4_grid_bound(case: bench_peers.PeerCase) -> int:
     """Above FA4's grid for `case`, forward or backward: a CTA per 64 rows (its smallest tile) of
     each sequence or document, and one more per document, per query head."""
     pieces = case.batch
     if case.mask_name in ("causal_document", "document"):
         pieces = len(bench_peers.document_cu_seqlens(case.mask, case.batch)[0]) - 1
-    return case.heads * (case.batch * -(-max(case.mask.seqlen_q, case.mask.seqlen_k) // 64) + pieces)
+    return case.heads * (case.batch * fa4_blocks(case) + pieces)
 
 
 def fa4_stamped(case, run_once: Callable, kind: str, marked: bool) -> tuple[object, torch.Tensor, dict | None]:
@@ -230,8 +235,7 @@ def fa4_stamped(case, run_once: Callable, kind: str, marked: bool) -> tuple[obje
     (`fa4_timeline.step_segments`, from a build with clock marks in the step: time the loop from a
     run without)."""
     stamps = fa4_timeline.stamp_rows(fa4_grid_bound(case))
-    blocks = -(-max(case.mask.seqlen_q, case.mask.seqlen_k) // 64)  # FA4's tiles and steps have 64+ rows
-    marks = fa4_timeline.step_mark_rows(MARKED_CTAS, blocks) if marked else None
+    marks = fa4_timeline.step_mark_rows(MARKED_CTAS, fa4_blocks(case)) if marked else None
     with fa4_timeline.stamped_fa4(stamps, marks) as labels:
         for _ in range(3):
             stamps.fill_(-1)
