@@ -38,11 +38,14 @@ class SegmentPlan:
     `mask`: the virtual mask, int32 [Bm, Hm, Sv, width], Sq = Sk = Sv (a multiple of `granule`).
     `tile_rows`: int32 [Bm, Hm, Sv / granule, 2], per granule its real first row and its number of
     real rows (0 for the granules past a mask row's segments; their first row is then Sq).
+    `moved`: whether any real row has a virtual row of another index (else the plan only pads the
+    end, and the sequence's own tiles are the same tiles).
     """
 
     mask: ColumnMask
     tile_rows: torch.Tensor
     granule: int
+    moved: bool
 
     @property
     def seqlen(self) -> int:
@@ -100,8 +103,8 @@ def _seen_by(mask: ColumnMask) -> tuple[torch.Tensor, torch.Tensor]:
 def segment_plan(mask: ColumnMask, granule: int = GRANULE, min_len: int = GRANULE) -> SegmentPlan:
     """The mask on segment-aligned virtual rows, each segment padded to a multiple of `granule`.
 
-    One host sync (the virtual length, which fixes the grids); `cached_segment_plan` keeps the plan
-    per mask."""
+    One host sync (the virtual length, which fixes the grids, and whether any row moved);
+    `cached_segment_plan` keeps the plan per mask."""
     s = mask.seqlen_k
     starts = segment_starts(mask, min_len)
     rows = torch.arange(s, device=mask.device)
@@ -111,7 +114,7 @@ def segment_plan(mask: ColumnMask, granule: int = GRANULE, min_len: int = GRANUL
     closing = torch.where(starts & (rows > 0), (previous_start - rows) % granule, 0)
     virtual = rows + torch.cumsum(closing, dim=-1)  # int64 [Bm, Hm, S]: each real row's virtual row
     ends = virtual[..., -1] + 1 + (start_of[..., -1] - s) % granule  # [Bm, Hm]: padded length
-    sv = int(ends.max())  # the host sync
+    sv, last_virtual_row = torch.stack([ends.max(), virtual[..., -1].max()]).tolist()  # the host sync
     bm, hm, _, width = mask.startend_row_indices.shape
 
     # Boundaries: an interval's start x maps to one past row x - 1's virtual row, its end x to row
@@ -145,7 +148,7 @@ def segment_plan(mask: ColumnMask, granule: int = GRANULE, min_len: int = GRANUL
     first_rows.scatter_(2, torch.where(first, tile_index, tiles), torch.where(first, rows, s))
     tile_rows[..., 0] = first_rows[..., :tiles]
     virtual_mask = ColumnMask._unchecked(virtual_idx.to(torch.int32), mask.causal, sv)
-    return SegmentPlan(virtual_mask, tile_rows.to(torch.int32).contiguous(), granule)
+    return SegmentPlan(virtual_mask, tile_rows.to(torch.int32).contiguous(), granule, last_virtual_row > s - 1)
 
 
 def query_tile_rows(plan: SegmentPlan, tile: int, batch: int, heads: int) -> torch.Tensor:

@@ -178,6 +178,26 @@ def test_aligned_tiles_take_fewer_and_fewer_masked_steps_on_the_benchmarks_docum
     assert _steps(plan.mask, 128, stored_rows(plan)[0, 0]) == (545, 68)  # one masked step per query tile
 
 
+def test_a_plan_moves_rows_only_where_a_segment_ends_inside_a_granule():
+    """The forward keeps the sequence's tiles where no row moves: masks without segments, and
+    documents that all end on a granule's edge (only the end is padded)."""
+    moved = [
+        segment_plan(mask).moved
+        for mask in (
+            ColumnMask.causal_document(torch.tensor([0, 200, 512], dtype=torch.int32)),
+            ColumnMask.causal_document(torch.tensor([0, 256, 500], dtype=torch.int32)),
+            ColumnMask.document(torch.tensor([0, 128, 384, 1000], dtype=torch.int32)),
+            ColumnMask.sliding_window(1000, 64),
+            masks.build("causal", 1000),
+        )
+    ]
+    assert moved == [True, False, False, False, False]
+    plan = segment_plan(ColumnMask.causal_document(torch.tensor([0, 256, 500], dtype=torch.int32)))
+    assert plan.seqlen == 512 and torch.equal(
+        plan.tile_rows[0, 0], torch.tensor([[0, 128], [128, 128], [256, 128], [384, 116]], dtype=torch.int32)
+    )
+
+
 def test_the_plan_is_kept_per_mask_and_rebuilt_after_an_in_place_change():
     mask = ColumnMask.causal_document(torch.tensor([0, 200, 512], dtype=torch.int32))
     plan = cached_segment_plan(mask)
