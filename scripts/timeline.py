@@ -6,8 +6,9 @@
 Runs the forward once at 128K tokens (B = 128K/S, H = 4096/D, bf16) in the build that stamps each
 role's events (`optimized/timeline.py`), then per work tile: the consumers' wait before it (from
 the previous tile's store to this tile's first turn, or from the kernel's start), its main loop per
-key tile, its epilogue, and how long Q took from issue to landing; per CTA the idle tail (the
-kernel's last store minus the CTA's). Writes the summary as JSON and a picture of the first CTAs'
+key tile (and, fitted over the work tiles, its cost per key tile and per work tile), its
+epilogue, and how long Q took from issue to landing; per CTA the idle tail (the kernel's last
+store minus the CTA's). Writes the summary as JSON and a picture of the first CTAs'
 tiles over time to $OUT (or runs/); prints the summary last.
 
 `--backward`: the forward as usual, then the backward's main kernel in its profiled build: per CTA
@@ -78,8 +79,11 @@ def summarize(per_cta: list[list[dict]], rows: str = "ctas") -> dict:
     FA4's (`rows` names them). The wait before a work tile runs from the row's previous stores (or
     the kernel's first stamp) to the tile's loop start; where the tiles have a `start` (FA4's CTAs:
     the consumers' start) it splits into the launch gap and the setup; where they have Q's issue
-    and landing (ours), Q's latency."""
+    and landing (ours), Q's latency. The loop's time over the work tiles' key tile counts, fitted by
+    least squares, splits into a cost per key tile and one per work tile (the pipeline's fill and
+    drain, the turns that overlap nothing)."""
     waits, per_key_tile, epilogues, q_latency, gaps, setups, tails = [], [], [], [], [], [], []
+    loops: list[tuple[int, float]] = []
     end = max(tiles[-1]["stored"] for tiles in per_cta if tiles)
     for tiles in per_cta:
         previous_store = 0.0
@@ -90,6 +94,7 @@ def summarize(per_cta: list[list[dict]], rows: str = "ctas") -> dict:
                 setups.append(tile["loop_start"] - tile["start"])
             if tile["key_tiles"] > 0:
                 per_key_tile.append((tile["loop_end"] - tile["loop_start"]) / tile["key_tiles"])
+                loops.append((tile["key_tiles"], tile["loop_end"] - tile["loop_start"]))
             epilogues.append(tile["stored"] - tile["loop_end"])
             if "q_issued" in tile:
                 q_latency.append(tile["q_landed"] - tile["q_issued"])
@@ -103,6 +108,7 @@ def summarize(per_cta: list[list[dict]], rows: str = "ctas") -> dict:
         "median_wait_before_tile_us": statistics.median(waits),
         "mean_wait_before_tile_us": statistics.fmean(waits),
         "median_loop_per_key_tile_us": statistics.median(per_key_tile) if per_key_tile else math.nan,
+        **loop_fit(loops),
         "median_epilogue_us": statistics.median(epilogues),
         "mean_idle_tail_us": statistics.fmean(tails),
         "max_idle_tail_us": max(tails),
@@ -112,6 +118,15 @@ def summarize(per_cta: list[list[dict]], rows: str = "ctas") -> dict:
     if q_latency:
         summary["median_q_issue_to_landed_us"] = statistics.median(q_latency)
     return summary
+
+
+def loop_fit(loops: list[tuple[int, float]]) -> dict:
+    """The least-squares line through (key tiles, loop us) of the work tiles: its slope (us per key
+    tile) and intercept (us per work tile); NaN where the tiles have fewer than two key tile counts."""
+    if len({key_tiles for key_tiles, _ in loops}) < 2:
+        return {"fit_loop_per_key_tile_us": math.nan, "fit_loop_per_work_tile_us": math.nan}
+    slope, intercept = statistics.linear_regression(*zip(*loops))
+    return {"fit_loop_per_key_tile_us": slope, "fit_loop_per_work_tile_us": intercept}
 
 
 def summarize_backward(stamps: torch.Tensor, sm_count: int) -> dict:

@@ -22,10 +22,20 @@ def test_work_tiles_are_read_per_cta_and_summarized():
     # waits: 1.3 (CTA 0's first tile), 1.0 (after its first store), 1.5 (CTA 1)
     assert summary["median_wait_before_tile_us"] == pytest.approx(1.3)
     assert summary["median_loop_per_key_tile_us"] == pytest.approx(2.0)  # 10/5 and 20/10 us per key tile
+    assert summary["fit_loop_per_key_tile_us"] == pytest.approx(2.0)
+    assert summary["fit_loop_per_work_tile_us"] == pytest.approx(0.0, abs=1e-9)
     assert summary["median_epilogue_us"] == pytest.approx(1.0)
     assert summary["median_q_issue_to_landed_us"] == pytest.approx(1.0)
     assert summary["max_idle_tail_us"] == pytest.approx(34.3 - 2.5)
     assert "median_launch_gap_us" not in summary  # one persistent CTA per SM: no launches between tiles
+
+
+def test_the_loop_splits_into_costs_per_key_tile_and_per_work_tile():
+    """2 us per work tile and 1.5 per key tile, read back from three work tiles' loops."""
+    fit = timeline.loop_fit([(2, 5.0), (4, 8.0), (6, 11.0)])
+    assert fit["fit_loop_per_key_tile_us"] == pytest.approx(1.5)
+    assert fit["fit_loop_per_work_tile_us"] == pytest.approx(2.0)
+    assert all(math.isnan(value) for value in timeline.loop_fit([(3, 5.0), (3, 6.0)]).values())
 
 
 def test_the_backward_profile_is_summarized_per_step():
