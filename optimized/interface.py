@@ -232,12 +232,11 @@ def forward(
             "the turn profile spills at tile_m=192 (head dim 64's tiles, causal): profile a config with tile_m=128"
         )
     if config.segment_tiles:
-        # No mask, Sq != Sk: no segments; a CUDA graph being captured: no host sync.
-        plan = None if uniform_work or sq != sk or _capturing(q) else cached_segment_plan(mask)
-        if plan is not None and plan.moved:  # else the sequence's tiles are the same tiles
-            mask, tile_rows = plan.mask, plan.tile_rows
-        else:
+        if uniform_work or sq != sk or _capturing(q):  # no segments (or no host sync): the sequence's tiles
             config = dataclasses.replace(config, segment_tiles=False)
+        else:
+            plan = cached_segment_plan(mask)
+            mask, tile_rows = plan.mask, plan.tile_rows
     row_indices = mask.startend_row_indices.contiguous()
     bounds = block_minmax(mask, config.tile_n)
     q, k, v = (x.contiguous() for x in (q, k, v))
