@@ -118,21 +118,23 @@ def _through_virtual_rows(q, k, v, mask, plan, scale):
     return out, lse
 
 
+@pytest.mark.parametrize("max_boundaries", [None, 2])
 @pytest.mark.parametrize("name", ["causal_document", "document", "share_question", "prefix_lm_document", "full"])
-def test_attention_through_the_virtual_rows_equals_attention_on_the_real_rows(name):
+def test_attention_through_the_virtual_rows_equals_attention_on_the_real_rows(name, max_boundaries):
     gen = torch.Generator().manual_seed(3)
     s, hq, hkv = 301, 4, 2
     mask = masks.build(name, s, batch=2, heads=1, num_docs=4) if name != "full" else masks.build(name, s, batch=2)
     q, k, v = (torch.randn(2, s, h, 16, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
-    plan = segment_plan(mask, 32, 32)
+    plan = segment_plan(mask, 32, 32, max_boundaries)
     out, lse = _through_virtual_rows(q, k, v, mask, plan, 0.25)
     expected_out, expected_lse = reference_attention(q, k, v, mask, 0.25)
     torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("max_boundaries", [None, 2])
 @pytest.mark.parametrize("name", ["causal_document", "share_question", "prefix_lm_document"])
-def test_gradients_through_the_virtual_rows_equal_the_real_ones(name):
+def test_gradients_through_the_virtual_rows_equal_the_real_ones(name, max_boundaries):
     """The backward's premise: on the virtual rows, with every virtual row's dO loaded as the
     kernels load it (a padding row's from another segment's row), the padding rows and keys add
     nothing to any real row's gradient (padding rows are masked for every key between segments),
@@ -142,7 +144,7 @@ def test_gradients_through_the_virtual_rows_equal_the_real_ones(name):
     mask = masks.build(name, s, batch=2, heads=1, num_docs=4)
     q, k, v = (torch.randn(2, s, h, 16, generator=gen, dtype=torch.float64).requires_grad_() for h in (hq, hkv, hkv))
     dout = torch.randn(2, s, hq, 16, generator=gen, dtype=torch.float64)
-    plan = segment_plan(mask, 32, 32)
+    plan = segment_plan(mask, 32, 32, max_boundaries)
     loss = torch.zeros((), dtype=torch.float64)
     for bi in range(2):
         rows = loaded_rows(plan)[bi, 0].clamp(max=s)
