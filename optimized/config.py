@@ -204,10 +204,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     tiles either, whose consumers it makes spill more); on the causal masks with two bounds per key
     at 128-row tiles, the partial tiles the diagonal does not cut masked by their bounds alone
     (causal_blockwise +0.7-1.7% at 8K and 32K, qk_sparse -0.2 to -0.4%; with one bound it gains
-    on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%); at
-    head dim 128 the tiles aligned to the mask's segments (`segments.py`, planned without a host
-    sync; +2.0-6.0% on the four document-like masks at 8K, 32K and the training shape with the
-    synced plan, measured on an H100)."""
+    on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%)."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
@@ -223,7 +220,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         fmax_row_max=head_dim == 128 and not causal,
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
-        segment_tiles=head_dim == 128,
+        segment_tiles=False,
     )
 
 

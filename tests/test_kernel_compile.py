@@ -271,8 +271,8 @@ def test_the_forward_draws_longest_first_when_few_per_sm(monkeypatch):
     monkeypatch.setattr(interface, "_sm_count", lambda device: 2)  # 8 work tiles: 4 per SM
     q, k, v = torch.randn(3, 1, 512, 2, 128, dtype=torch.bfloat16)
     mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
-    for waves in (4, 3, 0):  # on the sequence's tiles: 8 work tiles
-        config = dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first_waves=waves, segment_tiles=False)
+    for waves in (4, 3, 0):
+        config = dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first_waves=waves)
         interface.forward(q, k, v, mask, 0.125, config=config)
     interface.forward(q, k, v, None, 0.125)  # no mask: every work tile alike, no order
     orders = [args[5][8] for args in launched]  # (dtype, d, causal, width, config, tensors, ...)

@@ -26,11 +26,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         diagonal, off_diagonal = causal and width == 1, causal and width == 2
         assert fwd_config(64, causal, width) == dataclasses.replace(chosen, tile_m=192, late_k_release=False)
         assert fwd_config(128, causal, width) == dataclasses.replace(
-            chosen,
-            fmax_row_max=not causal,
-            diagonal_tiles=diagonal,
-            off_diagonal_tiles=off_diagonal,
-            segment_tiles=True,
+            chosen, fmax_row_max=not causal, diagonal_tiles=diagonal, off_diagonal_tiles=off_diagonal
         )
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
