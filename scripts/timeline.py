@@ -378,6 +378,7 @@ def main() -> None:
     summary = {
         "commit": git_commit(),
         "command": " ".join(["scripts/timeline.py", *sys.argv[1:]]),
+        "gpu": torch.cuda.get_device_name(),
         "mask": args.mask,
         "seqlen": args.seqlen,
         "head_dim": args.head_dim,
