@@ -232,7 +232,7 @@ def forward(
             "the turn profile spills at tile_m=192 (head dim 64's tiles, causal): profile a config with tile_m=128"
         )
     if config.segment_tiles:
-        if uniform_work or sq != sk or _capturing(q):  # no segments, or a capture: the sequence's tiles
+        if uniform_work or sq != sk or _capturing(q):  # no segments (or no host sync): the sequence's tiles
             config = dataclasses.replace(config, segment_tiles=False)
         else:
             plan = cached_segment_plan(mask)
@@ -299,9 +299,8 @@ def _work_tiles(batch: int, heads: int, seqlen_q: int, config: FwdConfig) -> int
 
 
 def _capturing(q: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream, where the kernels keep the
-    sequence's tiles: a segment plan kept from before would be replayed stale, and the plan's own
-    kernels are not yet checked under capture."""
+    """Whether a CUDA graph is being captured on the current stream: the segment plan's host sync
+    (the virtual length) cannot run there, and a plan kept from before would be replayed stale."""
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 

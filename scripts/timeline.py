@@ -231,7 +231,7 @@ def summarize_turns(profile: torch.Tensor) -> dict:
 
 
 def fa4_blocks(case: bench_peers.PeerCase) -> int:
-    """Above FA4's tiles or steps per sequence for `case`: they have 64 rows or more."""
+    """An upper bound on FA4's tiles or steps per sequence for `case`: they have 64 rows or more."""
     return -(-max(case.mask.seqlen_q, case.mask.seqlen_k) // 64)
 
 
