@@ -82,8 +82,8 @@ def summarize(per_cta: list[list[dict]], rows: str = "ctas") -> dict:
     and landing (ours), Q's latency. The loop's time over the work tiles' key tile counts, fitted by
     least squares, splits into a cost per key tile and one per work tile (the pipeline's fill and
     drain, the turns that overlap nothing)."""
-    waits, per_key_tile, epilogues, q_latency, gaps, setups, tails = [], [], [], [], [], [], []
-    loops: list[tuple[int, float]] = []
+    waits, epilogues, q_latency, gaps, setups, tails = [], [], [], [], [], []
+    loops: list[tuple[int, float]] = []  # (key tiles, loop us) of the work tiles with key tiles
     end = max(tiles[-1]["stored"] for tiles in per_cta if tiles)
     for tiles in per_cta:
         previous_store = 0.0
@@ -93,7 +93,6 @@ def summarize(per_cta: list[list[dict]], rows: str = "ctas") -> dict:
                 gaps.append(tile["start"] - previous_store)
                 setups.append(tile["loop_start"] - tile["start"])
             if tile["key_tiles"] > 0:
-                per_key_tile.append((tile["loop_end"] - tile["loop_start"]) / tile["key_tiles"])
                 loops.append((tile["key_tiles"], tile["loop_end"] - tile["loop_start"]))
             epilogues.append(tile["stored"] - tile["loop_end"])
             if "q_issued" in tile:
@@ -107,7 +106,7 @@ def summarize(per_cta: list[list[dict]], rows: str = "ctas") -> dict:
         "kernel_us": end,
         "median_wait_before_tile_us": statistics.median(waits),
         "mean_wait_before_tile_us": statistics.fmean(waits),
-        "median_loop_per_key_tile_us": statistics.median(per_key_tile) if per_key_tile else math.nan,
+        "median_loop_per_key_tile_us": fa4_timeline.median_or_nan(loop / n for n, loop in loops),
         **loop_fit(loops),
         "median_epilogue_us": statistics.median(epilogues),
         "mean_idle_tail_us": statistics.fmean(tails),
