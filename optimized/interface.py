@@ -232,10 +232,10 @@ def forward(
             "the turn profile spills at tile_m=192 (head dim 64's tiles, causal): profile a config with tile_m=128"
         )
     if config.segment_tiles:
-        if uniform_work or sq != sk or _capturing(q):  # no segments (or no host sync): the sequence's tiles
+        if uniform_work or sq != sk or _capturing(q):  # no segments, or a capture: the sequence's tiles
             config = dataclasses.replace(config, segment_tiles=False)
         else:
-            plan = cached_segment_plan(mask)
+            plan = cached_segment_plan(mask, synced=False)
             mask, tile_rows = plan.mask, plan.tile_rows
     row_indices = mask.startend_row_indices.contiguous()
     bounds = block_minmax(mask, config.tile_n)
@@ -249,7 +249,9 @@ def forward(
         q.device
     ):
         key = ("fwd", b, hq, config.tile_m, config.tile_n)
-        order = cached_longest_first(mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, config.tile_n))
+        order = cached_longest_first(
+            mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, config.tile_n, tile_rows)
+        )
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
     if turn_profile is not None:  # the kernel writes a row per CTA of its grid
         _check_turn_profile(turn_profile, min(_work_tiles(b, hq, mask.seqlen_q, config), max_ctas), q.device)
@@ -299,8 +301,9 @@ def _work_tiles(batch: int, heads: int, seqlen_q: int, config: FwdConfig) -> int
 
 
 def _capturing(q: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream: the segment plan's host sync
-    (the virtual length) cannot run there, and a plan kept from before would be replayed stale."""
+    """Whether a CUDA graph is being captured on the current stream, where the kernels keep the
+    sequence's tiles: a segment plan kept from before would be replayed stale, the backward's plan
+    syncs with the host, and the forward's plan kernels are not checked under capture."""
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -358,7 +361,7 @@ def backward(
         if uniform_work or sq != sk or not shared_layout or _capturing(q):  # the sequence's tiles
             config = dataclasses.replace(config, segment_steps=False)
         else:
-            plan = cached_segment_plan(mask)
+            plan = cached_segment_plan(mask, synced=True)
             step_rows = kept_per_mask(
                 mask, ("query_tile_rows", b, hq), lambda: query_tile_rows(plan, tile_m, b, hq), keep_unversioned=False
             )

@@ -225,6 +225,66 @@ def list_key_tiles(
 
 
 @cute.jit
+def _list_work_tile(
+    tile_list: TileList,
+    position: Int32,
+    tiles_done: Int32,
+    work: Int32,
+    work_tiles: WorkTiles,
+    mBlockBounds: cute.Tensor,
+    mTileRows: cute.Tensor | None,
+    mask_batch_stride: Int32,
+    qheads_per_maskhead: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+    width: cutlass.Constexpr[int],
+    flag_uniform: cutlass.Constexpr[bool],
+    flag_diagonal: cutlass.Constexpr[bool],
+    flag_off_diagonal: cutlass.Constexpr[bool],
+    timeline: Timeline,
+) -> tuple[Int32, Int32]:
+    """Work tile `work`'s header entry at `position`, then its key tiles (`list_work_tiles`' rules),
+    once the consumers took all but one work tile ahead; returns the position after its END_OF_LIST
+    and the work tiles listed so far."""
+    header = position
+    entry = work_tiles.header(work)
+    _put_single(tile_list, header, entry)
+    if cute.arch.lane_idx() == 0:
+        timeline.record(tiles_done, Event.WORK_TILE, work)
+        timeline.record(tiles_done, Event.LISTED)
+    m_block, head, batch = work_tiles.decode(entry)
+    row_start = m_block * tile_m
+    choices = (tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
+    if const_expr(mTileRows is None):
+        position = list_key_tiles(
+            tile_list,
+            header + 1,
+            mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
+            row_start,
+            cutlass.min(row_start + tile_m, seqlen_q),
+            seqlen_k,
+            seqlen_k - seqlen_q,
+            *choices,
+        )
+    else:  # Sq = Sk on the virtual rows
+        mask_batch, mask_head = batch * mask_batch_stride, head // qheads_per_maskhead
+        real_rows = mTileRows[mask_batch, mask_head, m_block, 1]
+        bounds = mBlockBounds[mask_batch, mask_head, None, None]
+        position = list_key_tiles(
+            tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *choices
+        )
+    if cute.arch.lane_idx() == 0:
+        timeline.record(tiles_done, Event.LIST_END)
+        timeline.record(tiles_done, Event.KEY_TILES, position - header - 2)
+    tiles_done += 1
+    tile_list.wait_taken(header, position)  # one work tile in reserve, no more
+    return position, tiles_done
+
+
+@cute.jit
 def list_work_tiles(
     tile_list: TileList,
     work_tiles: WorkTiles,
@@ -248,47 +308,20 @@ def list_work_tiles(
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
     header entry with the work tile, then its key tile list; NO_MORE_WORK after the last. With
     `mTileRows` (segment-aligned tiles, segments.py) a query tile's key tiles are classified for its
-    real rows only (the padding rows' results are not stored), and a tile with none lists none."""
+    real rows only (the padding rows' results are not stored), and a tile with none is drawn past:
+    nothing to load, compute or store."""
     position = Int32(0)
     tiles_done = Int32(0)
     work = Int32(cute.arch.block_idx()[0])
+    args = (work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k)
+    choices = (tile_m, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
     while work < work_tiles.total:
-        header = position
-        entry = work_tiles.header(work)
-        _put_single(tile_list, header, entry)
-        if cute.arch.lane_idx() == 0:
-            timeline.record(tiles_done, Event.WORK_TILE, work)
-            timeline.record(tiles_done, Event.LISTED)
-        m_block, head, batch = work_tiles.decode(entry)
-        row_start = m_block * tile_m
-        choices = (tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
         if const_expr(mTileRows is None):
-            position = list_key_tiles(
-                tile_list,
-                header + 1,
-                mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
-                row_start,
-                cutlass.min(row_start + tile_m, seqlen_q),
-                seqlen_k,
-                seqlen_k - seqlen_q,
-                *choices,
-            )
+            position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, *args, *choices, timeline)
         else:
-            mask_batch, mask_head = batch * mask_batch_stride, head // qheads_per_maskhead
-            real_rows = mTileRows[mask_batch, mask_head, m_block, 1]
-            position = header + 2
-            if real_rows > 0:  # Sq = Sk on the virtual rows
-                bounds = mBlockBounds[mask_batch, mask_head, None, None]
-                position = list_key_tiles(
-                    tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *choices
-                )
-            else:
-                _put_single(tile_list, header + 1, END_OF_LIST)
-        if cute.arch.lane_idx() == 0:
-            timeline.record(tiles_done, Event.LIST_END)
-            timeline.record(tiles_done, Event.KEY_TILES, position - header - 2)
-        tiles_done += 1
-        tile_list.wait_taken(header, position)  # one work tile in reserve, no more
+            m_block, head, batch = work_tiles.decode(work_tiles.header(work))
+            if mTileRows[batch * mask_batch_stride, head // qheads_per_maskhead, m_block, 1] > 0:
+                position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, *args, *choices, timeline)
         work = draw_work_tile(counter, num_ctas)
     _put_single(tile_list, position, NO_MORE_WORK)
 

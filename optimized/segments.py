@@ -97,13 +97,20 @@ def _seen_by(mask: ColumnMask) -> tuple[torch.Tensor, torch.Tensor]:
     return first, last
 
 
-def segment_plan(mask: ColumnMask, granule: int = GRANULE, min_len: int = GRANULE) -> SegmentPlan:
+def segment_plan(
+    mask: ColumnMask, granule: int = GRANULE, min_len: int = GRANULE, max_boundaries: int | None = None
+) -> SegmentPlan:
     """The mask on segment-aligned virtual rows, each segment padded to a multiple of `granule`.
 
-    One host sync (the virtual length, which fixes the grids); `cached_segment_plan` keeps the plan
-    per mask."""
+    Without `max_boundaries`, one host sync (the virtual length, which fixes the grids). With it,
+    none: only the first `max_boundaries` segment boundaries of each mask row are kept (its later
+    rows stay one segment), each pads fewer than `granule` rows, so the virtual length is fixed at
+    S + (granule - 1) * max_boundaries rounded up to a granule; the granules past a row's segments
+    hold no real row. `cached_segment_plan` keeps a plan per mask."""
     s = mask.seqlen_k
     starts = segment_starts(mask, min_len)
+    if max_boundaries is not None:
+        starts = starts & (torch.cumsum(starts, dim=-1) <= max_boundaries + 1)  # row 0 and the first ones
     rows = torch.arange(s, device=mask.device)
     start_of = torch.cummax(torch.where(starts, rows, 0), dim=-1).values  # each row's segment start
     # At a segment's first row, the padding that closes the segment before it.
@@ -111,7 +118,10 @@ def segment_plan(mask: ColumnMask, granule: int = GRANULE, min_len: int = GRANUL
     closing = torch.where(starts & (rows > 0), (previous_start - rows) % granule, 0)
     virtual = rows + torch.cumsum(closing, dim=-1)  # int64 [Bm, Hm, S]: each real row's virtual row
     ends = virtual[..., -1] + 1 + (start_of[..., -1] - s) % granule  # [Bm, Hm]: padded length
-    sv = int(ends.max())  # the host sync
+    if max_boundaries is None:
+        sv = int(ends.max())  # the host sync
+    else:
+        sv = -(-(s + (granule - 1) * max_boundaries) // granule) * granule
     bm, hm, _, width = mask.startend_row_indices.shape
 
     # Boundaries: an interval's start x maps to one past row x - 1's virtual row, its end x to row
@@ -176,9 +186,29 @@ def stored_rows(plan: SegmentPlan) -> torch.Tensor:
     return (offsets < count.unsqueeze(-1)).flatten(-2)
 
 
-def cached_segment_plan(mask: ColumnMask) -> SegmentPlan:
-    """`segment_plan(mask)`, kept per mask by `tile_plan.kept_per_mask`: the layers of a training
-    step share their mask, so the host sync runs once per mask, not once per layer. Not kept for an
-    inference tensor, whose in-place changes record no version (a stale plan, unlike a stale work
-    order, would give wrong numbers)."""
-    return kept_per_mask(mask, "segments", lambda: segment_plan(mask), keep_unversioned=False)
+ROWS_PER_BOUNDARY = 2048
+"""The forward's plans keep up to S / this many segment boundaries per mask row (at least
+`MIN_BOUNDARIES`): packed documents of 2K tokens or more on average are all aligned, and the
+virtual sequence, fixed without a host sync, is at most S / 16 rows longer than the real one
+from S = 16K on (1,016 rows below); its granules past the segments hold no real row, and the
+forward's mask role draws past them."""
+MIN_BOUNDARIES = 8
+
+
+def kernel_boundaries(seqlen: int) -> int:
+    """The segment boundaries per mask row the forward's plans keep at this sequence length."""
+    return max(MIN_BOUNDARIES, seqlen // ROWS_PER_BOUNDARY)
+
+
+def cached_segment_plan(mask: ColumnMask, synced: bool) -> SegmentPlan:
+    """The mask's plan, kept per mask by `tile_plan.kept_per_mask` (the layers of a training step
+    share their mask, so the plan's kernels run once per mask, not once per layer). `synced`: every
+    segment aligned and the virtual length read on the host (one sync per mask; the backward's
+    steps, which would walk the capped plan's empty granules), else the first
+    `kernel_boundaries(S)` boundaries and no sync (the forward's tiles). Not kept for an inference
+    tensor, whose in-place changes record no version (a stale plan, unlike a stale work order,
+    would give wrong numbers)."""
+    cap = None if synced else kernel_boundaries(mask.seqlen_k)
+    return kept_per_mask(
+        mask, ("segments", cap), lambda: segment_plan(mask, max_boundaries=cap), keep_unversioned=False
+    )

@@ -70,10 +70,16 @@ def dq_ranks(mask: ColumnMask, tile_m: int, tile_n: int) -> torch.Tensor:
     return (torch.cumsum(seen, dim=-1, dtype=torch.int32) - seen.int()).transpose(-1, -2).contiguous()
 
 
-def forward_tile_steps(mask: ColumnMask, batch: int, q_heads: int, tile_m: int, tile_n: int) -> torch.Tensor:
+def forward_tile_steps(
+    mask: ColumnMask, batch: int, q_heads: int, tile_m: int, tile_n: int, tile_rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """int32 [batch * q_heads * Tm]: each forward work tile's key-tile steps (its query tile's
-    non-SKIP key tiles), in work-tile order: query tile + Tm * (query head + q_heads * batch)."""
+    non-SKIP key tiles), in work-tile order: query tile + Tm * (query head + q_heads * batch).
+    `tile_rows`: a segment plan's (segments.py; granules of `tile_m` rows), whose granules with no
+    real row take no step (the mask role draws past them)."""
     steps = (~mask.block_skip(tile_m, tile_n)).sum(dim=3, dtype=torch.int32)  # [Bm, Hm, Tm]
+    if tile_rows is not None:
+        steps = torch.where(tile_rows[..., 1] > 0, steps, 0)
     return steps.expand(batch, -1, -1).repeat_interleave(q_heads // mask.heads, dim=1).flatten()
 
 

@@ -328,11 +328,15 @@ def test_fmax_row_max_gives_the_default_forwards_numbers(name):
         ("prefix_lm_document", None),
         ("causal_document", 40),  # documents of ~38 tokens: most boundaries merged, a few kept
         ("random_eviction", None),  # per-head masks, one segment each
+        ("causal_blockwise", None),  # no segments: the sequence's tiles, then granules with no real row
+        ("qk_sparse", None),
+        ("sliding_window", None),
     ],
 )
 def test_segment_tiles_match_the_reference(name, num_docs, head_dim, head_dim_v):
     """`segment_tiles`: the forward on segment-aligned virtual rows (per-batch masks with their own
-    segments, so some query tiles hold no real row; a segment's last tile stored row by row) into
+    segments; the plan's fixed length leaves granules with no real row, which the mask role draws
+    past; a segment's last tile stored row by row) into
     NaN-poisoned outputs: within twice the bf16 reference's own error of the fp64 one, every real
     row's LSE, GQA 4 on 2, a ragged length."""
     from flashmask3.optimized import fwd_config

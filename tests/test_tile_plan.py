@@ -5,6 +5,7 @@ launch order (CPU check)."""
 import pytest
 import torch
 from flashmask3.optimized import tile_plan
+from flashmask3.optimized.segments import segment_plan
 from flashmask3.optimized.tile_plan import (
     backward_cta_steps,
     block_minmax,
@@ -105,6 +106,19 @@ def test_longest_first_orders_the_forward_work_tiles_by_their_steps(name, mask_b
     assert order.dtype == torch.int32
     assert order.tolist() == sorted(range(len(steps)), key=lambda tile: (-steps[tile], tile))
     assert len(set(steps)) > 2
+
+
+def test_the_granules_of_a_segment_plan_with_no_real_row_take_no_forward_step():
+    """A capped plan's granules past the segments hold no real row: the mask role draws past them,
+    so the longest-first order counts no step for them (and draws them last)."""
+    mask = masks.build("causal_blockwise", 1000)  # no segments: rows past the last see keys
+    plan = segment_plan(mask, max_boundaries=2)
+    assert plan.seqlen == 1280 and plan.tile_rows[0, 0, :, 1].tolist() == [128] * 7 + [104, 0, 0]
+    plain = forward_tile_steps(plan.mask, 1, 2, 128, 128)
+    steps = forward_tile_steps(plan.mask, 1, 2, 128, 128, plan.tile_rows)
+    real = (plan.tile_rows[0, 0, :, 1] > 0).repeat(2)
+    assert torch.equal(steps[real], plain[real]) and not steps[~real].any() and plain[~real].all()
+    assert sorted(longest_first(steps)[-4:].tolist()) == [8, 9, 18, 19]
 
 
 @pytest.mark.parametrize("buckets", [1, 3, 8])
