@@ -181,9 +181,13 @@ first; at 31 per SM longest first still wins on documents (+4-6%). Head dim 256 
 (its work tiles read 2x head dim 128's K/V; not yet measured there)."""
 LONGEST_CTAS_FIRST_WAVES = 16
 """The backward's CTAs go longest first in grids of at most this many waves."""
-LONGEST_CTAS_FIRST_BUCKETS = 16
-"""The backward's longest-first order sorts by this many length classes (+0.4-6.5% fwd+bwd at the
-training shape over the exact sort, best of 4, 8 and 16 on six masks)."""
+LONGEST_CTAS_FIRST_BUCKETS = 8
+"""The backward's longest-first order sorts by this many length classes. Fewer, wider classes keep
+more of a KV head's CTAs running together (their Q, dO and dQ accumulator shared in L2), which
+weighs more where DRAM is slower: at the training shape on an H100, against 16 classes, fwd+bwd
++10% on causal documents, +6% share-question, +1.4-3% on document, prefix-LM documents and
+causal blockwise, -1.5% on the sliding window (4 classes: +15% and +14% on those two, -3% on the
+sliding window); on an H200, 16 classes were within 1-2% of 8 on six masks."""
 
 
 def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:

@@ -291,7 +291,7 @@ def test_the_host_only_choices_compile_no_new_kernel():
     fwd, bwd = fwd_config(128, True, 1), bwd_config(128, True, 1)
     assert _device_part(fwd) == _device_part(dataclasses.replace(fwd, longest_tiles_first_waves=1))
     assert _device_part(bwd) == _device_part(dataclasses.replace(bwd, longest_ctas_first_waves=1))
-    assert _device_part(bwd) == _device_part(dataclasses.replace(bwd, longest_ctas_first_buckets=8))
+    assert _device_part(bwd) == _device_part(dataclasses.replace(bwd, longest_ctas_first_buckets=16))
     assert _device_part(fwd) != _device_part(dataclasses.replace(fwd, late_k_release=False))
 
 

@@ -74,7 +74,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             do_stages=0,
             lse_ahead=False,
             longest_ctas_first_waves=16,
-            longest_ctas_first_buckets=16,
+            longest_ctas_first_buckets=8,
             diagonal_steps=False,
             segment_steps=False,
         )
