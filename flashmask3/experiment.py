@@ -135,7 +135,9 @@ def _cute_calls(cfg: DictConfig, q, k, v, dout, mask) -> tuple[Callable, Callabl
 
     changes = OmegaConf.to_container(cfg.kernel.changes)
     variant = interface.mask_variant(mask)
-    fwd_cfg = apply_overrides(fwd_config(cfg.head_dim, *variant), changes)
+    fwd_cfg = apply_overrides(
+        fwd_config(cfg.head_dim, *variant, segmented=mask is not None and mask.segmented), changes
+    )
     bwd_cfg = apply_overrides(bwd_config(cfg.head_dim, *variant), changes)
     scale = cfg.head_dim**-0.5
     deterministic = bool(cfg.bench.deterministic)

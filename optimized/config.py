@@ -190,8 +190,9 @@ causal blockwise, -1.5% on the sliding window (4 classes: +15% and +14% on those
 sliding window); on an H200, 16 classes were within 1-2% of 8 on six masks."""
 
 
-def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
-    """The forward's configuration for this head dim and mask variant. 192-row query tiles at head
+def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = False) -> FwdConfig:
+    """The forward's configuration for this head dim and mask variant (`segmented`: the mask's
+    `ColumnMask.segmented` hint). 192-row query tiles at head
     dim 64 (FA3/FA4's SM90 shape: 1.5x the rows per K/V load; +8-12% on four of five masks at 8K,
     -7.5% on the sliding window), 128 at 128; two K/V stages (a third measured no faster); the
     persistent grid (up to +21% over one CTA per work tile on the short-list masks, even on the
@@ -208,7 +209,10 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
     tiles either, whose consumers it makes spill more); on the causal masks with two bounds per key
     at 128-row tiles, the partial tiles the diagonal does not cut masked by their bounds alone
     (causal_blockwise +0.7-1.7% at 8K and 32K, qk_sparse -0.2 to -0.4%; with one bound it gains
-    on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%)."""
+    on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%); at
+    head dim 128 on segmented masks, the tiles aligned to the segments (`segments.py`, planned
+    without a host sync; on an H100 +1.5-8.0% on the four document masks at 8K and 32K, but -1 to
+    -3.4% on masks without segments, hence only on the hint)."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
@@ -224,7 +228,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int) -> FwdConfig:
         fmax_row_max=head_dim == 128 and not causal,
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
-        segment_tiles=False,
+        segment_tiles=head_dim == 128 and segmented,
     )
 
 

@@ -223,7 +223,7 @@ def forward(
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
-    config = config or fwd_config(d, mask.causal, width)
+    config = config or fwd_config(d, mask.causal, width, mask.segmented)
     tile_rows = None
     if config.segment_tiles and timeline is not None:  # its buffer is sized for the sequence's tiles
         raise ValueError("a timeline build runs on the sequence's tiles: pass a config with segment_tiles=False")
@@ -440,13 +440,15 @@ def compile_check(
     timeline: bool = False,
     head_dim_v: int | None = None,
     turn_profile: bool = False,
+    segmented: bool = False,
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
     without a GPU (fake tensors), launched as `_launch` does (TVM-FFI); return the seconds taken.
     Set CUTE_DSL_ARCH=sm_90a first when no GPU is present. `head_dim_v`: V's and O's head dim
     when not `head_dim`. `config`: the forward's (backward's)
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
-    backward's profiled build; `turn_profile`: the forward's turn-profiled build."""
+    backward's profiled build; `turn_profile`: the forward's turn-profiled build; `segmented`: the
+    forward chosen for a segmented mask (`ColumnMask.segmented`)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -489,7 +491,7 @@ def compile_check(
             fake(cutlass.Int64, (cute.sym_int32(), len(BwdEvent))) if timeline else None,
         ]
     else:
-        config = config or fwd_config(head_dim, causal, width)
+        config = config or fwd_config(head_dim, causal, width, segmented)
         tensors = [
             q_like,
             kv_like,

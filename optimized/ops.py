@@ -2,10 +2,11 @@
 
 `flashmask3::cute_forward` runs `interface.forward` and `flashmask3::cute_backward` runs
 `interface.backward`; `register_autograd` joins them. Custom ops take tensors and scalars, not
-Python objects, so the mask travels as its `startend_row_indices` (None: no mask) and its `causal`
-flag and is rebuilt inside each op (seqlen_q from q). The fake implementations give the outputs'
-shapes and dtypes without a kernel: Dynamo traces through `attention(..., backend="cute")` with no
-graph break, and AOTAutograd sees the backward as one op.
+Python objects, so the mask travels as its `startend_row_indices` (None: no mask), its `causal`
+flag (and, to the forward, its `segmented` hint) and is rebuilt inside each op (seqlen_q from
+q). The fake implementations give the outputs' shapes and dtypes without a kernel: Dynamo traces
+through `attention(..., backend="cute")` with no graph break, and AOTAutograd sees the backward
+as one op.
 
 The kernels are registered for CUDA only; a CPU implementation can be added with
 `cute_forward.register_kernel("cpu", fn)` (the tests do, with the reference backend).
@@ -38,13 +39,13 @@ def attention(
     value 0, and adds d(sinks).
     """
     row_indices = None if mask is None else mask.startend_row_indices
-    causal = False if mask is None else mask.causal
-    return cute_forward(q, k, v, row_indices, causal, softmax_scale, deterministic, sinks)
+    causal, segmented = (False, False) if mask is None else (mask.causal, mask.segmented)
+    return cute_forward(q, k, v, row_indices, causal, segmented, softmax_scale, deterministic, sinks)
 
 
-def _mask(row_indices: torch.Tensor | None, causal: bool, seqlen_q: int) -> ColumnMask | None:
+def _mask(row_indices: torch.Tensor | None, causal: bool, seqlen_q: int, segmented: bool = False) -> ColumnMask | None:
     # The boundaries were checked when the caller's ColumnMask was built.
-    return None if row_indices is None else ColumnMask._unchecked(row_indices, causal, seqlen_q)
+    return None if row_indices is None else ColumnMask._unchecked(row_indices, causal, seqlen_q, segmented)
 
 
 @torch.library.custom_op("flashmask3::cute_forward", mutates_args=(), device_types="cuda")
@@ -54,18 +55,19 @@ def cute_forward(
     v: torch.Tensor,
     row_indices: torch.Tensor | None,
     causal: bool,
+    segmented: bool,
     softmax_scale: float,
     deterministic: bool,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Hopper forward kernel: (out, lse), with `sinks` joined. `deterministic` is an input only
     for the backward."""
-    out, lse = interface.forward(q, k, v, _mask(row_indices, causal, q.shape[1]), softmax_scale)
+    out, lse = interface.forward(q, k, v, _mask(row_indices, causal, q.shape[1], segmented), softmax_scale)
     return (out, lse) if sinks is None else join_sinks(out, lse, sinks)
 
 
 @cute_forward.register_fake
-def _forward_fake(q, k, v, row_indices, causal, softmax_scale, deterministic, sinks=None):
+def _forward_fake(q, k, v, row_indices, causal, segmented, softmax_scale, deterministic, sinks=None):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -94,7 +96,7 @@ def _backward_fake(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, row_indices, causal, softmax_scale, deterministic, sinks = inputs
+    q, k, v, row_indices, causal, _, softmax_scale, deterministic, sinks = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, row_indices, sinks)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
@@ -105,9 +107,9 @@ def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, row_indices, sinks = ctx.saved_tensors
     dq, dk, dv = cute_backward(dout, q, k, v, out, lse, row_indices, ctx.causal, ctx.softmax_scale, ctx.deterministic)
     dsinks = None
-    if sinks is not None and ctx.needs_input_grad[7]:
+    if sinks is not None and ctx.needs_input_grad[8]:
         dsinks = sinks_backward(dout, out, lse, sinks, torch.float32).to(sinks.dtype)
-    return dq, dk, dv, None, None, None, None, dsinks
+    return dq, dk, dv, None, None, None, None, None, dsinks
 
 
 cute_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -32,7 +32,9 @@ class MaskConstructors:
     if TYPE_CHECKING:
 
         @classmethod
-        def _unchecked(cls, startend_row_indices: torch.Tensor, causal: bool, seqlen_q: int) -> ColumnMask: ...
+        def _unchecked(
+            cls, startend_row_indices: torch.Tensor, causal: bool, seqlen_q: int, segmented: bool = False
+        ) -> ColumnMask: ...
 
     @classmethod
     def causal_document(
@@ -51,7 +53,7 @@ class MaskConstructors:
         the same documents.
         """
         _, end = _documents(cu_seqlens, document_ids, position_ids, seqlen)
-        return cls._from_vectors([end], causal=True)
+        return cls._from_vectors([end], causal=True, segmented=True)
 
     @classmethod
     def document(
@@ -68,7 +70,7 @@ class MaskConstructors:
         documents.
         """
         start, end = _documents(cu_seqlens, document_ids, position_ids, seqlen)
-        return cls._from_vectors([end, start], causal=False)
+        return cls._from_vectors([end, start], causal=False, segmented=True)
 
     @classmethod
     def prefix_lm_document(
@@ -93,7 +95,7 @@ class MaskConstructors:
         prefix_end = torch.minimum(seg.start + prefix.gather(-1, seg.segment), seg.end)
         j = torch.arange(seg.start.shape[-1], device=seg.start.device)
         # Prefix keys are seen from the document's first row, the others from their own row.
-        return cls._from_vectors([seg.end, torch.where(j < prefix_end, seg.start, j)], causal=False)
+        return cls._from_vectors([seg.end, torch.where(j < prefix_end, seg.start, j)], causal=False, segmented=True)
 
     @classmethod
     def share_question(
@@ -121,7 +123,7 @@ class MaskConstructors:
         marks = marks.scatter(-1, starts, True)[..., :s]
         next_question = _next_start(marks)
         in_question = questions.gather(-1, seg.segment)
-        return cls._from_vectors([torch.where(in_question, next_question, seg.end)], causal=True)
+        return cls._from_vectors([torch.where(in_question, next_question, seg.end)], causal=True, segmented=True)
 
     @classmethod
     def sliding_window(
@@ -190,14 +192,18 @@ class MaskConstructors:
         vectors = [end if left < 0 else torch.minimum(end, diagonal + left + 1)]
         if not causal:
             vectors.append(start if right < 0 else torch.maximum(start, diagonal - right))
-        return cls._from_vectors([v.clamp(0, seqlen_q) for v in vectors], causal, seqlen_q)
+        segmented = cu_seqlens is not None
+        return cls._from_vectors([v.clamp(0, seqlen_q) for v in vectors], causal, seqlen_q, segmented)
 
     @classmethod
-    def _from_vectors(cls, vectors: list[torch.Tensor], causal: bool, seqlen_q: int | None = None) -> ColumnMask:
-        """The mask of boundary vectors [Sk] or [B, Sk] (valid by construction); Sq = Sk by default."""
+    def _from_vectors(
+        cls, vectors: list[torch.Tensor], causal: bool, seqlen_q: int | None = None, segmented: bool = False
+    ) -> ColumnMask:
+        """The mask of boundary vectors [Sk] or [B, Sk] (valid by construction); Sq = Sk by default.
+        `segmented`: the constructor's documents are independent segments (`ColumnMask.segmented`)."""
         idx = torch.stack(vectors, dim=-1).to(torch.int32)
         idx = idx.reshape(idx.shape[:-2].numel(), 1, *idx.shape[-2:])  # not view(-1, ...): Sk may be 0
-        return cls._unchecked(idx, causal, idx.shape[-2] if seqlen_q is None else seqlen_q)
+        return cls._unchecked(idx, causal, idx.shape[-2] if seqlen_q is None else seqlen_q, segmented)
 
 
 def _documents(

@@ -53,6 +53,10 @@ class ColumnMask(MaskConstructors):
         startend_row_indices: int32 [B, H or 1, Sk, 1|2|4] row boundaries, values in [0, seqlen_q].
         causal: causal variant (keys after the query are masked too).
         seqlen_q: number of query rows the boundaries index.
+        segmented: the rows split into independent segments (packed documents: no row sees a key
+            of another segment), as the constructors from packing metadata and `masks.build`'s
+            document masks say. A hint, never read from the boundaries: where it is set, the cute
+            forward aligns its tiles to the segments (exact for any mask; faster where it holds).
 
     The constructor checks the boundaries, which reads them on the host (a sync on a GPU). The
     constructors from packing metadata (`ColumnMask.causal_document`, `.document`,
@@ -63,6 +67,7 @@ class ColumnMask(MaskConstructors):
     startend_row_indices: torch.Tensor
     causal: bool
     seqlen_q: int
+    segmented: bool = False
 
     def __post_init__(self) -> None:
         idx = self.startend_row_indices
@@ -79,6 +84,8 @@ class ColumnMask(MaskConstructors):
             raise ValueError(
                 f"startend_row_indices last dim must be one of {allowed} when causal={self.causal}, got {idx.shape[-1]}"
             )
+        if not isinstance(self.segmented, bool):
+            raise TypeError(f"segmented must be a bool, got {type(self.segmented).__name__}")
         if not isinstance(self.seqlen_q, int) or self.seqlen_q < 1:
             raise ValueError(f"seqlen_q must be a positive int, got {self.seqlen_q!r}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) > self.seqlen_q):
@@ -97,12 +104,15 @@ class ColumnMask(MaskConstructors):
                 )
 
     @classmethod
-    def _unchecked(cls, startend_row_indices: torch.Tensor, causal: bool, seqlen_q: int) -> ColumnMask:
+    def _unchecked(
+        cls, startend_row_indices: torch.Tensor, causal: bool, seqlen_q: int, segmented: bool = False
+    ) -> ColumnMask:
         """A mask from boundaries this package computed: no validation, so no device sync."""
         mask = object.__new__(cls)
         object.__setattr__(mask, "startend_row_indices", startend_row_indices)
         object.__setattr__(mask, "causal", causal)
         object.__setattr__(mask, "seqlen_q", seqlen_q)
+        object.__setattr__(mask, "segmented", segmented)
         return mask
 
     def __eq__(self, other: object) -> bool:
@@ -139,7 +149,7 @@ class ColumnMask(MaskConstructors):
         return self.startend_row_indices.device
 
     def to(self, device: torch.device | str) -> ColumnMask:
-        return ColumnMask._unchecked(self.startend_row_indices.to(device), self.causal, self.seqlen_q)
+        return ColumnMask._unchecked(self.startend_row_indices.to(device), self.causal, self.seqlen_q, self.segmented)
 
     def check_compatible(self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int) -> None:
         """Raise a ValueError naming the mismatch if this mask cannot apply to q/k of these sizes."""

@@ -181,6 +181,7 @@ _BUILDERS: dict[str, Callable] = {
     "random_eviction": _random_eviction,
 }
 _PER_HEAD = {"random_eviction"}
+_SEGMENTED = {"causal_document", "document", "share_question", "prefix_lm_document"}  # independent documents
 
 
 def _accepted_params(name: str, seqlen: int) -> dict[str, tuple[int, int | None]]:
@@ -262,4 +263,4 @@ def build(
             per_head.append(np.stack([np.clip(v, 0, seqlen) for v in vecs], axis=-1))
         rows.append(np.stack(per_head))
     idx = torch.from_numpy(np.stack(rows).astype(np.int32)).to(device)
-    return ColumnMask(idx, causal, seqlen)
+    return ColumnMask(idx, causal, seqlen, segmented=name in _SEGMENTED)

@@ -279,7 +279,7 @@ def variant_configs(mask: ColumnMask, head_dim: int, overrides: dict) -> tuple[F
     """The configurations chosen for this head dim and mask, with a variant's changes applied."""
     variant = mask_variant(mask)
     return (
-        apply_overrides(fwd_config(head_dim, *variant), overrides),
+        apply_overrides(fwd_config(head_dim, *variant, segmented=mask.segmented), overrides),
         apply_overrides(bwd_config(head_dim, *variant), overrides),
     )
 

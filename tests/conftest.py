@@ -45,7 +45,7 @@ def plain_causal_mask(batch, seqlen_q, seqlen_k, width, device) -> ColumnMask:
 
 
 # -- the cute custom ops on the CPU ----------------------------------------------------------------
-def _reference_forward(q, k, v, row_indices, causal, softmax_scale, deterministic, sinks=None):
+def _reference_forward(q, k, v, row_indices, causal, segmented, softmax_scale, deterministic, sinks=None):
     mask = None if row_indices is None else ColumnMask._unchecked(row_indices, causal, q.shape[1])
     out, lse = reference.forward(q, k, v, mask, softmax_scale, torch.float64)
     out, lse = out.to(q.dtype).contiguous(), lse.float().contiguous()

@@ -301,3 +301,24 @@ def test_random_layouts_match_the_dense_definitions(seqlen, batch, seed):
         lambda b, i, j: (j <= i) & (qdoc[b, i] == qdoc[b, j]) & ((seg[b, i] == seg[b, j]) | question[b, j]), rows
     )
     assert torch.equal(ColumnMask.share_question(cu, is_question).to_dense(), expected)
+
+
+def test_the_constructors_from_packing_metadata_say_their_masks_are_segmented():
+    """`segmented`: a hint the document constructors and `masks.build`'s document masks set (the
+    cute forward then aligns its tiles to the segments); kept by `to`, not part of equality."""
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    made = [
+        ColumnMask.causal_document(cu),
+        ColumnMask.document(cu),
+        ColumnMask.prefix_lm_document(cu, [1, 2]),
+        ColumnMask.share_question(cu, [True, False]),
+    ]
+    assert all(mask.segmented and mask.to("cpu").segmented for mask in made)
+    assert not ColumnMask.sliding_window(8, 3).segmented
+    for name in masks.MASK_NAMES:
+        expected = name in ("causal_document", "document", "share_question", "prefix_lm_document")
+        assert masks.build(name, 64).segmented == expected, name
+    plain = ColumnMask(made[0].startend_row_indices, True, 8)
+    assert not plain.segmented and plain == made[0]
+    with pytest.raises(TypeError, match="segmented must be a bool, got int"):
+        ColumnMask(made[0].startend_row_indices, True, 8, segmented=1)

@@ -39,7 +39,7 @@ def test_fake_implementations_give_the_kernels_shapes_and_dtypes():
         q = torch.empty(2, 300, 8, 128, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16, device="cuda")
         rows = torch.empty(2, 1, 200, 2, dtype=torch.int32, device="cuda")
-        out, lse = ops.cute_forward(q, k, k, rows, False, 0.1, False)
+        out, lse = ops.cute_forward(q, k, k, rows, False, True, 0.1, False)
         dq, dk, dv = ops.cute_backward(out, q, k, k, out, lse, None, False, 0.1, True)
     assert (out.shape, out.dtype, out.device.type) == ((2, 300, 8, 128), torch.bfloat16, "cuda")
     assert (lse.shape, lse.dtype) == ((2, 8, 300), torch.float32)
@@ -52,8 +52,9 @@ def test_opcheck_of_the_forward_and_backward_ops(cute_on_cpu, mask_name):
     q, k, v = random_qkv(2, 70, 4, 2, 16, seed=1, requires_grad=True)
     mask = masks_or_none(mask_name, 70)
     rows, causal = (None, False) if mask is None else (mask.startend_row_indices, mask.causal)
-    torch.library.opcheck(ops.cute_forward, (q, k, v, rows, causal, 0.25, False))
-    out, lse = ops.cute_forward(q, k, v, rows, causal, 0.25, False)
+    segmented = mask is not None and mask.segmented
+    torch.library.opcheck(ops.cute_forward, (q, k, v, rows, causal, segmented, 0.25, False))
+    out, lse = ops.cute_forward(q, k, v, rows, causal, segmented, 0.25, False)
     args = (torch.randn_like(out), *(x.detach() for x in (q, k, v, out)), lse, rows, causal, 0.25, False)
     torch.library.opcheck(ops.cute_backward, args)
 

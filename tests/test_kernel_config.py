@@ -31,6 +31,14 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
 
+def test_segmented_masks_take_segment_tiles_at_head_dim_128_only():
+    for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
+        plain = fwd_config(128, causal, width)
+        assert fwd_config(128, causal, width, segmented=True) == dataclasses.replace(plain, segment_tiles=True)
+        for head_dim in (64, 192, 256):
+            assert fwd_config(head_dim, causal, width, segmented=True) == fwd_config(head_dim, causal, width)
+
+
 def test_head_dim_192_takes_one_q_buffer_and_longest_first_only_on_short_lists():
     """MLA's q/k 192: two Q buffers do not fit beside two K/V stages; its larger K/V tiles make the
     index order's L2 reuse win from fewer work tiles per SM than at 128."""

@@ -425,5 +425,5 @@ def test_the_cute_forward_ops_shapes_follow_vs_head_dim_under_fake_tensors():
         q = torch.empty(1, 100, 4, 192, device="cuda", dtype=torch.bfloat16)
         k = torch.empty(1, 100, 2, 192, device="cuda", dtype=torch.bfloat16)
         v = torch.empty(1, 100, 2, 128, device="cuda", dtype=torch.bfloat16)
-        out, lse = torch.ops.flashmask3.cute_forward(q, k, v, None, True, 0.1, False)
+        out, lse = torch.ops.flashmask3.cute_forward(q, k, v, None, True, False, 0.1, False)
     assert tuple(out.shape) == (1, 100, 4, 128) and tuple(lse.shape) == (1, 4, 100)

@@ -96,7 +96,7 @@ def as_attention_mask(mask: ColumnMask) -> ColumnMask:
     """
     if not isinstance(mask, ColumnMask):
         raise TypeError(f"mask must be a ColumnMask, got {type(mask).__name__}")
-    return _ModelMask._unchecked(mask.startend_row_indices, mask.causal, mask.seqlen_q)
+    return _ModelMask._unchecked(mask.startend_row_indices, mask.causal, mask.seqlen_q, mask.segmented)
 
 
 @dataclass(frozen=True)
