@@ -248,10 +248,12 @@ def test_a_steady_state_training_call_never_waits_on_the_gpu(name):
 def test_a_training_step_replays_from_a_cuda_graph():
     """fwd + bwd through the public entry, the mask's preprocessing included, captured in a CUDA
     graph after a warm-up on a side stream: replayed on new inputs copied into the captured ones, it
-    gives eager's out and gradients on them."""
+    gives eager's out and gradients on them. Without the segmented hint: under capture the forward
+    takes the sequence's tiles, which eager would leave for segment tiles on a segmented mask."""
     import flashmask3 as fm
 
-    mask = masks.build("causal_document", 2048, batch=1, heads=4, seed=4, device="cuda")
+    built = masks.build("causal_document", 2048, batch=1, heads=4, seed=4, device="cuda")
+    mask = fm.ColumnMask(built.startend_row_indices, built.causal, built.seqlen_q)
     q, k, v, dout = random_inputs(1, 2048, 2048, 4, 2, 128, torch.bfloat16, "cuda", seed=4)
     leaves = [x.requires_grad_() for x in (q, k, v)]
 
