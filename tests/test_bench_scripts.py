@@ -42,9 +42,11 @@ def test_ablation_variants_join_config_changes_with_plus():
 
 
 class FakeMask:
-    """What the ablation loop reads of a mask: its density and its variant (causal, width 1)."""
+    """What the ablation loop reads of a mask: its density and its variant (causal, width 1, not
+    segmented)."""
 
     causal = True
+    segmented = False
 
     def __init__(self, density: float):
         import torch
