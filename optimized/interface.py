@@ -212,7 +212,8 @@ def forward(
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
     `timeline`: an int64 [CTAs, work tiles, len(timeline.Event)] buffer runs a build of the kernel
     that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`.
-    `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask).
+    `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask;
+    with `timeline` or `turn_profile`, on the sequence's tiles whatever the mask's segmented hint).
     `turn_profile`: an int64 [CTAs, len(timeline.TurnEvent)] buffer runs a build that sums the SM
     cycles of each segment of the key-tile loop's turns into it (consumer thread 0); CTAs: the
     grid, `forward_ctas(...)` (with segment tiles the virtual rows' grid, which a mismatch names).
@@ -223,7 +224,9 @@ def forward(
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
-    config = config or fwd_config(d, mask.causal, width, mask.segmented)
+    # The timeline and turn-profiled builds run on the sequence's tiles: their buffers are sized for them.
+    profiled = timeline is not None or turn_profile is not None
+    config = config or fwd_config(d, mask.causal, width, mask.segmented and not profiled)
     tile_rows = None
     if config.segment_tiles and timeline is not None:  # its buffer is sized for the sequence's tiles
         raise ValueError("a timeline build runs on the sequence's tiles: pass a config with segment_tiles=False")

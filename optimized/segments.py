@@ -189,9 +189,10 @@ def stored_rows(plan: SegmentPlan) -> torch.Tensor:
 ROWS_PER_BOUNDARY = 2048
 """The forward's plans keep up to S / this many segment boundaries per mask row (at least
 `MIN_BOUNDARIES`): packed documents of 2K tokens or more on average are all aligned, and the
-virtual sequence, fixed without a host sync, is at most S / 16 rows longer than the real one
-from S = 16K on (1,016 rows below); its granules past the segments hold no real row, and the
-forward's mask role draws past them."""
+virtual sequence, fixed without a host sync, is S / 16 rows longer than the real one from S =
+16K on for S a multiple of 2,048 (1,024 rows below, up to 1,143 for lengths not a multiple of
+128); its granules past the segments hold no real row, and the forward's mask role draws past
+them."""
 MIN_BOUNDARIES = 8
 
 

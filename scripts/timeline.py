@@ -4,7 +4,9 @@
     python scripts/timeline.py --backward --mask full --seqlen 8192 [--kernel q_stages=2] [--peer fa4]
 
 Runs the forward once at 128K tokens (B = 128K/S, H = 4096/D, bf16) in the build that stamps each
-role's events (`optimized/timeline.py`), then per work tile: the consumers' wait before it (from
+role's events (`optimized/timeline.py`), on the sequence's tiles (the document masks' default
+forward at head dim 128 takes segment-aligned tiles, which the stamped build does not), then per
+work tile: the consumers' wait before it (from
 the previous tile's store to this tile's first turn, or from the kernel's start), its main loop per
 key tile (and, fitted over the work tiles, its cost per key tile and per work tile), its
 epilogue, and how long Q took from issue to landing; per CTA the idle tail (the kernel's last

@@ -68,7 +68,7 @@ def packed_batch(gen: torch.Generator, batch: int, seqlen: int, vocab: int, devi
             tokens[b, pos : pos + length] = pattern.repeat(length // 4 + 1)[:length]
             ends[b, pos : pos + length] = pos + length
             pos += length
-    mask = ColumnMask(ends.view(batch, 1, seqlen, 1).contiguous(), True, seqlen)
+    mask = ColumnMask(ends.view(batch, 1, seqlen, 1).contiguous(), True, seqlen, segmented=True)
     return tokens.to(device), mask.to(device)
 
 
@@ -93,7 +93,7 @@ def train(backend: str, steps: int, seed: int, device: str, dtype: torch.dtype, 
 def _drop_last_row(mask: ColumnMask) -> ColumnMask:
     """The mask of the first S-1 tokens (inputs of next-token prediction)."""
     idx = mask.startend_row_indices[:, :, :-1].clamp(max=mask.seqlen_q - 1)
-    return ColumnMask(idx.contiguous(), mask.causal, mask.seqlen_q - 1)
+    return ColumnMask(idx.contiguous(), mask.causal, mask.seqlen_q - 1, mask.segmented)
 
 
 def main(argv: list[str] | None = None) -> dict:

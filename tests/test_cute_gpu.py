@@ -492,7 +492,7 @@ def test_persistent_forward_is_bitwise_the_one_cta_per_tile_forward(monkeypatch,
         q, k, v, _ = random_inputs(batch, sq, sk, 8, 2, head_dim, dtype, "cuda", seed=sq + len(name))
         scale = 1 / math.sqrt(head_dim)
         one_cta_per_tile = dataclasses.replace(
-            fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]), persistent=False
+            fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1], mask.segmented), persistent=False
         )
         expected_out, expected_lse = forward(q, k, v, mask, scale, config=one_cta_per_tile)
         report = compare("cute", q, k, v, mask)  # the chosen, persistent configuration

@@ -59,6 +59,31 @@ def test_opcheck_of_the_forward_and_backward_ops(cute_on_cpu, mask_name):
     torch.library.opcheck(ops.cute_backward, args)
 
 
+def test_the_segmented_hint_reaches_the_forward_op(cute_on_cpu):
+    """The document constructors' hint travels to the forward op (where the kernel picks its tiles
+    by it): through `attention`, HF's `as_attention_mask` and `varlen_attention`; a mask from raw
+    boundaries and a causal window do not carry it."""
+    from conftest import _reference_forward
+
+    from flashmask3.integrations import hf
+
+    seen = []
+
+    def recording(q, k, v, row_indices, causal, segmented, *rest):
+        seen.append(segmented)
+        return _reference_forward(q, k, v, row_indices, causal, segmented, *rest)
+
+    ops.cute_forward.register_kernel("cpu", recording)
+    q, k, v = (x.float() for x in random_qkv(1, 12, 2, 2, 16, seed=2))
+    documents = ColumnMask.causal_document(torch.tensor([0, 5, 12]))
+    raw = ColumnMask(documents.startend_row_indices, True, 12)
+    for mask in (documents, raw, hf.as_attention_mask(documents), fm.masks.build("causal", 12)):
+        fm.attention(q, k, v, mask, backend="cute")
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    fm.varlen_attention(q[0], k[0], v[0], cu, cu, 7, 7, causal=True, backend="cute")
+    assert seen == [True, False, True, False, True]
+
+
 def masks_or_none(name, seqlen):
     return None if name is None else fm.masks.build(name, seqlen, batch=2, seed=3)
 

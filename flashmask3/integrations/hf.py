@@ -318,9 +318,10 @@ def _build(
     lo, hi = torch.broadcast_tensors(lo.clamp(0, sq), hi.clamp(0, sq))
     # The causal variant when its implicit diagonal (rows i >= j - (Sk - Sq)) is exactly lo.
     shift = spec.kv_offset - spec.q_offset
+    segmented = documents is not None  # packed documents: no row sees another document's keys
     if right == 0 and isinstance(shift, int) and shift == sq - sk:
-        return ColumnMask._from_vectors([hi], causal=True, seqlen_q=sq)
-    return ColumnMask._from_vectors([hi, lo], causal=False, seqlen_q=sq)
+        return ColumnMask._from_vectors([hi], causal=True, seqlen_q=sq, segmented=segmented)
+    return ColumnMask._from_vectors([hi, lo], causal=False, seqlen_q=sq, segmented=segmented)
 
 
 _built: TensorMemo[ColumnMask] = TensorMemo(size=4)
