@@ -44,7 +44,8 @@ def wasted(steps: torch.Tensor, sms: int, fixed_us: float, step_us: float) -> tu
 
 
 def work_steps(mask, batch: int, heads: int, kv_heads: int, head_dim: int, forward: bool) -> torch.Tensor:
-    """Steps per unit of work in the order the kernel takes them."""
+    """Steps per unit of work in the order the kernel takes them (the forward on the sequence's
+    tiles, as without the mask's segmented hint)."""
     from flashmask3.optimized.config import bwd_config, fwd_config
     from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90 as Backward
     from flashmask3.optimized.tile_plan import backward_cta_steps, forward_tile_steps
