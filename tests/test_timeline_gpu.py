@@ -20,7 +20,7 @@ def _hopper_only():
 
 @pytest.mark.parametrize("name", ["causal", "causal_document", "share_question"])
 def test_the_turn_profile_gives_the_default_forwards_numbers_and_counts_every_turn(name):
-    """Out and LSE bit for bit as the default build's; the turns counted over all CTAs are the
+    """Out and LSE bit for bit as the plain build's (the sequence's tiles); the turns counted over all CTAs are the
     steady-state turns the timeline build's key-tile counts imply (a work tile of n key tiles takes
     n - 1), and every counted CTA has cycles in every segment."""
     from flashmask3.optimized import fwd_config
@@ -30,14 +30,15 @@ def test_the_turn_profile_gives_the_default_forwards_numbers_and_counts_every_tu
     seqlen, heads, batch = 2048, 4, 2
     mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=1, device="cuda")
     q, k, v, _ = random_inputs(batch, seqlen, seqlen, heads, 2, 128, torch.bfloat16, "cuda", seed=1)
+    # The sequence's tiles, as the profiled builds take them (without the mask's segmented hint).
     scale, config = 1 / math.sqrt(128), fwd_config(128, *mask_variant(mask))
     ctas = forward_ctas(q, config)
-    out, lse = forward(q, k, v, mask, scale)
+    out, lse = forward(q, k, v, mask, scale, config=config)
     profile = torch.zeros(ctas, len(TurnEvent), dtype=torch.int64, device="cuda")
-    profiled_out, profiled_lse = forward(q, k, v, mask, scale, turn_profile=profile)
+    profiled_out, profiled_lse = forward(q, k, v, mask, scale, config=config, turn_profile=profile)
     assert torch.equal(out, profiled_out) and torch.equal(lse, profiled_lse)
     stamps = torch.full((ctas, batch * heads * seqlen // 128, len(Event)), -1, dtype=torch.int64, device="cuda")
-    forward(q, k, v, mask, scale, timeline=stamps)
+    forward(q, k, v, mask, scale, config=config, timeline=stamps)
     key_tiles = stamps[..., Event.KEY_TILES][stamps[..., Event.WORK_TILE] >= 0]
     assert int(profile[:, TurnEvent.TURNS].sum()) == int((key_tiles - 1).clamp(min=0).sum())
     counted = profile[profile[:, TurnEvent.TURNS] > 0]
