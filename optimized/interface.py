@@ -24,7 +24,7 @@ import torch
 
 from ..reference import ColumnMask
 from .config import BACKWARD_HEAD_DIMS, FORWARD_HEAD_DIMS, BwdConfig, FwdConfig, bwd_config, fwd_config
-from .segments import cached_segment_plan, query_tile_rows
+from .segments import cached_segment_plan, forward_virtual_length, query_tile_rows
 from .tile_plan import (
     backward_cta_steps,
     block_minmax,
@@ -211,9 +211,10 @@ def forward(
 
     `out` / `lse` may be given (contiguous, right shape) to write into, e.g. poisoned buffers.
     `timeline`: an int64 [CTAs, work tiles, len(timeline.Event)] buffer runs a build of the kernel
-    that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`.
-    `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask;
-    with `timeline` or `turn_profile`, on the sequence's tiles whatever the mask's segmented hint).
+    that stamps each role's events into it (`optimized/timeline.py`); CTAs = `forward_ctas(...)`
+    (with segment tiles the virtual rows' grid); work tiles: those a CTA lists (granules with no
+    real row are not), a CTA's tiles past the buffer's are not stamped.
+    `config`: the kernel's configuration (default: `fwd_config`'s choice for the head dim and mask).
     `turn_profile`: an int64 [CTAs, len(timeline.TurnEvent)] buffer runs a build that sums the SM
     cycles of each segment of the key-tile loop's turns into it (consumer thread 0); CTAs: the
     grid, `forward_ctas(...)` (with segment tiles the virtual rows' grid, which a mismatch names).
@@ -224,12 +225,8 @@ def forward(
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
-    # The timeline and turn-profiled builds run on the sequence's tiles: their buffers are sized for them.
-    profiled = timeline is not None or turn_profile is not None
-    config = config or fwd_config(d, mask.causal, width, mask.segmented and not profiled)
+    config = config or fwd_config(d, mask.causal, width, mask.segmented)
     tile_rows = None
-    if config.segment_tiles and timeline is not None:  # its buffer is sized for the sequence's tiles
-        raise ValueError("a timeline build runs on the sequence's tiles: pass a config with segment_tiles=False")
     if config.tile_m == 192 and turn_profile is not None:  # three consumer warpgroups at 160 registers each
         raise ValueError(
             "the turn profile spills at tile_m=192 (head dim 64's tiles, causal): profile a config with tile_m=128"
@@ -256,8 +253,15 @@ def forward(
             mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, config.tile_n, tile_rows)
         )
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
-    if turn_profile is not None:  # the kernel writes a row per CTA of its grid
-        _check_turn_profile(turn_profile, min(_work_tiles(b, hq, mask.seqlen_q, config), max_ctas), q.device)
+    ctas = min(_work_tiles(b, hq, mask.seqlen_q, config), max_ctas)
+    if turn_profile is not None or timeline is not None:  # the kernel writes a row per CTA of its grid
+        from .timeline import Event, TurnEvent
+
+        if turn_profile is not None:
+            _check_stamp_buffer("turn_profile", turn_profile, [ctas, len(TurnEvent)], "(CTAs, events)", q.device)
+        if timeline is not None:
+            shape = [ctas, None, len(Event)]
+            _check_stamp_buffer("timeline", timeline, shape, "(CTAs, work tiles, events)", q.device)
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b, max_ctas]
     _launch(
         "fwd",
@@ -281,20 +285,24 @@ def backward_ctas(k: torch.Tensor, config: BwdConfig, seqlen_k: int | None = Non
 
 
 def forward_ctas(q: torch.Tensor, config: FwdConfig) -> int:
-    """The forward's grid size for q [B, Sq, Hq, D] under `config`."""
-    work_tiles = _work_tiles(q.shape[0], q.shape[2], q.shape[1], config)
+    """The forward's grid size for q [B, Sq, Hq, D] under `config` (with segment tiles, Sq = Sk:
+    the virtual rows' grid, `segments.forward_virtual_length`)."""
+    rows = forward_virtual_length(q.shape[1]) if config.segment_tiles else q.shape[1]
+    work_tiles = _work_tiles(q.shape[0], q.shape[2], rows, config)
     return min(work_tiles, _sm_count(q.device)) if config.persistent else work_tiles
 
 
-def _check_turn_profile(turn_profile: torch.Tensor, ctas: int, device: torch.device) -> None:
-    from .timeline import TurnEvent
-
-    shape = [ctas, len(TurnEvent)]
-    if turn_profile.dtype != torch.int64 or list(turn_profile.shape) != shape or not turn_profile.is_contiguous():
-        got = f"{turn_profile.dtype} {list(turn_profile.shape)}"
-        raise ValueError(f"turn_profile must be a contiguous int64 tensor of shape {shape} (CTAs, events), got {got}")
-    if turn_profile.device != device:
-        raise ValueError(f"turn_profile must be on q's device ({device}), got {turn_profile.device}")
+def _check_stamp_buffer(
+    name: str, buffer: torch.Tensor, shape: list[int | None], dims: str, device: torch.device
+) -> None:
+    """A profiled build's buffer: contiguous int64 of `shape` (None: any size) on q's device."""
+    fits = buffer.dim() == len(shape) and all(want in (None, got) for want, got in zip(shape, buffer.shape))
+    if buffer.dtype != torch.int64 or not fits or not buffer.is_contiguous():
+        wanted = "[" + ", ".join("any" if want is None else str(want) for want in shape) + "]"
+        got = f"{buffer.dtype} {list(buffer.shape)}"
+        raise ValueError(f"{name} must be a contiguous int64 tensor of shape {wanted} {dims}, got {got}")
+    if buffer.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {buffer.device}")
 
 
 def _work_tiles(batch: int, heads: int, seqlen_q: int, config: FwdConfig) -> int:

@@ -121,7 +121,7 @@ def segment_plan(
     if max_boundaries is None:
         sv = int(ends.max())  # the host sync
     else:
-        sv = -(-(s + (granule - 1) * max_boundaries) // granule) * granule
+        sv = capped_length(s, max_boundaries, granule)
     bm, hm, _, width = mask.startend_row_indices.shape
 
     # Boundaries: an interval's start x maps to one past row x - 1's virtual row, its end x to row
@@ -186,6 +186,12 @@ def stored_rows(plan: SegmentPlan) -> torch.Tensor:
     return (offsets < count.unsqueeze(-1)).flatten(-2)
 
 
+def capped_length(seqlen: int, max_boundaries: int, granule: int = GRANULE) -> int:
+    """The virtual length of a plan keeping `max_boundaries` boundaries per mask row: each pads
+    fewer than `granule` rows, rounded up to a granule."""
+    return -(-(seqlen + (granule - 1) * max_boundaries) // granule) * granule
+
+
 ROWS_PER_BOUNDARY = 2048
 """The forward's plans keep up to S / this many segment boundaries per mask row (at least
 `MIN_BOUNDARIES`): packed documents of 2K tokens or more on average are all aligned, and the
@@ -199,6 +205,12 @@ MIN_BOUNDARIES = 8
 def kernel_boundaries(seqlen: int) -> int:
     """The segment boundaries per mask row the forward's plans keep at this sequence length."""
     return max(MIN_BOUNDARIES, seqlen // ROWS_PER_BOUNDARY)
+
+
+def forward_virtual_length(seqlen: int) -> int:
+    """The virtual rows of the forward's plans (`cached_segment_plan(mask, synced=False)`) for
+    Sq = Sk = `seqlen`, known without the mask: the grid of a forward on segment tiles."""
+    return capped_length(seqlen, kernel_boundaries(seqlen))
 
 
 def cached_segment_plan(mask: ColumnMask, synced: bool) -> SegmentPlan:

@@ -4,9 +4,9 @@
     python scripts/timeline.py --backward --mask full --seqlen 8192 [--kernel q_stages=2] [--peer fa4]
 
 Runs the forward once at 128K tokens (B = 128K/S, H = 4096/D, bf16) in the build that stamps each
-role's events (`optimized/timeline.py`), on the sequence's tiles (the document masks' default
-forward at head dim 128 takes segment-aligned tiles, which the stamped build does not), then per
-work tile: the consumers' wait before it (from
+role's events (`optimized/timeline.py`), in the configuration chosen for the mask (on the
+document masks at head dim 128, segment-aligned tiles; `--kernel segment_tiles=false` for the
+sequence's), then per work tile: the consumers' wait before it (from
 the previous tile's store to this tile's first turn, or from the kernel's start), its main loop per
 key tile (and, fitted over the work tiles, its cost per key tile and per work tile), its
 epilogue, and how long Q took from issue to landing; per CTA the idle tail (the kernel's last
@@ -311,7 +311,8 @@ def main() -> None:
         batch, args.seqlen, args.seqlen, heads, kv_heads, args.head_dim, torch.bfloat16, "cuda"
     )
     scale = 1 / math.sqrt(args.head_dim)
-    config = apply_overrides(fwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
+    chosen = fwd_config(args.head_dim, *mask_variant(mask), segmented=mask.segmented)
+    config = apply_overrides(chosen, kernel_overrides(args.kernel))
     out_dir = results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "timeline_bwd" if args.backward else "timeline"

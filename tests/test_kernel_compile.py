@@ -518,16 +518,19 @@ def test_forward_timeline_build_compiles():
     from flashmask3.optimized import compile_check
 
     assert compile_check("bf16", 64, False, 4, timeline=True) > 0
+    assert compile_check("bf16", 128, True, 1, timeline=True, segmented=True) > 0  # on segment tiles
 
 
 @pytest.mark.slow  # compiles and disassembles three forwards, ~15 s
-@pytest.mark.parametrize("head_dim, causal, width", [(128, False, 2), (128, True, 1), (256, True, 1)])
-def test_the_turn_profile_marks_each_segment_with_the_loop_in_registers(tmp_path, head_dim, causal, width):
+@pytest.mark.parametrize(
+    "head_dim, causal, width, segmented", [(128, False, 2, False), (128, True, 1, True), (256, True, 1, False)]
+)
+def test_the_turn_profile_marks_each_segment_with_the_loop_in_registers(tmp_path, head_dim, causal, width, segmented):
     """The turn-profiled build (`forward(..., turn_profile=...)`) reads the SM clock once per segment
     of a steady-state turn (9) and once before the loop, with no local memory and its WGMMAs in
-    flight (the default build has none of it: the fingerprints test)."""
-    name = f"turn_profile_{head_dim}_{causal}_{width}"
-    args = f"'bf16', {head_dim}, {causal}, {width}, turn_profile=True"
+    flight (the default build has none of it: the fingerprints test); on segment tiles too."""
+    name = f"turn_profile_{head_dim}_{causal}_{width}_{segmented}"
+    args = f"'bf16', {head_dim}, {causal}, {width}, turn_profile=True, segmented={segmented}"
     sass = compiled_sass(tmp_path, name, "FlashMaskForward", args)
     hot_loop_in_registers(sass, name)
     assert sass.count("SR_CLOCKLO") == 10
@@ -552,6 +555,30 @@ def test_the_turn_profile_is_refused_at_192_row_tiles_and_needs_a_row_per_cta(mo
     profile = torch.zeros(3, 10, dtype=torch.int64)
     interface.forward(q, k, v, None, 0.125, turn_profile=profile)
     assert launched[0][5][-1] is profile  # (dtype, d, causal, width, config, tensors, ...): the last tensor
+
+
+def test_the_timeline_needs_a_row_per_cta_of_the_virtual_grid_with_segment_tiles(monkeypatch):
+    """On a segmented mask the default forward takes segment tiles: its grid, and so the timeline's
+    rows, count the virtual rows' work tiles (`forward_ctas` knows them from S alone)."""
+    import torch
+    from flashmask3.optimized import fwd_config, interface
+    from flashmask3.optimized.timeline import Event
+    from flashmask3.reference import ColumnMask
+
+    launched = []
+    monkeypatch.setattr(interface, "_launch", lambda direction, *args, **kw: launched.append(args))
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 1000)  # a CTA per work tile
+    q, k, v = (torch.zeros(1, 1000, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    mask = ColumnMask.causal_document(torch.tensor([0, 300, 1000]))
+    config = fwd_config(128, True, 1, segmented=True)
+    assert interface.forward_ctas(q, config) == 2 * 2048 // 128  # 1,000 + 8 x 127 rows, rounded up
+    plain = interface.forward_ctas(q, fwd_config(128, True, 1))
+    message = r"timeline must be a contiguous int64 tensor of shape \[32, any, 9\] .* got torch.int64 \[16, 4, 9\]"
+    with pytest.raises(ValueError, match=message):
+        interface.forward(q, k, v, mask, 0.1, timeline=torch.zeros(plain, 4, len(Event), dtype=torch.int64))
+    stamps = torch.zeros(32, 4, len(Event), dtype=torch.int64)
+    interface.forward(q, k, v, mask, 0.1, timeline=stamps)
+    assert launched[0][4].segment_tiles and launched[0][5][-2] is stamps  # (dtype, d, causal, width, config, tensors)
 
 
 @pytest.mark.slow  # compiles 23 configurations, ~40 s

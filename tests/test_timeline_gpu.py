@@ -20,9 +20,10 @@ def _hopper_only():
 
 @pytest.mark.parametrize("name", ["causal", "causal_document", "share_question"])
 def test_the_turn_profile_gives_the_default_forwards_numbers_and_counts_every_turn(name):
-    """Out and LSE bit for bit as the plain build's (the sequence's tiles); the turns counted over all CTAs are the
-    steady-state turns the timeline build's key-tile counts imply (a work tile of n key tiles takes
-    n - 1), and every counted CTA has cycles in every segment."""
+    """Out and LSE bit for bit as the default build's (on the document masks, segment tiles: the
+    grid of the virtual rows); the turns counted over all CTAs are the steady-state turns the
+    timeline build's key-tile counts imply (a work tile of n key tiles takes n - 1), and every
+    counted CTA has cycles in every segment."""
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward, forward_ctas, mask_variant
     from flashmask3.optimized.timeline import Event, TurnEvent
@@ -30,8 +31,8 @@ def test_the_turn_profile_gives_the_default_forwards_numbers_and_counts_every_tu
     seqlen, heads, batch = 2048, 4, 2
     mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=1, device="cuda")
     q, k, v, _ = random_inputs(batch, seqlen, seqlen, heads, 2, 128, torch.bfloat16, "cuda", seed=1)
-    # The sequence's tiles, as the profiled builds take them (without the mask's segmented hint).
-    scale, config = 1 / math.sqrt(128), fwd_config(128, *mask_variant(mask))
+    scale, config = 1 / math.sqrt(128), fwd_config(128, *mask_variant(mask), segmented=mask.segmented)
+    assert config.segment_tiles == (name != "causal")
     ctas = forward_ctas(q, config)
     out, lse = forward(q, k, v, mask, scale, config=config)
     profile = torch.zeros(ctas, len(TurnEvent), dtype=torch.int64, device="cuda")
