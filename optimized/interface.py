@@ -253,9 +253,10 @@ def forward(
             mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, config.tile_n, tile_rows)
         )
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
-    ctas = min(_work_tiles(b, hq, mask.seqlen_q, config), max_ctas)
     if turn_profile is not None or timeline is not None:  # the kernel writes a row per CTA of its grid
         from .timeline import Event, TurnEvent
+
+        ctas = forward_ctas(q, config)  # with segment tiles, of the plan's virtual rows (mask.seqlen_q)
 
         if turn_profile is not None:
             _check_stamp_buffer("turn_profile", turn_profile, [ctas, len(TurnEvent)], "(CTAs, events)", q.device)

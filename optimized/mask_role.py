@@ -230,25 +230,16 @@ def _list_work_tile(
     position: Int32,
     tiles_done: Int32,
     work: Int32,
-    work_tiles: WorkTiles,
-    mBlockBounds: cute.Tensor,
-    mTileRows: cute.Tensor | None,
-    mask_batch_stride: Int32,
-    qheads_per_maskhead: Int32,
-    seqlen_q: Int32,
-    seqlen_k: Int32,
-    tile_m: cutlass.Constexpr[int],
-    tile_n: cutlass.Constexpr[int],
-    causal: cutlass.Constexpr[bool],
-    width: cutlass.Constexpr[int],
-    flag_uniform: cutlass.Constexpr[bool],
-    flag_diagonal: cutlass.Constexpr[bool],
-    flag_off_diagonal: cutlass.Constexpr[bool],
+    args: tuple,
+    choices: tuple,
     timeline: Timeline,
 ) -> tuple[Int32, Int32]:
-    """Work tile `work`'s header entry at `position`, then its key tiles (`list_work_tiles`' rules),
-    once the consumers took all but one work tile ahead; returns the position after its END_OF_LIST
-    and the work tiles listed so far."""
+    """Work tile `work`'s header entry at `position`, then its key tiles (`list_work_tiles`' rules,
+    its arguments as `list_work_tiles` bundles them: `args` the tensors and runtime values, `choices`
+    the compile-time ones), once the consumers took all but one work tile ahead; returns the
+    position after its END_OF_LIST and the work tiles listed so far."""
+    work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k = args
+    tile_m, *flags = choices
     header = position
     entry = work_tiles.header(work)
     _put_single(tile_list, header, entry)
@@ -257,7 +248,6 @@ def _list_work_tile(
         timeline.record(tiles_done, Event.LISTED)
     m_block, head, batch = work_tiles.decode(entry)
     row_start = m_block * tile_m
-    choices = (tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
     if const_expr(mTileRows is None):
         position = list_key_tiles(
             tile_list,
@@ -267,15 +257,13 @@ def _list_work_tile(
             cutlass.min(row_start + tile_m, seqlen_q),
             seqlen_k,
             seqlen_k - seqlen_q,
-            *choices,
+            *flags,
         )
     else:  # Sq = Sk on the virtual rows
         mask_batch, mask_head = batch * mask_batch_stride, head // qheads_per_maskhead
         real_rows = mTileRows[mask_batch, mask_head, m_block, 1]
         bounds = mBlockBounds[mask_batch, mask_head, None, None]
-        position = list_key_tiles(
-            tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *choices
-        )
+        position = list_key_tiles(tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags)
     if cute.arch.lane_idx() == 0:
         timeline.record(tiles_done, Event.LIST_END)
         timeline.record(tiles_done, Event.KEY_TILES, position - header - 2)
@@ -317,11 +305,11 @@ def list_work_tiles(
     choices = (tile_m, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
     while work < work_tiles.total:
         if const_expr(mTileRows is None):
-            position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, *args, *choices, timeline)
+            position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, args, choices, timeline)
         else:
             m_block, head, batch = work_tiles.decode(work_tiles.header(work))
             if mTileRows[batch * mask_batch_stride, head // qheads_per_maskhead, m_block, 1] > 0:
-                position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, *args, *choices, timeline)
+                position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, args, choices, timeline)
         work = draw_work_tile(counter, num_ctas)
     _put_single(tile_list, position, NO_MORE_WORK)
 
