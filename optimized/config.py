@@ -136,6 +136,10 @@ class BwdConfig:
     # hit rate fell to 44% on causal documents (78% with the CTAs in KV-head order, which the
     # classes approximate).
     longest_ctas_first_buckets: int
+    # Each length class in key-tile order with the CTAs of one key tile (its KV heads and batch
+    # elements) together, not one KV head's CTAs after another's: the CTAs running at a time then
+    # read fewer documents' rows (of more heads), and the long key tiles of every head start early.
+    longest_ctas_first_key_major: bool
     # Causal masks: the steps that only the causal diagonal cuts (no key's bounds reach their
     # rows) masked by the causal comparison alone, without loading the keys' bounds.
     diagonal_steps: bool
@@ -253,6 +257,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         lse_ahead=queries_on_rows or mask_width < 4,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
+        longest_ctas_first_key_major=False,
         diagonal_steps=causal,
         segment_steps=False,
     )

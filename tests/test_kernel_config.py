@@ -83,6 +83,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             lse_ahead=False,
             longest_ctas_first_waves=16,
             longest_ctas_first_buckets=8,
+            longest_ctas_first_key_major=False,
             diagonal_steps=False,
             segment_steps=False,
         )
@@ -148,6 +149,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "lse_ahead": bool,
         "longest_ctas_first_waves": int,
         "longest_ctas_first_buckets": int,
+        "longest_ctas_first_key_major": bool,
         "diagonal_steps": bool,
         "segment_steps": bool,
     }
