@@ -140,6 +140,10 @@ class BwdConfig:
     # elements) together, not one KV head's CTAs after another's: the CTAs running at a time then
     # read fewer documents' rows (of more heads), and the long key tiles of every head start early.
     longest_ctas_first_key_major: bool
+    # With GQA, one CTA per query head instead of per KV head: K and V repeated per query head, the
+    # kernel run as MHA and dK, dV summed over each group afterwards (in fp32). The CTAs running
+    # together then read one query head's Q, dO and dQ accumulator each, not their KV group's.
+    query_head_ctas: bool
     # Causal masks: the steps that only the causal diagonal cuts (no key's bounds reach their
     # rows) masked by the causal comparison alone, without loading the keys' bounds.
     diagonal_steps: bool
@@ -258,6 +262,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
         longest_ctas_first_key_major=False,
+        query_head_ctas=False,
         diagonal_steps=causal,
         segment_steps=False,
     )

@@ -84,6 +84,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             longest_ctas_first_waves=16,
             longest_ctas_first_buckets=8,
             longest_ctas_first_key_major=False,
+            query_head_ctas=False,
             diagonal_steps=False,
             segment_steps=False,
         )
@@ -150,6 +151,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "longest_ctas_first_waves": int,
         "longest_ctas_first_buckets": int,
         "longest_ctas_first_key_major": bool,
+        "query_head_ctas": bool,
         "diagonal_steps": bool,
         "segment_steps": bool,
     }
