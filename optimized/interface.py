@@ -149,7 +149,6 @@ def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig 
             config,
             longest_ctas_first_waves=0,
             longest_ctas_first_buckets=0,
-            longest_ctas_first_key_major=False,
             query_head_ctas=False,
             do_stages=config.do_depth,
         )
@@ -414,7 +413,6 @@ def backward(
             key,
             lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, tile_n),
             config.longest_ctas_first_buckets,
-            b * hkv if config.longest_ctas_first_key_major else 1,
         )
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, step_rows]
     tensors.append(timeline)

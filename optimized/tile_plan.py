@@ -94,7 +94,7 @@ def backward_cta_steps(
     return steps.reshape(batch, kv_heads, q_heads // kv_heads, -1).sum(dim=2, dtype=torch.int32).flatten()
 
 
-def longest_first(steps: torch.Tensor, buckets: int = 0, groups: int = 1) -> torch.Tensor:
+def longest_first(steps: torch.Tensor, buckets: int = 0) -> torch.Tensor:
     """int32: the indices of `steps` (a kernel's work units in its own order) sorted by steps, most
     first, ties in that order. Launched or drawn in this order, the long units start first and the
     last ones are short (longest-processing-time-first list scheduling).
@@ -102,21 +102,12 @@ def longest_first(steps: torch.Tensor, buckets: int = 0, groups: int = 1) -> tor
     With `buckets` > 0 the sort is by length class instead: `buckets` equal ranges of steps up to
     the longest, longest class first, each class in the units' own order. That order keeps units
     that read the same data (one head's tiles) together, so the ones running at a time share it in
-    L2, while a class's lengths differ by at most max / `buckets` steps.
-
-    `groups` > 1 (with classes): the units are that many equal runs in their own order (the
-    backward's KV heads and batch elements, each a run of key tiles), and a class takes the i-th
-    unit of every run before any (i + 1)-th, so the units of one position (a key tile's CTAs of
-    every KV head) run together instead of one run after another."""
+    L2, while a class's lengths differ by at most max / `buckets` steps."""
     if buckets == 0 or steps.numel() == 0:
         return torch.sort(steps, descending=True, stable=True).indices.to(torch.int32)
-    if steps.numel() % groups:
-        raise ValueError(f"groups={groups} must divide the {steps.numel()} units into equal runs")
     steps = steps.to(torch.int64)
     shorter_class = buckets - 1 - steps * buckets // (steps.max() + 1)  # on the device: no host sync
-    unit = torch.arange(steps.numel(), device=steps.device)
-    run = steps.numel() // groups
-    position = unit % run * groups + unit // run
+    position = torch.arange(steps.numel(), device=steps.device)
     return torch.argsort(shorter_class * steps.numel() + position).to(torch.int32)
 
 
@@ -148,10 +139,10 @@ def kept_per_mask(mask: ColumnMask, key: Hashable, compute: Callable[[], T], kee
 
 
 def cached_longest_first(
-    mask: ColumnMask, key: Hashable, steps: Callable[[], torch.Tensor], buckets: int = 0, groups: int = 1
+    mask: ColumnMask, key: Hashable, steps: Callable[[], torch.Tensor], buckets: int = 0
 ) -> torch.Tensor:
-    """`longest_first(steps(), buckets, groups)`, kept per mask and `key` (which must fix the kernel's grid)
+    """`longest_first(steps(), buckets)`, kept per mask and `key` (which must fix the kernel's grid)
     by `kept_per_mask`: the sort's few dozen small kernels then run once per mask, not once per
     layer. An order only permutes the kernel's work units, so one kept past an in-place change that
     no version records (inference tensors) still gives the same numbers."""
-    return kept_per_mask(mask, (key, buckets, groups), lambda: longest_first(steps(), buckets, groups))
+    return kept_per_mask(mask, (key, buckets), lambda: longest_first(steps(), buckets))

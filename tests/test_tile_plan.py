@@ -133,22 +133,6 @@ def test_length_classes_go_longest_first_each_in_its_own_order(buckets):
         assert order == list(range(len(steps)))  # one class: the units' own order
 
 
-@pytest.mark.parametrize("buckets", [1, 2, 8])
-def test_key_major_classes_take_each_position_of_every_run_together(buckets):
-    """`longest_first(steps, buckets, groups)`: the units are `groups` runs (KV heads) of the same
-    positions (key tiles); a class takes position p of every run, in run order, before position
-    p + 1."""
-    steps = torch.tensor([30, 12, 0, 29, 7, 31, 2, 18, 16, 4, 30, 25], dtype=torch.int32)
-    groups, run = 3, 4
-    order = longest_first(steps, buckets, groups).tolist()
-    classes = [int(s) * buckets // 32 for s in steps.tolist()]
-    assert order == sorted(range(12), key=lambda unit: (-classes[unit], unit % run, unit // run))
-    if buckets == 1:
-        assert order == [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]
-    with pytest.raises(ValueError, match="groups=5"):
-        longest_first(steps, buckets, 5)
-
-
 def test_no_units_give_an_empty_order_in_classes_too():
     assert longest_first(torch.zeros(0, dtype=torch.int32), 16).tolist() == []
 
