@@ -3,6 +3,7 @@
     python tools/tail_model.py --mask causal_document --seqlen 32768 --batch 1 --heads 16 --kv-heads 4
     python tools/tail_model.py --train-batches 10             # scripts/train_e2e.py's H200 masks
     python tools/tail_model.py --forward --train-batches 10
+    python tools/tail_model.py --mask causal_document --orders   # the backward's orders side by side
 
 Backward: one CTA per SM (its shared memory allows no second), each CTA taking `--fixed-us` plus
 `--step-us` per query-tile step (its key tile's non-SKIP query tiles over its KV head's query
@@ -10,9 +11,12 @@ heads), CTAs starting in launch order on the first free SM. Forward (`--forward`
 CTA per SM drawing work tiles (a query tile of a head, one step per non-SKIP key tile) in the order
 it draws them (causal: a head's query tiles last-first). Prints the makespan over the ideal (every
 SM busy to the end) in the kernel's order and longest first (`BwdConfig.longest_ctas_first_waves`,
-`FwdConfig.longest_tiles_first_waves`). Default costs: the backward's profiled build at 8K (2.5 us per
-step, ~1 us until K/V land plus ~2.4 us of epilogue per CTA); the forward's per-tile fit (1.7 us per
-key tile, 2 us per work tile).
+`FwdConfig.longest_tiles_first_waves`). `--orders` (backward): grid order, length classes
+(`BwdConfig.longest_ctas_first_buckets`) and the exact sort, each with the mean number of (KV head,
+64-row query tile) pairs that the CTAs running at a time read, an L2 footprint proxy (each pair is
+256 KB of Q, dO and dQ accumulator at head dim 128 with four query heads per KV head). Default
+costs: the backward's profiled build at 8K (2.5 us per step, ~1 us until K/V land plus ~2.4 us of
+epilogue per CTA); the forward's per-tile fit (1.7 us per key tile, 2 us per work tile).
 """
 
 from __future__ import annotations
@@ -28,12 +32,57 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def makespan(durations: list[float], sms: int) -> float:
-    """List scheduling: each unit of work, in order, on the SM that frees first."""
+def schedule(durations: list[float], sms: int) -> list[tuple[float, float]]:
+    """List scheduling: each unit of work, in order, on the SM that frees first; each unit's
+    (start, end)."""
     free = [0.0] * sms
+    spans = []
     for duration in durations:
-        heapq.heappush(free, heapq.heappop(free) + duration)
-    return max(free)
+        start = heapq.heappop(free)
+        spans.append((start, start + duration))
+        heapq.heappush(free, start + duration)
+    return spans
+
+
+def makespan(durations: list[float], sms: int) -> float:
+    return max(end for _, end in schedule(durations, sms))
+
+
+def footprint(spans: list[tuple[float, float]], reads: list[set], samples: int = 200) -> float:
+    """The mean size of the union of `reads` (one set per unit) over the units running at
+    `samples` evenly spaced times."""
+    end = max(stop for _, stop in spans)
+    sizes = []
+    for i in range(1, samples):
+        now = end * i / samples
+        sizes.append(len(set().union(*(r for (start, stop), r in zip(spans, reads) if start <= now < stop))))
+    return statistics.mean(sizes)
+
+
+def backward_orders(mask, batch: int, heads: int, kv_heads: int, sms: int, fixed_us: float, step_us: float) -> None:
+    """Print each backward order's makespan over the ideal and its mean footprint (`--orders`)."""
+    from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90 as Backward
+    from flashmask3.optimized.tile_plan import backward_cta_steps, longest_first
+
+    tile_m, tile_n = Backward.tile_m, 128
+    steps = backward_cta_steps(mask, batch, heads, kv_heads, tile_m, tile_n)
+    seen = ~mask.block_skip(tile_m, tile_n)  # [Bm, Hm, Tm, Tn]
+    tiles_n = seen.shape[-1]
+    reads = [
+        {(b, h, m) for m in seen[b % seen.shape[0], 0, :, n].nonzero().flatten().tolist()}
+        for b in range(batch)
+        for h in range(kv_heads)
+        for n in range(tiles_n)
+    ]
+    durations = (fixed_us + step_us * steps.double()).tolist()
+    ideal = sum(durations) / sms
+    orders = {"grid order": list(range(len(durations)))}
+    orders |= {f"{c} length classes": longest_first(steps, c).tolist() for c in (2, 4, 8, 16)}
+    orders["exact sort"] = longest_first(steps).tolist()
+    for name, order in orders.items():
+        spans = schedule([durations[i] for i in order], sms)
+        pairs = footprint(spans, [reads[i] for i in order])
+        print(f"{name:18s} makespan / ideal {max(stop for _, stop in spans) / ideal:.3f}, footprint {pairs:.0f}")
 
 
 def wasted(steps: torch.Tensor, sms: int, fixed_us: float, step_us: float) -> tuple[float, float]:
@@ -73,9 +122,16 @@ def main() -> None:
     parser.add_argument("--fixed-us", type=float, help="per CTA (backward, default 3.4) or work tile (forward, 2)")
     parser.add_argument("--step-us", type=float, help="per step (backward, default 2.5; forward 1.7)")
     parser.add_argument("--train-batches", type=int, default=0, help="use train_e2e's first N batches' masks")
+    parser.add_argument("--orders", action="store_true", help="the backward's orders with their L2 footprint")
     args = parser.parse_args()
     fixed_us = args.fixed_us if args.fixed_us is not None else (2.0 if args.forward else 3.4)
     step_us = args.step_us if args.step_us is not None else (1.7 if args.forward else 2.5)
+    if args.orders:
+        from flashmask3.reference import masks
+
+        mask = masks.build(args.mask, args.seqlen, batch=args.batch, heads=args.heads, seed=0)
+        backward_orders(mask, args.batch, args.heads, args.kv_heads, args.sms, fixed_us, step_us)
+        return
     rows = []
     if args.train_batches:
         sys.path.insert(0, str(ROOT / "scripts"))
