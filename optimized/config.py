@@ -136,10 +136,6 @@ class BwdConfig:
     # hit rate fell to 44% on causal documents (78% with the CTAs in KV-head order, which the
     # classes approximate).
     longest_ctas_first_buckets: int
-    # With GQA, one CTA per query head instead of per KV head: K and V repeated per query head, the
-    # kernel run as MHA and dK, dV summed over each group afterwards (in fp32). The CTAs running
-    # together then read one query head's Q, dO and dQ accumulator each, not their KV group's.
-    query_head_ctas: bool
     # Causal masks: the steps that only the causal diagonal cuts (no key's bounds reach their
     # rows) masked by the causal comparison alone, without loading the keys' bounds.
     diagonal_steps: bool
@@ -257,7 +253,6 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         lse_ahead=queries_on_rows or mask_width < 4,
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
-        query_head_ctas=False,
         diagonal_steps=causal,
         segment_steps=False,
     )

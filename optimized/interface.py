@@ -149,7 +149,6 @@ def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig 
             config,
             longest_ctas_first_waves=0,
             longest_ctas_first_buckets=0,
-            query_head_ctas=False,
             do_stages=config.do_depth,
         )
     return config
@@ -359,20 +358,11 @@ def backward(
     if refusal:
         raise ValueError(refusal)
     sk, hkv = k.shape[1], k.shape[2]
-    given_mask, uniform_work = mask, mask is None  # every CTA sees every query tile: nothing to order
+    uniform_work = mask is None  # every CTA sees every query tile: nothing to order
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
     config = config or bwd_config(d, mask.causal, width)
-    if config.query_head_ctas and hkv < hq:
-        group, single = hq // hkv, dataclasses.replace(config, query_head_ctas=False)
-        k_heads, v_heads = (x.repeat_interleave(group, dim=2) for x in (k, v))
-        args = (dout, q, k_heads, v_heads, out, lse, given_mask, softmax_scale, deterministic)
-        dq, dk_heads, dv_heads = backward(*args, config=single, timeline=timeline)
-        sums = [g.unflatten(2, (hkv, group)).sum(3, dtype=torch.float32) for g in (dk_heads, dv_heads)]
-        dk = sums[0].to(k.dtype) if dk is None else dk.copy_(sums[0])
-        dv = sums[1].to(v.dtype) if dv is None else dv.copy_(sums[1])
-        return dq, dk, dv
     tile_m, tile_n = Kernel.tile_m, config.key_tile
     step_rows = None
     if config.segment_steps and timeline is not None:  # its buffer is sized for the sequence's tiles

@@ -83,7 +83,6 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             lse_ahead=False,
             longest_ctas_first_waves=16,
             longest_ctas_first_buckets=8,
-            query_head_ctas=False,
             diagonal_steps=False,
             segment_steps=False,
         )
@@ -149,7 +148,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "lse_ahead": bool,
         "longest_ctas_first_waves": int,
         "longest_ctas_first_buckets": int,
-        "query_head_ctas": bool,
         "diagonal_steps": bool,
         "segment_steps": bool,
     }

@@ -179,7 +179,6 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
             "lse_ahead": True,
             "longest_ctas_first_waves": 16,
             "longest_ctas_first_buckets": 8,
-            "query_head_ctas": False,
             "diagonal_steps": True,
             "segment_steps": False,
         },
@@ -193,7 +192,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
         " longest_tiles_first_waves=128 late_k_release=False fmax_row_max=False diagonal_tiles=False"
         " off_diagonal_tiles=False segment_tiles=False;"
         " bwd key_tile=128 keys_on_rows=True q_stages=3 do_stages=0 lse_ahead=True longest_ctas_first_waves=16"
-        " longest_ctas_first_buckets=8 query_head_ctas=False"
+        " longest_ctas_first_buckets=8"
         " diagonal_steps=True segment_steps=False"
     )
     assert f"kernel=no_persistent: {chosen}" in printed
