@@ -60,11 +60,6 @@ class FwdConfig:
     # the warpgroup's own PV GEMM above the whole softmax; after the mask, below most of it. For
     # 128-row tiles only (at 192 rows ptxas does not move the wait and spills).
     late_k_release: bool
-    # K's stage freed by a named-barrier arrive as soon as S_j lands, which the producer waits on
-    # before refilling the stage, instead of the stage's empty mbarrier: ptxas schedules an mbarrier
-    # arrive beside the wait for the PV GEMM (`late_k_release` moves both below the softmax), a
-    # barrier arrive where it stands, so the next K load starts a softmax earlier.
-    k_release_barrier: bool
     # Row maxima of the scores by `fmax` in four chains (one FMNMX per value) instead of a MAX
     # reduction, which lowers to NaN-propagating compares and selects on the softmax's critical path
     # (the same numbers bit for bit: the scores are never NaN).
@@ -230,7 +225,6 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
             LONGEST_TILES_FIRST_WAVES_HEAD_DIM_192 if head_dim > 128 else LONGEST_TILES_FIRST_WAVES
         ),
         late_k_release=tile_m == 128,
-        k_release_barrier=False,
         fmax_row_max=head_dim == 128 and not causal,
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,

@@ -107,7 +107,6 @@ class FlashMaskForwardSm90:
         self.diagonal_tiles = config.diagonal_tiles and causal
         self.off_diagonal_tiles = config.off_diagonal_tiles and causal
         self.late_k_release = config.late_k_release
-        self.k_release_barrier = config.k_release_barrier
         self.fmax_row_max = config.fmax_row_max
         self.segment_tiles = config.segment_tiles
         self.num_consumer_wgs = config.num_consumer_wgs
@@ -120,8 +119,6 @@ class FlashMaskForwardSm90:
             self.producer_regs, self.consumer_regs = 32, 232
         self.epilogue_barrier = _MMA_TURN + self.num_consumer_wgs
         self.bounds_barrier = self.epilogue_barrier + 1
-        self.k_free_barrier = self.bounds_barrier + self.num_consumer_wgs  # one per K stage
-        self.k_free_threads = 128 * self.num_consumer_wgs + 32  # the consumers and the producer warp
 
     @cute.jit
     def __call__(
@@ -458,8 +455,8 @@ class FlashMaskForwardSm90:
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tKsK, tKgK = tma_tiles(tma_k, sK, gK)
             tVsV, tVgV = tma_tiles(tma_v, sV, gV)
-            keys = (tma_k, tKgK, tKsK, pipe_k, (sK, mK_head, self.head_dim, tile_rows), self.k_release_barrier)
-            values = (tma_v, tVgV, tVsV, pipe_v, (sV, mV_head, self.head_dim_v, tile_rows), False)
+            keys = (tma_k, tKgK, tKsK, pipe_k, (sK, mK_head, self.head_dim, tile_rows))
+            values = (tma_v, tVgV, tVsV, pipe_v, (sV, mV_head, self.head_dim_v, tile_rows))
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             if cute.arch.lane_idx() == 0:
@@ -486,19 +483,13 @@ class FlashMaskForwardSm90:
             position += 1
             tiles_done += 1
             work = tile_list.read(position)
-        if const_expr(self.k_release_barrier):  # the last K tile of each stage: its arrivals, awaited
-            for stage in cutlass.range_constexpr(self.num_stages):
-                if k_state.count > stage:
-                    cute.arch.barrier(barrier_id=self.k_free_barrier + stage, number_of_threads=self.k_free_threads)
 
     @cute.jit
-    def load_key_tile(self, tma, gmem_tiles, smem_stages, pipe, segments, freed_by_barrier, state, n_block):
+    def load_key_tile(self, tma, gmem_tiles, smem_stages, pipe, segments, state, n_block):
         """TMA of key tile `n_block` of K or V (`gmem_tiles`, its TMA partition) into the pipeline stage
         of `state`, once it is free. With segment_tiles, from the tile's real first row: `segments` is
         (the smem stages, K or V of the head, its columns, `tile_rows`), and a key tile's first row is
-        its granule's (the query tile's size: 128) plus its place in the granule.
-        `freed_by_barrier` (K with `k_release_barrier`): a used stage is waited for on its named
-        barrier, not its empty mbarrier."""
+        its granule's (the query tile's size: 128) plus its place in the granule."""
         if const_expr(self.segment_tiles):
             smem, mKV_head, cols, tile_rows = segments
             key = n_block * self.tile_n
@@ -506,12 +497,7 @@ class FlashMaskForwardSm90:
             tile = cute.local_tile(cute.domain_offset((first, 0), mKV_head), (self.tile_n, cols), (None, 0))
             _, gmem_tiles = tma_tiles(tma, smem, tile)
             n_block = 0
-        if const_expr(freed_by_barrier):
-            if state.count >= self.num_stages:
-                cute.arch.barrier(barrier_id=self.k_free_barrier + state.index, number_of_threads=self.k_free_threads)
-            pipe.producer_acquire(state, try_acquire_token=True)
-        else:
-            pipe.producer_acquire(state)
+        pipe.producer_acquire(state)
         cute.copy(
             tma, gmem_tiles[None, n_block], smem_stages[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state)
         )
@@ -729,7 +715,6 @@ class FlashMaskForwardSm90:
                 clock = turn_profile.mark(clock, TurnEvent.NEXT_ENTRY)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
                 clock = turn_profile.mark(clock, TurnEvent.WAIT_S)
-                self.signal_k_free(k_state)
                 if const_expr(not self.late_k_release):
                     pipe_k.consumer_release(k_state)
                     k_state.advance()
@@ -772,19 +757,8 @@ class FlashMaskForwardSm90:
         self.end_turn(wg)
         self.free_q(*free_previous_q)
         warpgroup.wait_group(0)
-        self.signal_k_free(state)
         pipe_k.consumer_release(state)
         return acc_S
-
-    @cute.jit
-    def signal_k_free(self, state):
-        """With `k_release_barrier`, tell the producer that K's stage of `state` is read (an arrive on
-        its named barrier, no wait). The stage's empty mbarrier still gets its arrive where it did,
-        awaited by no one then: below the mask, it holds ptxas's wait for the PV GEMM below the softmax."""
-        if const_expr(self.k_release_barrier):
-            cute.arch.barrier_arrive(
-                barrier_id=self.k_free_barrier + state.index, number_of_threads=self.k_free_threads
-            )
 
     @cute.jit
     def free_q(self, pipe_q, q_state, this_thread):

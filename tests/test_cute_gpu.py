@@ -120,25 +120,6 @@ def test_late_k_release_gives_the_early_releases_numbers(name):
     assert torch.equal(out, out_early) and torch.equal(lse, lse_early)
 
 
-@pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_k_release_barrier_gives_the_default_forwards_numbers(name, head_dim):
-    """`k_release_barrier` changes only when the producer may refill a K stage (a named barrier
-    right after S_j, not the empty mbarrier): the default's outputs and LSE bit for bit, persistent
-    CTAs over many work tiles, GQA 4 on 2, a ragged length."""
-    from flashmask3.optimized import fwd_config
-    from flashmask3.optimized.interface import forward
-
-    seqlen, scale = 3011, 1 / math.sqrt(head_dim)
-    mask = masks.build(name, seqlen, batch=2, heads=4, seed=17, device="cuda")
-    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=17)
-    default = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1], segmented=mask.segmented)
-    out, lse = forward(q, k, v, mask, scale, config=default)
-    barrier = dataclasses.replace(default, k_release_barrier=True)
-    out_barrier, lse_barrier = forward(q, k, v, mask, scale, config=barrier)
-    assert torch.equal(out, out_barrier) and torch.equal(lse, lse_barrier)
-
-
 @pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128), (256, 256)])
 @pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
 def test_forward_at_the_other_head_dims_matches_the_reference(name, head_dim, head_dim_v):

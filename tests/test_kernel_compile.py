@@ -416,18 +416,6 @@ def test_late_k_release_puts_the_pv_wait_below_the_softmax(tmp_path):
     assert exponentials_under_the_pv(True) >= 40
 
 
-@pytest.mark.slow  # compiles and disassembles a forward, ~7 s
-def test_k_release_barrier_frees_k_right_after_s_with_the_pv_wait_below_the_softmax(tmp_path):
-    """`k_release_barrier`: in the key-tile loop the named-barrier arrive that frees K's stage for
-    the producer (288 threads: both consumer warpgroups and the producer warp) comes within a few
-    instructions of the wait for S_j, before the mask, while the wait for the PV GEMM stays below
-    most of the exponentials (as with `late_k_release` alone); no local memory."""
-    loop, s_wait, pv_wait = forward_loop_with_one_change(tmp_path, "k_release_barrier", True)
-    freed = next(i for i, inst in enumerate(loop) if i > s_wait and "BAR.ARV" in inst and "0x120" in inst)
-    assert freed - s_wait <= 12 and freed < pv_wait
-    assert sum("MUFU.EX2" in inst for inst in loop[s_wait:pv_wait]) >= 40
-
-
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
 def test_fmax_row_max_drops_the_nan_compares_from_the_loop(tmp_path):
     """`fmax_row_max`: the key-tile loop's row maxima without NaN-propagating compares (FSETP
