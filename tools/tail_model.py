@@ -45,12 +45,13 @@ def schedule(durations: list[float], sms: int) -> list[tuple[float, float]]:
 
 
 def makespan(durations: list[float], sms: int) -> float:
+    """When the last unit of `schedule` ends."""
     return max(end for _, end in schedule(durations, sms))
 
 
 def footprint(spans: list[tuple[float, float]], reads: list[set], samples: int = 200) -> float:
     """The mean size of the union of `reads` (one set per unit) over the units running at
-    `samples` evenly spaced times."""
+    `samples` - 1 evenly spaced times strictly inside the schedule."""
     end = max(stop for _, stop in spans)
     sizes = []
     for i in range(1, samples):
@@ -59,12 +60,18 @@ def footprint(spans: list[tuple[float, float]], reads: list[set], samples: int =
     return statistics.mean(sizes)
 
 
-def backward_orders(mask, batch: int, heads: int, kv_heads: int, sms: int, fixed_us: float, step_us: float) -> None:
-    """Print each backward order's makespan over the ideal and its mean footprint (`--orders`)."""
+def backward_orders(
+    mask, batch: int, heads: int, kv_heads: int, head_dim: int, sms: int, fixed_us: float, step_us: float
+) -> None:
+    """Print each backward order's makespan over the ideal and its mean footprint (`--orders`). The
+    pairs a CTA reads are its key tile's query tiles under the mask's first head (every benchmark
+    mask but random eviction has one)."""
+    from flashmask3.optimized.config import bwd_config
     from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90 as Backward
     from flashmask3.optimized.tile_plan import backward_cta_steps, longest_first
 
-    tile_m, tile_n = Backward.tile_m, 128
+    tile_m = Backward.tile_m
+    tile_n = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]).key_tile
     steps = backward_cta_steps(mask, batch, heads, kv_heads, tile_m, tile_n)
     seen = ~mask.block_skip(tile_m, tile_n)  # [Bm, Hm, Tm, Tn]
     tiles_n = seen.shape[-1]
@@ -122,15 +129,21 @@ def main() -> None:
     parser.add_argument("--fixed-us", type=float, help="per CTA (backward, default 3.4) or work tile (forward, 2)")
     parser.add_argument("--step-us", type=float, help="per step (backward, default 2.5; forward 1.7)")
     parser.add_argument("--train-batches", type=int, default=0, help="use train_e2e's first N batches' masks")
-    parser.add_argument("--orders", action="store_true", help="the backward's orders with their L2 footprint")
+    parser.add_argument(
+        "--orders",
+        action="store_true",
+        help="the backward's orders with their L2 footprint (--mask, not --train-batches)",
+    )
     args = parser.parse_args()
     fixed_us = args.fixed_us if args.fixed_us is not None else (2.0 if args.forward else 3.4)
     step_us = args.step_us if args.step_us is not None else (1.7 if args.forward else 2.5)
     if args.orders:
+        if args.forward or args.train_batches:
+            parser.error("--orders takes the backward of one --mask: not with --forward or --train-batches")
         from flashmask3.reference import masks
 
         mask = masks.build(args.mask, args.seqlen, batch=args.batch, heads=args.heads, seed=0)
-        backward_orders(mask, args.batch, args.heads, args.kv_heads, args.sms, fixed_us, step_us)
+        backward_orders(mask, args.batch, args.heads, args.kv_heads, args.head_dim, args.sms, fixed_us, step_us)
         return
     rows = []
     if args.train_batches:
