@@ -198,3 +198,16 @@ def test_the_schedule_model_puts_a_long_cta_last_in_grid_order_and_first_longest
     import tail_model
 
     assert tail_model.wasted(torch.tensor([1, 1, 1, 1, 4]), sms=2, fixed_us=0.0, step_us=1.0) == (1.5, 1.0)
+
+
+def test_the_footprint_counts_what_the_units_running_together_read():
+    """tools/tail_model.py: two units reading {1, 2} and {2, 3} share one pair; run side by side
+    (two SMs) they read 3 pairs at every sampled time, one after the other (one SM) 2."""
+    import tail_model
+
+    reads = [{1, 2}, {2, 3}]
+    side_by_side = tail_model.schedule([1.0, 1.0], sms=2)
+    one_after_the_other = tail_model.schedule([1.0, 1.0], sms=1)
+    assert side_by_side == [(0.0, 1.0), (0.0, 1.0)] and one_after_the_other == [(0.0, 1.0), (1.0, 2.0)]
+    assert tail_model.footprint(side_by_side, reads) == 3
+    assert tail_model.footprint(one_after_the_other, reads) == 2
