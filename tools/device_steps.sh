@@ -2,9 +2,10 @@
 # One call on the H200 (the device tool): the CuTe DSL environment, then each line of a steps file
 # as `step SECONDS NAME COMMAND...`, each under its own time limit with its log under $OUT (runs/
 # unless set; the bench scripts write their JSON there too), the logs' tails and a line per step
-# last. The device copy has no .git: pass the commit.
+# last. The device copy has no .git: pass the commit. BUNDLE=1 packs $OUT into one runs.tgz at the
+# end (the device tool brings back a limited number of files per call; a timeline step writes three).
 #
-#   COMMIT=$(git rev-parse --short HEAD) bash tools/device_steps.sh steps.txt
+#   COMMIT=$(git rev-parse --short HEAD) BUNDLE=1 bash tools/device_steps.sh steps.txt
 #
 # steps.txt, e.g.:
 #   step 60 fwd_check python scripts/bench_fwd.py check
@@ -31,3 +32,7 @@ step() {
 source "$steps"
 for log in "$OUT"/*.log; do echo "##### $log"; tail -"${TAILN:-25}" "$log"; done
 cat "$OUT/steps.txt"
+if [ "${BUNDLE:-0}" = 1 ]; then
+    bundle=$(mktemp -d)/runs.tgz
+    tar czf "$bundle" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$bundle" "$OUT/"
+fi
