@@ -448,6 +448,27 @@ def test_device_steps_runs_each_step_under_its_limit_and_logs_it(tmp_path):
     assert result.stdout.rstrip().endswith(status[-1])
 
 
+def test_device_steps_bundles_the_runs_files_into_one_archive(tmp_path):
+    """With BUNDLE=1 the wrapper leaves one runs.tgz under $OUT holding every log and the step
+    lines, after printing them as without it."""
+    import subprocess
+    import tarfile
+
+    steps = tmp_path / "steps.txt"
+    steps.write_text("step 5 hello echo hi\nstep 5 after echo still\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).resolve().parents[1] / "tools" / "device_steps.sh"
+    env = {"PATH": "/usr/bin:/bin", "COMMIT": "abc1234", "OUT": str(out), "BUNDLE": "1"}
+    result = subprocess.run(["bash", str(script), str(steps)], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert sorted(p.name for p in out.iterdir()) == ["runs.tgz"]
+    with tarfile.open(out / "runs.tgz") as bundle:
+        names = sorted(name.removeprefix("./") for name in bundle.getnames() if name != ".")
+        assert names == ["after.log", "hello.log", "steps.txt"]
+        assert bundle.extractfile("./hello.log").read() == b"hi\n"
+    assert "== after rc=0" in result.stdout
+
+
 def test_ncu_source_summary_finds_the_hot_loop_and_its_stalls():
     """A small `--page source --csv` dump: program output before the header, a producer loop, the
     hot consumer loop closed by a predicated backward branch, and an unconditional out-of-line
