@@ -3,7 +3,7 @@
 # as `step SECONDS NAME COMMAND...`, each under its own time limit with its log under $OUT (runs/
 # unless set; the bench scripts write their JSON there too), the logs' tails and a line per step
 # last. The device copy has no .git: pass the commit. BUNDLE=1 packs $OUT into one runs.tgz at the
-# end (the device tool brings back a limited number of files per call; a timeline step writes three).
+# end, for a caller that takes back only a few files (a timeline step alone writes three).
 #
 #   COMMIT=$(git rev-parse --short HEAD) BUNDLE=1 bash tools/device_steps.sh steps.txt
 #
