@@ -99,6 +99,11 @@ def mask_variant(mask: ColumnMask | None) -> tuple[bool, int]:
     return (False, 2) if mask is None else (mask.causal, mask.startend_row_indices.shape[-1])
 
 
+def mask_fwd_config(head_dim: int, mask: ColumnMask | None) -> FwdConfig:
+    """`fwd_config`'s choice for this head dim and mask: its variant and its segmented hint."""
+    return fwd_config(head_dim, *mask_variant(mask), segmented=mask is not None and mask.segmented)
+
+
 def _to_cute(t: torch.Tensor):
     from cutlass.cute.runtime import from_dlpack
 
@@ -225,7 +230,7 @@ def forward(
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
-    config = config or fwd_config(d, mask.causal, width, mask.segmented)
+    config = config or mask_fwd_config(d, mask)
     tile_rows = None
     if config.tile_m == 192 and turn_profile is not None:  # three consumer warpgroups at 160 registers each
         raise ValueError(

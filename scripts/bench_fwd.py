@@ -38,10 +38,10 @@ import sys
 import time
 
 import torch
-from flashmask3.optimized import BwdConfig, FwdConfig, bwd_config, compile_seconds, fwd_config
+from flashmask3.optimized import BwdConfig, FwdConfig, bwd_config, compile_seconds
 from flashmask3.optimized.config import apply_overrides, config_fields
 from flashmask3.optimized.interface import forward as cute_forward
-from flashmask3.optimized.interface import mask_variant
+from flashmask3.optimized.interface import mask_fwd_config, mask_variant
 from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import compare, random_inputs
 
@@ -279,7 +279,7 @@ def variant_configs(mask: ColumnMask, head_dim: int, overrides: dict) -> tuple[F
     """The configurations chosen for this head dim and mask, with a variant's changes applied."""
     variant = mask_variant(mask)
     return (
-        apply_overrides(fwd_config(head_dim, *variant, segmented=mask.segmented), overrides),
+        apply_overrides(mask_fwd_config(head_dim, mask), overrides),
         apply_overrides(bwd_config(head_dim, *variant), overrides),
     )
 

@@ -280,10 +280,17 @@ def fa4_backward(case, q, k, v, dout, marked: bool) -> tuple[tuple[torch.Tensor,
 
 def main() -> None:
     from bench_fwd import kernel_overrides
-    from flashmask3.optimized import bwd_config, fwd_config
+    from flashmask3.optimized import bwd_config
     from flashmask3.optimized.config import apply_overrides
     from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90
-    from flashmask3.optimized.interface import backward, backward_ctas, forward, forward_ctas, mask_variant
+    from flashmask3.optimized.interface import (
+        backward,
+        backward_ctas,
+        forward,
+        forward_ctas,
+        mask_fwd_config,
+        mask_variant,
+    )
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mask", default="sliding_window", choices=masks.MASK_NAMES)
@@ -311,8 +318,7 @@ def main() -> None:
         batch, args.seqlen, args.seqlen, heads, kv_heads, args.head_dim, torch.bfloat16, "cuda"
     )
     scale = 1 / math.sqrt(args.head_dim)
-    chosen = fwd_config(args.head_dim, *mask_variant(mask), segmented=mask.segmented)
-    config = apply_overrides(chosen, kernel_overrides(args.kernel))
+    config = apply_overrides(mask_fwd_config(args.head_dim, mask), kernel_overrides(args.kernel))
     out_dir = results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "timeline_bwd" if args.backward else "timeline"

@@ -472,8 +472,8 @@ def test_persistent_forward_is_bitwise_the_one_cta_per_tile_forward(monkeypatch,
     empty ones among them) writes every output and gives bitwise the result of one CTA per work
     tile, which matches the reference; every mask, GQA, and Sq > Sk (query tiles that see no key)."""
     from conftest import plain_causal_mask
-    from flashmask3.optimized import fwd_config, interface
-    from flashmask3.optimized.interface import forward
+    from flashmask3.optimized import interface
+    from flashmask3.optimized.interface import forward, mask_fwd_config
 
     cases = [
         (name, masks.build(name, 1536, batch=3, heads=2, seed=11, device="cuda"), 3, 1536, 1536)
@@ -491,9 +491,7 @@ def test_persistent_forward_is_bitwise_the_one_cta_per_tile_forward(monkeypatch,
     for name, mask, batch, sq, sk in cases:
         q, k, v, _ = random_inputs(batch, sq, sk, 8, 2, head_dim, dtype, "cuda", seed=sq + len(name))
         scale = 1 / math.sqrt(head_dim)
-        one_cta_per_tile = dataclasses.replace(
-            fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1], mask.segmented), persistent=False
-        )
+        one_cta_per_tile = dataclasses.replace(mask_fwd_config(head_dim, mask), persistent=False)
         expected_out, expected_lse = forward(q, k, v, mask, scale, config=one_cta_per_tile)
         report = compare("cute", q, k, v, mask)  # the chosen, persistent configuration
         assert report.passed, (name, report.failures())

@@ -194,3 +194,16 @@ def test_segment_steps_are_for_128_key_tiles():
     with pytest.raises(ValueError, match="segment_steps needs key_tile=128 .*got key_tile=48"):
         dataclasses.replace(bwd_config(256, True, 1), segment_steps=True)
     assert dataclasses.replace(bwd_config(128, True, 1), segment_steps=True).segment_steps
+
+
+def test_the_chosen_forward_for_a_mask_follows_its_variant_and_segmented_hint():
+    """`mask_fwd_config`: `fwd_config` of the mask's variant and hint; no mask is non-causal, width 2."""
+    from flashmask3.optimized.interface import mask_fwd_config
+    from flashmask3.reference import ColumnMask, masks
+
+    documents = masks.build("causal_document", 1024, seed=3)
+    assert documents.segmented and mask_fwd_config(128, documents) == fwd_config(128, True, 1, segmented=True)
+    assert mask_fwd_config(128, documents).segment_tiles
+    plain = ColumnMask(documents.startend_row_indices, True, 1024)
+    assert mask_fwd_config(128, plain) == fwd_config(128, True, 1) and not mask_fwd_config(128, plain).segment_tiles
+    assert mask_fwd_config(64, None) == fwd_config(64, False, 2)

@@ -24,14 +24,13 @@ def test_the_turn_profile_gives_the_default_forwards_numbers_and_counts_every_tu
     grid of the virtual rows); the turns counted over all CTAs are the steady-state turns the
     timeline build's key-tile counts imply (a work tile of n key tiles takes n - 1), and every
     counted CTA has cycles in every segment."""
-    from flashmask3.optimized import fwd_config
-    from flashmask3.optimized.interface import forward, forward_ctas, mask_variant
+    from flashmask3.optimized.interface import forward, forward_ctas, mask_fwd_config
     from flashmask3.optimized.timeline import Event, TurnEvent
 
     seqlen, heads, batch = 2048, 4, 2
     mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=1, device="cuda")
     q, k, v, _ = random_inputs(batch, seqlen, seqlen, heads, 2, 128, torch.bfloat16, "cuda", seed=1)
-    scale, config = 1 / math.sqrt(128), fwd_config(128, *mask_variant(mask), segmented=mask.segmented)
+    scale, config = 1 / math.sqrt(128), mask_fwd_config(128, mask)
     assert config.segment_tiles == (name != "causal")
     ctas = forward_ctas(q, config)
     out, lse = forward(q, k, v, mask, scale, config=config)
