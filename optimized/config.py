@@ -144,6 +144,11 @@ class BwdConfig:
     # `segment_tiles`; the preprocess and postprocess map their tiles the same way. 128-key tiles
     # only (the plan's granule), and masks whose query heads of one KV head share one mask head.
     segment_steps: bool
+    # Warp 2 of the producer warpgroup issues the dQ reduce-adds (FA3/FA4's dQ warp): a consumer
+    # warpgroup writes its dQ half to smem and arrives on a barrier, where otherwise it waits for
+    # its lane 0 to issue the add and, before the next step's dS barrier, for the add to have
+    # read smem (the wait that grows when the adds queue in L2).
+    dq_writer: bool
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -255,6 +260,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
         diagonal_steps=causal,
         segment_steps=False,
+        dq_writer=False,
     )
 
 

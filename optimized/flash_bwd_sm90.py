@@ -78,6 +78,7 @@ class BwdBarrier(enum.IntEnum):
     DS_READY = 1  # both consumer warpgroups wrote their half of dS
     DQ_FULL = 2  # DQ_FULL + warpgroup (2, 3): its dQ half is in smem, ready for the bulk reduce-add
     PDS_FREE = 4  # queries on rows: both warpgroups' GEMMs of the last step have read the P and dS buffers
+    DQ_EMPTY = 5  # DQ_EMPTY + warpgroup (5, 6), with the dQ writer warp: its reduce-add has read that dQ half
 
 
 def head_dims_refusal(head_dim: int, head_dim_v: int) -> str | None:
@@ -160,6 +161,7 @@ class FlashMaskBackwardSm90:
         self.lse_ahead = config.lse_ahead
         self.diagonal_steps = config.diagonal_steps and causal
         self.segment_steps = config.segment_steps
+        self.dq_writer = config.dq_writer
         self.deterministic = deterministic
 
     @classmethod
@@ -299,6 +301,8 @@ class FlashMaskBackwardSm90:
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_delta_layout)], 128]
             # The profiled build's cycle accumulators (one unused slot in the default build).
             step_cycles: cute.struct.MemRange[cutlass.Int64, profiled_slots]
+            # With the dQ writer, per warpgroup the (query tile, head, rank) of its dQ half in sdQ.
+            dq_targets: cute.struct.MemRange[Int32, 4 * wgs if self.dq_writer else 1]
 
         check_smem_fits(
             SharedStorage.size_in_bytes(),
@@ -439,6 +443,9 @@ class FlashMaskBackwardSm90:
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
         sLSE = storage.sLSE.get_tensor(s_row_layout)
         sDelta = storage.sDelta.get_tensor(s_delta_layout)
+        dq_targets = None
+        if const_expr(self.dq_writer):
+            dq_targets = storage.dq_targets.get_tensor(cute.make_layout((4, self.num_consumer_wgs)))
         mask_batch = batch * mask_batch_stride
 
         if warp_idx < 4:
@@ -492,6 +499,9 @@ class FlashMaskBackwardSm90:
                         self.mask_width,
                         self.diagonal_steps,
                     )
+            if const_expr(self.dq_writer):
+                if warp_idx == 2:
+                    self.write_dq(sdQ, dq_targets, mdQaccum, mSemaphore, batch)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             cycles = None
@@ -514,6 +524,7 @@ class FlashMaskBackwardSm90:
                 sdO,
                 sdS,
                 sdQ,
+                dq_targets,
                 tma_dk,
                 tma_dv,
                 tiled_mma_sdp,
@@ -664,6 +675,7 @@ class FlashMaskBackwardSm90:
         sdO,
         sdS,
         sdQ,
+        dq_targets,
         tma_dk,
         tma_dv,
         tiled_mma_sdp,
@@ -832,8 +844,9 @@ class FlashMaskBackwardSm90:
                     ds_slot = 1
                 cute.arch.fence_view_async_shared()
                 clock = profile.mark(clock, BwdEvent.DS)
-                if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(not self.dq_writer):
+                    if lane_in_wg == 0:  # sdQ is free again once the previous dQ reduce-add has read it
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=128 * wgs)
                 clock = profile.mark(clock, BwdEvent.DS_BARRIER)
                 if const_expr(not self.keys_on_rows):
@@ -848,7 +861,10 @@ class FlashMaskBackwardSm90:
                 warpgroup.wait_group(1)  # dV and dQ done, dK may still run
                 pipe_do.consumer_release(do_state)
                 clock = profile.mark(clock, BwdEvent.WAIT_DQ)
-                self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
+                if const_expr(self.dq_writer):
+                    self.hand_dq_to_writer(acc_dQ, sdQ_thread, dq_targets, m_block, head, rank, lane_in_wg, wg)
+                else:
+                    self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
                 clock = profile.mark(clock, BwdEvent.ADD_DQ)
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(state)
@@ -864,7 +880,9 @@ class FlashMaskBackwardSm90:
         profile.stamp(cta, BwdEvent.LOOP_END)
         profile.stamp(cta, BwdEvent.STEPS, step)
         profile.write_cycles(cta)
-        if lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
+        if const_expr(self.dq_writer):  # tell the writer there is no more, once it is free
+            self.hand_dq_to_writer(None, sdQ_thread, dq_targets, Int32(-1), Int32(0), Int32(0), lane_in_wg, wg)
+        elif lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(
             acc_dK,
@@ -925,18 +943,64 @@ class FlashMaskBackwardSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL) + wg, number_of_threads=128)
         if lane_in_wg == 0:
-            chunk = cute.cosize(sdQ.layout) // self.num_consumer_wgs
-            if const_expr(self.deterministic):
-                lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
-                while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") < rank * self.num_consumer_wgs:
-                    pass
-            target = mdQaccum.iterator + cute.crd2idx((batch, head, m_block, wg * chunk), mdQaccum.layout)
-            _bulk_reduce_add_f32(sdQ.iterator + wg * chunk, target, chunk * 4)
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0)
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
+            self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
+
+    @cute.jit
+    def reduce_dq_half(self, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg):
+        """One thread: the bulk reduce-add of warpgroup `wg`'s half of the dQ tile in smem (in key
+        order behind the semaphore in deterministic mode)."""
+        chunk = cute.cosize(sdQ.layout) // self.num_consumer_wgs
+        if const_expr(self.deterministic):
+            lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block), mSemaphore.layout)
+            while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") < rank * self.num_consumer_wgs:
+                pass
+        target = mdQaccum.iterator + cute.crd2idx((batch, head, m_block, wg * chunk), mdQaccum.layout)
+        _bulk_reduce_add_f32(sdQ.iterator + wg * chunk, target, chunk * 4)
+        cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.deterministic):
+            cute.arch.cp_async_bulk_wait_group(0)
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def hand_dq_to_writer(self, acc_dQ, sdQ_thread, dq_targets, m_block, head, rank, lane_in_wg, wg):
+        """With the dQ writer warp: once its previous add has read this warpgroup's sdQ half, the
+        fragment (and where it goes) into smem, and an arrive, not a wait, for the writer; without
+        a fragment (`acc_dQ` None, `m_block` -1), only the word that the steps are over."""
+        pair = 128 + 32  # the warpgroup and the writer warp
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY) + wg, number_of_threads=pair)
+        if lane_in_wg == 0:
+            dq_targets[0, wg], dq_targets[1, wg], dq_targets[2, wg] = m_block, head, rank
+        if const_expr(acc_dQ is not None):
+            cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
+            cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL) + wg, number_of_threads=pair)
+
+    @cute.jit
+    def write_dq(self, sdQ, dq_targets, mdQaccum, mSemaphore, batch):
+        """The dQ writer warp (warp 2): per step, each consumer warpgroup's dQ half from smem into
+        the fp32 accumulator by a bulk reduce-add, then sdQ freed once the adds have read it, so
+        the consumers neither wait for the one thread that issues the add nor for its read. Stops
+        at the query tile -1."""
+        pair = 128 + 32
+        lane = cute.arch.lane_idx()
+        for wg in cutlass.range_constexpr(self.num_consumer_wgs):  # sdQ starts free
+            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY) + wg, number_of_threads=pair)
+        m_block = Int32(0)
+        while m_block >= 0:
+            for wg in cutlass.range_constexpr(self.num_consumer_wgs):
+                cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL) + wg, number_of_threads=pair)
+                m_block = dq_targets[0, wg]
+                if m_block >= 0:
+                    if lane == 0:
+                        head, rank = dq_targets[1, wg], dq_targets[2, wg]
+                        self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
+            if m_block >= 0:
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                for wg in cutlass.range_constexpr(self.num_consumer_wgs):
+                    cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY) + wg, number_of_threads=pair)
 
     @cute.jit
     def store_dkv(

@@ -103,6 +103,37 @@ def test_diagonal_steps_give_the_default_backwards_numbers(name, seqlen_q, seqle
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize(
+    "name, head_dim",
+    [("full", 128), ("causal_document", 128), ("global_sliding_window", 128), ("causal", 64)]
+    + [("share_question", 256)],
+)
+def test_the_dq_writer_gives_the_default_backwards_numbers(name, head_dim):
+    """`dq_writer` moves only who issues dQ's reduce-adds and when sdQ is reused: the deterministic
+    backward bit for bit, dK and dV bit for bit, dQ within the fp32 add order's rounding and
+    against the fp32 reference (GQA 4 on 2, a ragged length)."""
+    from flashmask3.optimized import bwd_config
+    from flashmask3.optimized.interface import backward, forward
+    from flashmask3.reference import reference_attention
+
+    seqlen, scale = 1531, 1 / math.sqrt(head_dim)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=31, device="cuda")
+    q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=31)
+    default = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
+    writer = dataclasses.replace(default, dq_writer=not default.dq_writer)
+    out, lse = forward(q, k, v, mask, scale)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, mask, scale, config=default)
+    dq_w, dk_w, dv_w = backward(dout, q, k, v, out, lse, mask, scale, config=writer)
+    assert torch.equal(dk, dk_w) and torch.equal(dv, dv_w)
+    torch.testing.assert_close(dq_w, dq, rtol=1e-2, atol=1e-3)
+    deterministic = [backward(dout, q, k, v, out, lse, mask, scale, True, config=c) for c in (default, writer)]
+    assert all(torch.equal(a, b) for a, b in zip(*deterministic))
+    fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(reference_attention(*fp32, mask, scale)[0], fp32, dout.float())
+    for got, want in zip((dq_w, dk_w, dv_w), expected):
+        assert (got.float() - want).norm() <= 2e-2 * want.norm()
+
+
 @pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
 def test_late_k_release_gives_the_early_releases_numbers(name):
     """`late_k_release` (the default at head dim 128) moves only a pipeline release: the outputs and

@@ -484,6 +484,30 @@ def test_segment_steps_keep_the_loop_in_registers(tmp_path, head_dim, causal, wi
     assert "STG.E.128" in sass and "UTMASTG" in sass
 
 
+@pytest.mark.slow  # compiles and disassembles five backwards, ~30 s
+@pytest.mark.parametrize(
+    "head_dim, causal, width, deterministic",
+    [(128, True, 1, False), (128, False, 4, False), (128, True, 2, True), (64, False, 2, False), (256, True, 1, False)],
+)
+def test_the_dq_writer_keeps_the_loop_in_registers(tmp_path, head_dim, causal, width, deterministic):
+    """`dq_writer` moves the dQ reduce-add's issue and its smem-read wait to warp 2 (24 or 32
+    registers, deterministic mode's semaphore included): no local memory anywhere, the step's
+    WGMMAs in flight, the bulk reduce-add still in the kernel, and the same HGMMA count as without."""
+    setup = "import dataclasses; from flashmask3.optimized import bwd_config"
+
+    def build(on: bool) -> tuple[str, str]:
+        config = f"dataclasses.replace(bwd_config({head_dim}, {causal}, {width}), dq_writer={on})"
+        args = f"'bf16', {head_dim}, {causal}, {width}, {config}, direction='bwd', deterministic={deterministic}"
+        name = f"dq_writer_{head_dim}_{causal}_{width}_{deterministic}_{on}"
+        sass = compiled_sass(tmp_path, name, "FlashMaskBackward", args, setup)
+        return sass, hot_loop_in_registers(sass, name)[1]
+
+    (sass, summary), (_, default_summary) = build(True), build(False)
+    assert "UBLKRED" in sass or "BULK" in sass, "no bulk reduce-add in the writer's build"
+    hgmma = [part for part in summary.split(",") if "HGMMA" in part]
+    assert hgmma == [part for part in default_summary.split(",") if "HGMMA" in part], (summary, default_summary)
+
+
 def test_backward_grid_order_build_compiles():
     """The build long grids run (the default compile is the longest-first one): key tile, KV head
     and batch from the 3-D grid."""

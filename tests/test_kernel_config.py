@@ -85,6 +85,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             longest_ctas_first_buckets=8,
             diagonal_steps=False,
             segment_steps=False,
+            dq_writer=False,
         )
 
 
@@ -150,6 +151,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "longest_ctas_first_buckets": int,
         "diagonal_steps": bool,
         "segment_steps": bool,
+        "dq_writer": bool,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
