@@ -246,6 +246,10 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     masks, the steps only the diagonal cuts masked without their keys' bounds (-0.1 to +1.6%, +0.5%
     on average over three shapes). The step itself is in the peers' order (dV after dS is in smem,
     dQ before dK, the dQ add while dK runs: +1.1-1.4% fwd+bwd at 8K over issuing dV and dK first).
+    The dQ reduce-adds from a warp of their own (on an H100, fwd+bwd +2.5-7% at the training shape
+    on six masks, +1.5-3.8% at 8K on five, +1-5% at head dims 64, 192 and 256; -0.2 to -2.3% on
+    causal documents and share-question at the training shape, -4% on documents at 8K), except at
+    head dim 192 with four bounds per key, whose consumers spill a register with it.
     Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
     thread; read after the S GEMM, the width-4 build at 192 spills)."""
@@ -260,7 +264,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
         diagonal_steps=causal,
         segment_steps=False,
-        dq_writer=False,
+        dq_writer=not (head_dim == 192 and mask_width == 4),  # there its consumers spill with it
     )
 
 

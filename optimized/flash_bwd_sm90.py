@@ -301,7 +301,7 @@ class FlashMaskBackwardSm90:
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(s_delta_layout)], 128]
             # The profiled build's cycle accumulators (one unused slot in the default build).
             step_cycles: cute.struct.MemRange[cutlass.Int64, profiled_slots]
-            # With the dQ writer, per warpgroup the (query tile, head, rank) of its dQ half in sdQ.
+            # With the dQ writer, per warpgroup the (query tile, head, batch, rank) of its dQ half in sdQ.
             dq_targets: cute.struct.MemRange[Int32, 4 * wgs if self.dq_writer else 1]
 
         check_smem_fits(
@@ -501,7 +501,7 @@ class FlashMaskBackwardSm90:
                     )
             if const_expr(self.dq_writer):
                 if warp_idx == 2:
-                    self.write_dq(sdQ, dq_targets, mdQaccum, mSemaphore, batch)
+                    self.write_dq(sdQ, dq_targets, mdQaccum, mSemaphore)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             cycles = None
@@ -862,7 +862,7 @@ class FlashMaskBackwardSm90:
                 pipe_do.consumer_release(do_state)
                 clock = profile.mark(clock, BwdEvent.WAIT_DQ)
                 if const_expr(self.dq_writer):
-                    self.hand_dq_to_writer(acc_dQ, sdQ_thread, dq_targets, m_block, head, rank, lane_in_wg, wg)
+                    self.hand_dq_to_writer(acc_dQ, sdQ_thread, dq_targets, dq_target, lane_in_wg, wg)
                 else:
                     self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
                 clock = profile.mark(clock, BwdEvent.ADD_DQ)
@@ -881,7 +881,7 @@ class FlashMaskBackwardSm90:
         profile.stamp(cta, BwdEvent.STEPS, step)
         profile.write_cycles(cta)
         if const_expr(self.dq_writer):  # tell the writer there is no more, once it is free
-            self.hand_dq_to_writer(None, sdQ_thread, dq_targets, Int32(-1), Int32(0), Int32(0), lane_in_wg, wg)
+            self.hand_dq_to_writer(None, sdQ_thread, dq_targets, (Int32(-1), head_kv, batch, Int32(0)), lane_in_wg, wg)
         elif lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(
@@ -963,21 +963,23 @@ class FlashMaskBackwardSm90:
             cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def hand_dq_to_writer(self, acc_dQ, sdQ_thread, dq_targets, m_block, head, rank, lane_in_wg, wg):
+    def hand_dq_to_writer(self, acc_dQ, sdQ_thread, dq_targets, target, lane_in_wg, wg):
         """With the dQ writer warp: once its previous add has read this warpgroup's sdQ half, the
-        fragment (and where it goes) into smem, and an arrive, not a wait, for the writer; without
-        a fragment (`acc_dQ` None, `m_block` -1), only the word that the steps are over."""
+        fragment and its `target` (query tile, head, batch, rank) into smem, and an arrive, not a
+        wait, for the writer; without a fragment (`acc_dQ` None, query tile -1), only the word that
+        the steps are over."""
         pair = 128 + 32  # the warpgroup and the writer warp
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY) + wg, number_of_threads=pair)
         if lane_in_wg == 0:
-            dq_targets[0, wg], dq_targets[1, wg], dq_targets[2, wg] = m_block, head, rank
+            for i in cutlass.range_constexpr(4):
+                dq_targets[i, wg] = target[i]
         if const_expr(acc_dQ is not None):
             cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
             cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL) + wg, number_of_threads=pair)
 
     @cute.jit
-    def write_dq(self, sdQ, dq_targets, mdQaccum, mSemaphore, batch):
+    def write_dq(self, sdQ, dq_targets, mdQaccum, mSemaphore):
         """The dQ writer warp (warp 2): per step, each consumer warpgroup's dQ half from smem into
         the fp32 accumulator by a bulk reduce-add, then sdQ freed once the adds have read it, so
         the consumers neither wait for the one thread that issues the add nor for its read. Stops
@@ -993,7 +995,7 @@ class FlashMaskBackwardSm90:
                 m_block = dq_targets[0, wg]
                 if m_block >= 0:
                     if lane == 0:
-                        head, rank = dq_targets[1, wg], dq_targets[2, wg]
+                        head, batch, rank = dq_targets[1, wg], dq_targets[2, wg], dq_targets[3, wg]
                         self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
             if m_block >= 0:
                 if lane == 0:

@@ -85,7 +85,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             longest_ctas_first_buckets=8,
             diagonal_steps=False,
             segment_steps=False,
-            dq_writer=False,
+            dq_writer=True,
         )
 
 
