@@ -149,10 +149,6 @@ class BwdConfig:
     # its lane 0 to issue the add and, before the next step's dS barrier, for the add to have
     # read smem (the wait that grows when the adds queue in L2).
     dq_writer: bool
-    # sdQ buffers, 1 or 2 (with the writer only): with two, a step's dQ goes to the buffer the
-    # step before last used, so the writer frees a buffer once the add before its latest has read
-    # it, not its latest; 32 KB more smem at head dim 128 (with two Q/dO stages, not three).
-    dq_buffers: int
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -172,8 +168,6 @@ class BwdConfig:
             raise ValueError(f"segment_steps needs key_tile=128 (the segments' granule), got key_tile={self.key_tile}")
         if self.longest_ctas_first_waves < 0:
             raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
-        if self.dq_buffers not in (1, 2) or (self.dq_buffers == 2 and not self.dq_writer):
-            raise ValueError(f"dq_buffers must be 1, or 2 with dq_writer=True, got {self.dq_buffers}")
         if self.longest_ctas_first_buckets < 0:
             raise ValueError(f"longest_ctas_first_buckets must be >= 0, got {self.longest_ctas_first_buckets}")
 
@@ -271,7 +265,6 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         diagonal_steps=causal,
         segment_steps=False,
         dq_writer=not (head_dim == 192 and mask_width == 4),  # there its consumers spill with it
-        dq_buffers=1,
     )
 
 

@@ -162,7 +162,6 @@ class FlashMaskBackwardSm90:
         self.diagonal_steps = config.diagonal_steps and causal
         self.segment_steps = config.segment_steps
         self.dq_writer = config.dq_writer
-        self.dq_buffers = config.dq_buffers
         self.deterministic = deterministic
 
     @classmethod
@@ -291,7 +290,7 @@ class FlashMaskBackwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) * self.dq_buffers], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.do_stages * 2]
@@ -739,7 +738,6 @@ class FlashMaskBackwardSm90:
         st_coords = thr_sdp.partition_C(cute.make_identity_tensor(st_tile))
         lane_in_wg = tidx % 128
         sdQ_thread = sdQ[None, lane_in_wg, None, wg]  # (4, values / 4): the thread's 16-byte slots
-        dq_buffer_floats = cute.cosize(sdQ.layout)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         key_start = n_block * tn
@@ -864,13 +862,7 @@ class FlashMaskBackwardSm90:
                 pipe_do.consumer_release(do_state)
                 clock = profile.mark(clock, BwdEvent.WAIT_DQ)
                 if const_expr(self.dq_writer):
-                    step_sdQ = sdQ_thread
-                    if const_expr(self.dq_buffers > 1):  # the step's buffer, in turn
-                        buffer = cute.make_tensor(
-                            sdQ.iterator + (step % self.dq_buffers) * dq_buffer_floats, sdQ.layout
-                        )
-                        step_sdQ = buffer[None, lane_in_wg, None, wg]
-                    self.hand_dq_to_writer(acc_dQ, step_sdQ, dq_targets, dq_target, lane_in_wg, wg)
+                    self.hand_dq_to_writer(acc_dQ, sdQ_thread, dq_targets, dq_target, lane_in_wg, wg)
                 else:
                     self.add_dq(acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, *dq_target, lane_in_wg, wg)
                 clock = profile.mark(clock, BwdEvent.ADD_DQ)
@@ -989,35 +981,28 @@ class FlashMaskBackwardSm90:
     @cute.jit
     def write_dq(self, sdQ, dq_targets, mdQaccum, mSemaphore):
         """The dQ writer warp (warp 2): per step, each consumer warpgroup's dQ half from smem into
-        the fp32 accumulator by a bulk reduce-add, then a buffer freed once its adds have read it
-        (with two buffers, the step before's), so the consumers neither wait for the one thread
-        that issues the add nor, with two, for its read. Stops at the query tile -1."""
+        the fp32 accumulator by a bulk reduce-add, then sdQ freed once the adds have read it, so
+        the consumers neither wait for the one thread that issues the add nor for its read. Stops
+        at the query tile -1."""
         pair = 128 + 32
         lane = cute.arch.lane_idx()
-        buffer_floats = cute.cosize(sdQ.layout)
-        for wg in cutlass.range_constexpr(self.num_consumer_wgs):  # the first buffer starts free
+        for wg in cutlass.range_constexpr(self.num_consumer_wgs):  # sdQ starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY) + wg, number_of_threads=pair)
         m_block = Int32(0)
-        step = Int32(0)
         while m_block >= 0:
-            buffer = cute.make_tensor(sdQ.iterator + (step % self.dq_buffers) * buffer_floats, sdQ.layout)
             for wg in cutlass.range_constexpr(self.num_consumer_wgs):
                 cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL) + wg, number_of_threads=pair)
                 m_block = dq_targets[0, wg]
                 if m_block >= 0:
                     if lane == 0:
                         head, batch, rank = dq_targets[1, wg], dq_targets[2, wg], dq_targets[3, wg]
-                        self.reduce_dq_half(buffer, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
+                        self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
             if m_block >= 0:
-                if lane == 0:  # one bulk group per warpgroup and step: all but this step's may be open
-                    cute.arch.cp_async_bulk_wait_group(self.num_consumer_wgs * (self.dq_buffers - 1), read=True)
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.sync_warp()
                 for wg in cutlass.range_constexpr(self.num_consumer_wgs):
                     cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY) + wg, number_of_threads=pair)
-            step += 1
-        if const_expr(self.dq_buffers > 1):
-            if lane == 0:  # the last adds must have read smem before the CTA exits
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def store_dkv(

@@ -86,7 +86,6 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             diagonal_steps=False,
             segment_steps=False,
             dq_writer=True,
-            dq_buffers=1,
         )
 
 
@@ -153,7 +152,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "diagonal_steps": bool,
         "segment_steps": bool,
         "dq_writer": bool,
-        "dq_buffers": int,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
@@ -198,14 +196,6 @@ def test_segment_steps_are_for_128_key_tiles():
     with pytest.raises(ValueError, match="segment_steps needs key_tile=128 .*got key_tile=48"):
         dataclasses.replace(bwd_config(256, True, 1), segment_steps=True)
     assert dataclasses.replace(bwd_config(128, True, 1), segment_steps=True).segment_steps
-
-
-def test_two_dq_buffers_need_the_dq_writer():
-    with pytest.raises(ValueError, match="dq_buffers must be 1, or 2 with dq_writer=True, got 2"):
-        dataclasses.replace(bwd_config(192, False, 4), dq_buffers=2)
-    with pytest.raises(ValueError, match="dq_buffers must be 1, or 2 with dq_writer=True, got 3"):
-        dataclasses.replace(bwd_config(128, True, 1), dq_buffers=3)
-    assert dataclasses.replace(bwd_config(128, True, 1), dq_buffers=2).dq_buffers == 2
 
 
 def test_the_chosen_forward_for_a_mask_follows_its_variant_and_segmented_hint():

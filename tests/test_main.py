@@ -182,7 +182,6 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
             "diagonal_steps": True,
             "segment_steps": False,
             "dq_writer": True,
-            "dq_buffers": 1,
         },
     }
     assert {type(c).__name__ for c in seen} == {"FwdConfig", "BwdConfig"}
@@ -195,7 +194,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
         " off_diagonal_tiles=False segment_tiles=False;"
         " bwd key_tile=128 keys_on_rows=True q_stages=3 do_stages=0 lse_ahead=True longest_ctas_first_waves=16"
         " longest_ctas_first_buckets=8"
-        " diagonal_steps=True segment_steps=False dq_writer=True dq_buffers=1"
+        " diagonal_steps=True segment_steps=False dq_writer=True"
     )
     assert f"kernel=no_persistent: {chosen}" in printed
 
