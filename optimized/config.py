@@ -149,6 +149,10 @@ class BwdConfig:
     # its lane 0 to issue the add and, before the next step's dS barrier, for the add to have
     # read smem (the wait that grows when the adds queue in L2).
     dq_writer: bool
+    # Q/dO stages where the CTAs go longest first (a grid of at most `longest_ctas_first_waves`
+    # waves, `for_short_grid`), 0 for `q_stages` there too: a short grid's CTAs run together
+    # from the start, and with the dQ writer two stages can beat three there.
+    short_grid_q_stages: int
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -168,6 +172,8 @@ class BwdConfig:
             raise ValueError(f"segment_steps needs key_tile=128 (the segments' granule), got key_tile={self.key_tile}")
         if self.longest_ctas_first_waves < 0:
             raise ValueError(f"longest_ctas_first_waves must be >= 0, got {self.longest_ctas_first_waves}")
+        if self.short_grid_q_stages not in (0, 2, 3):
+            raise ValueError(f"short_grid_q_stages must be 0 (as q_stages), 2 or 3, got {self.short_grid_q_stages}")
         if self.longest_ctas_first_buckets < 0:
             raise ValueError(f"longest_ctas_first_buckets must be >= 0, got {self.longest_ctas_first_buckets}")
 
@@ -175,6 +181,10 @@ class BwdConfig:
     def do_depth(self) -> int:
         """dO pipeline stages: `do_stages`, or Q's count where it is 0."""
         return self.do_stages or self.q_stages
+
+    def for_short_grid(self) -> BwdConfig:
+        """The configuration a short grid (the CTAs longest first) runs: `short_grid_q_stages`."""
+        return dataclasses.replace(self, q_stages=self.short_grid_q_stages or self.q_stages)
 
 
 LONGEST_TILES_FIRST_WAVES = 128
@@ -249,7 +259,11 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     The dQ reduce-adds from a warp of their own (on an H100, fwd+bwd +2.5-7% at the training shape
     on six masks, +1.5-3.8% at 8K on five, +1-5% at head dims 64, 192 and 256; -0.2 to -2.3% on
     causal documents and share-question at the training shape, -4% on documents at 8K), except at
-    head dim 192 with four bounds per key, whose consumers spill a register with it.
+    head dim 192 with four bounds per key, whose consumers spill a register with it. With the
+    writer, at head dim 128 on the causal masks with one bound per key, short grids (the CTAs
+    longest first) take two Q/dO stages (on an H100 at the training shape fwd+bwd +6.2-6.7% on
+    causal documents, +10.8-10.9% share-question, +3.2% causal, -3.9% sliding window; at 8K, in
+    grid order, two and three within 1.6%).
     Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
     thread; read after the S GEMM, the width-4 build at 192 spills)."""
@@ -265,6 +279,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         diagonal_steps=causal,
         segment_steps=False,
         dq_writer=not (head_dim == 192 and mask_width == 4),  # there its consumers spill with it
+        short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
     )
 
 

@@ -154,6 +154,7 @@ def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig 
             config,
             longest_ctas_first_waves=0,
             longest_ctas_first_buckets=0,
+            short_grid_q_stages=0,
             do_stages=config.do_depth,
         )
     return config
@@ -409,6 +410,7 @@ def backward(
             lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, tile_n),
             config.longest_ctas_first_buckets,
         )
+        config = config.for_short_grid()
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, step_rows]
     tensors.append(timeline)
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]

@@ -508,6 +508,21 @@ def test_the_dq_writer_keeps_the_loop_in_registers(tmp_path, head_dim, causal, w
     assert hgmma == [part for part in default_summary.split(",") if "HGMMA" in part], (summary, default_summary)
 
 
+@pytest.mark.slow  # compiles and disassembles two backwards, ~15 s
+def test_the_short_grid_backward_keeps_the_loop_in_registers(tmp_path):
+    """The short grids' build (two Q/dO stages with the dQ writer, causal, one bound per key): no
+    local memory, its WGMMAs in flight, as many as the long grids' three-stage build."""
+    setup = "from flashmask3.optimized import bwd_config"
+    summaries = []
+    for config in ("bwd_config(128, True, 1)", "bwd_config(128, True, 1).for_short_grid()"):
+        args = f"'bf16', 128, True, 1, {config}, direction='bwd'"
+        name = f"short_grid_{len(summaries)}"
+        summaries.append(
+            hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskBackward", args, setup), name)[1]
+        )
+    assert [p for p in summaries[0].split(",") if "HGMMA" in p] == [p for p in summaries[1].split(",") if "HGMMA" in p]
+
+
 def test_backward_grid_order_build_compiles():
     """The build long grids run (the default compile is the longest-first one): key tile, KV head
     and batch from the 3-D grid."""

@@ -86,6 +86,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             diagonal_steps=False,
             segment_steps=False,
             dq_writer=True,
+            short_grid_q_stages=0,
         )
 
 
@@ -152,6 +153,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "diagonal_steps": bool,
         "segment_steps": bool,
         "dq_writer": bool,
+        "short_grid_q_stages": int,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
@@ -196,6 +198,20 @@ def test_segment_steps_are_for_128_key_tiles():
     with pytest.raises(ValueError, match="segment_steps needs key_tile=128 .*got key_tile=48"):
         dataclasses.replace(bwd_config(256, True, 1), segment_steps=True)
     assert dataclasses.replace(bwd_config(128, True, 1), segment_steps=True).segment_steps
+
+
+def test_short_grids_take_two_query_stages_on_the_one_bound_causal_masks_at_head_dim_128():
+    """With the dQ writer, the CTAs-longest-first grids of the causal one-bound masks at head dim
+    128 run two Q/dO stages; every other variant and head dim, and every long grid, its q_stages."""
+    for head_dim in (64, 128, 192, 256):
+        for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
+            config = bwd_config(head_dim, causal, width)
+            two = head_dim == 128 and causal and width == 1
+            assert config.for_short_grid().q_stages == (2 if two else config.q_stages)
+            assert config.for_short_grid() == dataclasses.replace(config, q_stages=config.for_short_grid().q_stages)
+    assert bwd_config(128, True, 1).q_stages == 3
+    with pytest.raises(ValueError, match="short_grid_q_stages must be 0 \\(as q_stages\\), 2 or 3, got 1"):
+        dataclasses.replace(bwd_config(128, True, 1), short_grid_q_stages=1)
 
 
 def test_the_chosen_forward_for_a_mask_follows_its_variant_and_segmented_hint():

@@ -182,6 +182,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
             "diagonal_steps": True,
             "segment_steps": False,
             "dq_writer": True,
+            "short_grid_q_stages": 0,
         },
     }
     assert {type(c).__name__ for c in seen} == {"FwdConfig", "BwdConfig"}
@@ -194,7 +195,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
         " off_diagonal_tiles=False segment_tiles=False;"
         " bwd key_tile=128 keys_on_rows=True q_stages=3 do_stages=0 lse_ahead=True longest_ctas_first_waves=16"
         " longest_ctas_first_buckets=8"
-        " diagonal_steps=True segment_steps=False dq_writer=True"
+        " diagonal_steps=True segment_steps=False dq_writer=True short_grid_q_stages=0"
     )
     assert f"kernel=no_persistent: {chosen}" in printed
 

@@ -39,6 +39,16 @@ def cases() -> dict[str, dict]:
             for causal, width in VARIANTS:
                 label = f"{direction} bf16 d{head_dim} {'causal' if causal else 'noncausal'} w{width}"
                 chosen[label] = dict(dtype="bf16", head_dim=head_dim, causal=causal, width=width, direction=direction)
+    from flashmask3.optimized import bwd_config
+
+    chosen["bwd bf16 d128 causal w1 short grid"] = dict(  # the CTAs longest first: two Q/dO stages
+        dtype="bf16",
+        head_dim=128,
+        causal=True,
+        width=1,
+        direction="bwd",
+        config=bwd_config(128, True, 1).for_short_grid(),
+    )
     chosen["bwd bf16 d128 causal w1 deterministic"] = dict(
         dtype="bf16", head_dim=128, causal=True, width=1, direction="bwd", deterministic=True
     )
