@@ -18,6 +18,21 @@ def _hopper_only():
         pytest.skip("the cute backend needs a Hopper GPU")
 
 
+def assert_same_gradients(inputs: tuple, first, second) -> tuple[torch.Tensor, ...]:
+    """The backward under configs `first` and `second` on `inputs` (dout, q, k, v, out, lse, mask,
+    scale) for configurations that change only when or where the work runs: dK and dV bit for bit,
+    dQ within the fp32 add order's rounding, deterministic mode bit for bit. Returns `second`'s."""
+    from flashmask3.optimized.interface import backward
+
+    dq, dk, dv = backward(*inputs, config=first)
+    dq2, dk2, dv2 = backward(*inputs, config=second)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+    torch.testing.assert_close(dq2, dq, rtol=1e-2, atol=1e-3)
+    deterministic = [backward(*inputs, True, config=c) for c in (first, second)]
+    assert all(torch.equal(a, b) for a, b in zip(*deterministic))
+    return dq2, dk2, dv2
+
+
 @pytest.mark.parametrize("name", ["causal", "causal_document", "share_question", "random_eviction", "qk_sparse"])
 @pytest.mark.parametrize("seqlen, head_dim, dtype", [(777, 64, torch.float16), (1024, 128, torch.bfloat16)])
 def test_cute_forward_and_gradients_match_the_reference(name, seqlen, head_dim, dtype):
@@ -58,20 +73,16 @@ def test_three_query_stages_give_the_two_stage_backwards_numbers(name):
     """`q_stages=3` only lets the producer load further ahead: dK and dV bit for bit, dQ within the
     fp32 add order's rounding, deterministic mode bit for bit (GQA 4 on 2, a ragged length)."""
     from flashmask3.optimized import bwd_config
-    from flashmask3.optimized.interface import backward, forward
+    from flashmask3.optimized.interface import forward
 
     seqlen, scale = 1531, 1 / math.sqrt(128)
     mask = masks.build(name, seqlen, batch=2, heads=4, seed=19, device="cuda")
     q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=19)
-    three = bwd_config(128, mask.causal, mask.startend_row_indices.shape[-1])
-    two = dataclasses.replace(three, q_stages=2)
+    three = dataclasses.replace(
+        bwd_config(128, mask.causal, mask.startend_row_indices.shape[-1]), short_grid_q_stages=0
+    )
     out, lse = forward(q, k, v, mask, scale)
-    dq, dk, dv = backward(dout, q, k, v, out, lse, mask, scale, config=two)
-    dq3, dk3, dv3 = backward(dout, q, k, v, out, lse, mask, scale, config=three)
-    assert torch.equal(dk, dk3) and torch.equal(dv, dv3)
-    torch.testing.assert_close(dq3, dq, rtol=1e-2, atol=1e-3)
-    deterministic = [backward(dout, q, k, v, out, lse, mask, scale, True, config=c) for c in (two, three)]
-    assert all(torch.equal(a, b) for a, b in zip(*deterministic))
+    assert_same_gradients((dout, q, k, v, out, lse, mask, scale), dataclasses.replace(three, q_stages=2), three)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +124,7 @@ def test_the_dq_writer_gives_the_default_backwards_numbers(name, head_dim):
     backward bit for bit, dK and dV bit for bit, dQ within the fp32 add order's rounding and
     against the fp32 reference (GQA 4 on 2, a ragged length)."""
     from flashmask3.optimized import bwd_config
-    from flashmask3.optimized.interface import backward, forward
+    from flashmask3.optimized.interface import forward
     from flashmask3.reference import reference_attention
 
     seqlen, scale = 1531, 1 / math.sqrt(head_dim)
@@ -122,12 +133,7 @@ def test_the_dq_writer_gives_the_default_backwards_numbers(name, head_dim):
     default = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
     writer = dataclasses.replace(default, dq_writer=not default.dq_writer)
     out, lse = forward(q, k, v, mask, scale)
-    dq, dk, dv = backward(dout, q, k, v, out, lse, mask, scale, config=default)
-    dq_w, dk_w, dv_w = backward(dout, q, k, v, out, lse, mask, scale, config=writer)
-    assert torch.equal(dk, dk_w) and torch.equal(dv, dv_w)
-    torch.testing.assert_close(dq_w, dq, rtol=1e-2, atol=1e-3)
-    deterministic = [backward(dout, q, k, v, out, lse, mask, scale, True, config=c) for c in (default, writer)]
-    assert all(torch.equal(a, b) for a, b in zip(*deterministic))
+    dq_w, dk_w, dv_w = assert_same_gradients((dout, q, k, v, out, lse, mask, scale), default, writer)
     fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
     expected = torch.autograd.grad(reference_attention(*fp32, mask, scale)[0], fp32, dout.float())
     for got, want in zip((dq_w, dk_w, dv_w), expected):
