@@ -151,7 +151,8 @@ class BwdConfig:
     dq_writer: bool
     # Q/dO stages where the CTAs go longest first (a grid of at most `longest_ctas_first_waves`
     # waves, `for_short_grid`), 0 for `q_stages` there too: a short grid's CTAs run together
-    # from the start, and with the dQ writer two stages can beat three there.
+    # from the start, and with the dQ writer two stages can beat three there. It overrides
+    # `q_stages` in short grids: set it to 0 with a `q_stages` meant for every grid.
     short_grid_q_stages: int
 
     def __post_init__(self) -> None:
@@ -294,10 +295,13 @@ def config_fields() -> dict[str, type]:
 
 def apply_overrides(config: Config, overrides: Mapping[str, bool | int]) -> Config:
     """`config` with the entries of `overrides` that name its fields replaced (the others belong to
-    the other direction's configuration); a name of neither is an error."""
+    the other direction's configuration); a name of neither is an error. A `q_stages` given
+    without `short_grid_q_stages` holds in short grids too."""
     unknown = sorted(set(overrides) - set(config_fields()))
     if unknown:
         raise ValueError(f"no kernel config field {', '.join(unknown)}; the fields: {', '.join(config_fields())}")
     own = {f.name for f in dataclasses.fields(config)}
     changes: dict[str, Any] = {name: value for name, value in overrides.items() if name in own}
+    if "q_stages" in changes:
+        changes.setdefault("short_grid_q_stages", 0)
     return dataclasses.replace(config, **changes)

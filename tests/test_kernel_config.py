@@ -210,6 +210,9 @@ def test_short_grids_take_two_query_stages_on_the_one_bound_causal_masks_at_head
             assert config.for_short_grid().q_stages == (2 if two else config.q_stages)
             assert config.for_short_grid() == dataclasses.replace(config, q_stages=config.for_short_grid().q_stages)
     assert bwd_config(128, True, 1).q_stages == 3
+    three = apply_overrides(bwd_config(128, True, 1), {"q_stages": 3})  # an explicit count holds everywhere
+    assert three.for_short_grid().q_stages == 3
+    assert apply_overrides(bwd_config(128, True, 1), {"short_grid_q_stages": 3}).for_short_grid().q_stages == 3
     with pytest.raises(ValueError, match="short_grid_q_stages must be 0 \\(as q_stages\\), 2 or 3, got 1"):
         dataclasses.replace(bwd_config(128, True, 1), short_grid_q_stages=1)
 
