@@ -130,13 +130,9 @@ def run_experiment(cfg: DictConfig) -> dict:
 def _cute_calls(cfg: DictConfig, q, k, v, dout, mask) -> tuple[Callable, Callable, dict]:
     """(fwd, fwd_bwd, what they run): the cute kernels in the configurations chosen for the head dim
     and mask, with `cfg.kernel.changes` applied; fwd returns out, fwd_bwd (dq, dk, dv)."""
-    from .optimized import bwd_config, interface
-    from .optimized.config import apply_overrides
+    from .optimized import interface
 
-    changes = OmegaConf.to_container(cfg.kernel.changes)
-    variant = interface.mask_variant(mask)
-    fwd_cfg = apply_overrides(interface.mask_fwd_config(cfg.head_dim, mask), changes)
-    bwd_cfg = apply_overrides(bwd_config(cfg.head_dim, *variant), changes)
+    fwd_cfg, bwd_cfg = interface.mask_configs(cfg.head_dim, mask, OmegaConf.to_container(cfg.kernel.changes))
     scale = cfg.head_dim**-0.5
     deterministic = bool(cfg.bench.deterministic)
 

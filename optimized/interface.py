@@ -19,11 +19,12 @@ import functools
 import importlib.util
 import threading
 import time
+from collections.abc import Mapping
 
 import torch
 
 from ..reference import ColumnMask
-from .config import BACKWARD_HEAD_DIMS, FORWARD_HEAD_DIMS, BwdConfig, FwdConfig, bwd_config, fwd_config
+from .config import BACKWARD_HEAD_DIMS, FORWARD_HEAD_DIMS, BwdConfig, FwdConfig, apply_overrides, bwd_config, fwd_config
 from .segments import cached_segment_plan, forward_virtual_length, query_tile_rows
 from .tile_plan import (
     backward_cta_steps,
@@ -102,6 +103,17 @@ def mask_variant(mask: ColumnMask | None) -> tuple[bool, int]:
 def mask_fwd_config(head_dim: int, mask: ColumnMask | None) -> FwdConfig:
     """`fwd_config`'s choice for this head dim and mask: its variant and its segmented hint."""
     return fwd_config(head_dim, *mask_variant(mask), segmented=mask is not None and mask.segmented)
+
+
+def mask_configs(
+    head_dim: int, mask: ColumnMask | None, overrides: Mapping[str, bool | int] | None = None
+) -> tuple[FwdConfig, BwdConfig]:
+    """Both directions' choices for this head dim and mask, with `overrides` (`apply_overrides`)."""
+    changes = overrides or {}
+    return (
+        apply_overrides(mask_fwd_config(head_dim, mask), changes),
+        apply_overrides(bwd_config(head_dim, *mask_variant(mask)), changes),
+    )
 
 
 def _to_cute(t: torch.Tensor):

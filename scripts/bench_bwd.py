@@ -51,12 +51,12 @@ from bench_fwd import (
     run_ablation,
     run_batch,
     run_check,
-    variant_configs,
     variant_overrides,
 )
 from flashmask3.optimized import compile_seconds
 from flashmask3.optimized.interface import backward as cute_backward
 from flashmask3.optimized.interface import forward as cute_forward
+from flashmask3.optimized.interface import mask_configs
 from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import compare, random_inputs
 
@@ -201,7 +201,7 @@ def backward_step(mask: ColumnMask, head_dim: int, overrides: dict):
     """The timed call of the backward ablation under a variant's changes: the cute forward, then its
     backward -> (dq, dk, dv)."""
     scale = head_dim**-0.5
-    fwd, bwd = variant_configs(mask, head_dim, overrides)
+    fwd, bwd = mask_configs(head_dim, mask, overrides)
 
     def run(q, k, v, dout):
         out, lse = cute_forward(q, k, v, mask, scale, config=fwd)

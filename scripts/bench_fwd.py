@@ -38,10 +38,10 @@ import sys
 import time
 
 import torch
-from flashmask3.optimized import BwdConfig, FwdConfig, bwd_config, compile_seconds
-from flashmask3.optimized.config import apply_overrides, config_fields
+from flashmask3.optimized import compile_seconds
+from flashmask3.optimized.config import config_fields
 from flashmask3.optimized.interface import forward as cute_forward
-from flashmask3.optimized.interface import mask_fwd_config, mask_variant
+from flashmask3.optimized.interface import mask_configs
 from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import compare, random_inputs
 
@@ -275,18 +275,9 @@ def variant_overrides(variant: str) -> dict:
     return kernel_overrides(variant.split("+"))
 
 
-def variant_configs(mask: ColumnMask, head_dim: int, overrides: dict) -> tuple[FwdConfig, BwdConfig]:
-    """The configurations chosen for this head dim and mask, with a variant's changes applied."""
-    variant = mask_variant(mask)
-    return (
-        apply_overrides(mask_fwd_config(head_dim, mask), overrides),
-        apply_overrides(bwd_config(head_dim, *variant), overrides),
-    )
-
-
 def forward_step(mask: ColumnMask, head_dim: int, overrides: dict):
     """The timed call of the forward ablation under a variant's changes: q, k, v, dout -> (out,)."""
-    config, _ = variant_configs(mask, head_dim, overrides)
+    config, _ = mask_configs(head_dim, mask, overrides)
     return lambda q, k, v, dout: cute_forward(q, k, v, mask, head_dim**-0.5, config=config)[:1]
 
 

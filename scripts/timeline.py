@@ -280,16 +280,13 @@ def fa4_backward(case, q, k, v, dout, marked: bool) -> tuple[tuple[torch.Tensor,
 
 def main() -> None:
     from bench_fwd import kernel_overrides
-    from flashmask3.optimized import bwd_config
-    from flashmask3.optimized.config import apply_overrides
     from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90
     from flashmask3.optimized.interface import (
         backward,
         backward_ctas,
         forward,
         forward_ctas,
-        mask_fwd_config,
-        mask_variant,
+        mask_configs,
     )
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -318,7 +315,7 @@ def main() -> None:
         batch, args.seqlen, args.seqlen, heads, kv_heads, args.head_dim, torch.bfloat16, "cuda"
     )
     scale = 1 / math.sqrt(args.head_dim)
-    config = apply_overrides(mask_fwd_config(args.head_dim, mask), kernel_overrides(args.kernel))
+    config, bwd = mask_configs(args.head_dim, mask, kernel_overrides(args.kernel))
     out_dir = results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "timeline_bwd" if args.backward else "timeline"
@@ -326,7 +323,6 @@ def main() -> None:
     name += f"_{args.peer}" if args.peer else ""
     case = bench_peers.PeerCase(args.mask, mask, batch, heads, scale)
     if args.backward:
-        bwd = apply_overrides(bwd_config(args.head_dim, *mask_variant(mask)), kernel_overrides(args.kernel))
         out, lse = forward(q, k, v, mask, scale, config=config)
         stamps = torch.zeros(backward_ctas(k, bwd), len(BwdEvent), dtype=torch.int64, device="cuda")
         for _ in range(3):  # compile, warm up, then the recorded run

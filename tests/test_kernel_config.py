@@ -228,3 +228,17 @@ def test_the_chosen_forward_for_a_mask_follows_its_variant_and_segmented_hint():
     plain = ColumnMask(documents.startend_row_indices, True, 1024)
     assert mask_fwd_config(128, plain) == fwd_config(128, True, 1) and not mask_fwd_config(128, plain).segment_tiles
     assert mask_fwd_config(64, None) == fwd_config(64, False, 2)
+
+
+def test_a_masks_configs_take_the_overrides_in_both_directions():
+    """`mask_configs`: the mask's forward and backward choices, each with the overrides that name its
+    fields; an explicit q_stages holds in short grids too."""
+    from flashmask3.optimized.interface import mask_configs, mask_fwd_config
+    from flashmask3.reference import masks
+
+    documents = masks.build("causal_document", 1024, seed=3)
+    assert mask_configs(128, documents) == (mask_fwd_config(128, documents), bwd_config(128, True, 1))
+    fwd, bwd = mask_configs(128, documents, {"persistent": False, "q_stages": 2})
+    assert fwd == dataclasses.replace(mask_fwd_config(128, documents), persistent=False)
+    assert bwd == dataclasses.replace(bwd_config(128, True, 1), q_stages=2, short_grid_q_stages=0)
+    assert mask_configs(64, None) == (fwd_config(64, False, 2), bwd_config(64, False, 2))
