@@ -102,6 +102,13 @@ def _operand_fragments(thr_mma: cute.ThrMma, a: cute.Tensor, b: cute.Tensor) -> 
     return thr_mma.make_fragment_A(thr_mma.partition_A(a)), thr_mma.make_fragment_B(thr_mma.partition_B(b))
 
 
+def _store_dq_fragment(acc_dQ: cute.Tensor, sdQ_thread: cute.Tensor) -> None:
+    """The thread's dQ fragment into its sdQ slots (`dq_slot_layout`), fenced for the bulk
+    reduce-add that reads them through the async proxy."""
+    cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
+    cute.arch.fence_view_async_shared()
+
+
 def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int) -> None:
     """global[0:n] += shared[0:n] (fp32), one bulk asynchronous copy in the current bulk group."""
     llvm.inline_asm(
@@ -939,8 +946,7 @@ class FlashMaskBackwardSm90:
         one (in key order) have added into this query tile, adds, waits for the add to land, then
         counts itself done.
         """
-        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
-        cute.arch.fence_view_async_shared()
+        _store_dq_fragment(acc_dQ, sdQ_thread)
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL) + wg, number_of_threads=128)
         if lane_in_wg == 0:
             self.reduce_dq_half(sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, wg)
@@ -974,8 +980,7 @@ class FlashMaskBackwardSm90:
             for i in cutlass.range_constexpr(4):
                 dq_targets[i, wg] = target[i]
         if const_expr(acc_dQ is not None):
-            cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(sdQ_thread.shape)), sdQ_thread)
-            cute.arch.fence_view_async_shared()
+            _store_dq_fragment(acc_dQ, sdQ_thread)
         cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL) + wg, number_of_threads=pair)
 
     @cute.jit
