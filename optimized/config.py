@@ -154,11 +154,6 @@ class BwdConfig:
     # from the start, and with the dQ writer two stages can beat three there. It overrides
     # `q_stages` in short grids: set it to 0 with a `q_stages` meant for every grid.
     short_grid_q_stages: int
-    # L2 eviction priorities (`cache_hint` operands): the dQ reduce-adds' lines kept (evict last),
-    # as the key tiles of a segment add into the same query rows one after another; K and V, which
-    # each CTA reads once, evicted first.
-    dq_evict_last: bool
-    kv_evict_first: bool
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -286,8 +281,6 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         segment_steps=False,
         dq_writer=not (head_dim == 192 and mask_width == 4),  # there its consumers spill with it
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
-        dq_evict_last=False,
-        kv_evict_first=False,
     )
 
 

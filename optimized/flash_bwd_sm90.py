@@ -47,15 +47,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import Float32, Int32, Int64, const_expr, pipeline
+from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from .config import BACKWARD_HEAD_DIMS, BwdConfig
 from .hopper import (
-    L2_EVICT_FIRST,
-    L2_EVICT_LAST,
     assume_aligned,
     check_smem_fits,
     convert_to_16bit,
@@ -111,19 +109,13 @@ def _store_dq_fragment(acc_dQ: cute.Tensor, sdQ_thread: cute.Tensor) -> None:
     cute.arch.fence_view_async_shared()
 
 
-def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int, evict_last: bool) -> None:
-    """global[0:n] += shared[0:n] (fp32), one bulk asynchronous copy in the current bulk group;
-    `evict_last`: with the L2 policy that keeps the lines over others."""
-    operands = [gmem.llvm_ptr, smem.toint().ir_value(), Int32(num_bytes).ir_value()]
-    hint, constraints = "", "l,r,r"
-    if evict_last:
-        operands.append(Int64(L2_EVICT_LAST).ir_value())
-        hint, constraints = ".L2::cache_hint", "l,r,r,l"
+def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int) -> None:
+    """global[0:n] += shared[0:n] (fp32), one bulk asynchronous copy in the current bulk group."""
     llvm.inline_asm(
         None,
-        operands,
-        f"cp.reduce.async.bulk.global.shared::cta.bulk_group{hint}.add.f32 [$0], [$1], $2{', $3' if evict_last else ''};",
-        constraints,
+        [gmem.llvm_ptr, smem.toint().ir_value(), Int32(num_bytes).ir_value()],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -177,8 +169,6 @@ class FlashMaskBackwardSm90:
         self.diagonal_steps = config.diagonal_steps and causal
         self.segment_steps = config.segment_steps
         self.dq_writer = config.dq_writer
-        self.dq_evict_last = config.dq_evict_last
-        self.kv_evict_first = config.kv_evict_first
         self.deterministic = deterministic
 
     @classmethod
@@ -613,13 +603,8 @@ class FlashMaskBackwardSm90:
         tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
-        kv_bar = pipe_kv.producer_get_barrier(kv_state)
-        if const_expr(self.kv_evict_first):  # read by this CTA alone
-            cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=kv_bar, cache_policy=Int64(L2_EVICT_FIRST))
-            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=kv_bar, cache_policy=Int64(L2_EVICT_FIRST))
-        else:
-            cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=kv_bar)
-            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=kv_bar)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         position = Int32(0)
@@ -976,7 +961,7 @@ class FlashMaskBackwardSm90:
             while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") < rank * self.num_consumer_wgs:
                 pass
         target = mdQaccum.iterator + cute.crd2idx((batch, head, m_block, wg * chunk), mdQaccum.layout)
-        _bulk_reduce_add_f32(sdQ.iterator + wg * chunk, target, chunk * 4, self.dq_evict_last)
+        _bulk_reduce_add_f32(sdQ.iterator + wg * chunk, target, chunk * 4)
         cute.arch.cp_async_bulk_commit_group()
         if const_expr(self.deterministic):
             cute.arch.cp_async_bulk_wait_group(0)

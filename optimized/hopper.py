@@ -13,11 +13,6 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-L2_EVICT_FIRST = 0x12F0000000000000
-"""The L2 cache policy (a `cache_hint` operand, as `createpolicy` makes it) of lines to evict first."""
-L2_EVICT_LAST = 0x14F0000000000000
-"""The L2 cache policy of lines to keep over others (evicted last)."""
-
 SMEM_PER_CTA = 232448
 """The most dynamic shared memory one CTA may take on sm_90 (227 KB)."""
 
