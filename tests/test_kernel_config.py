@@ -242,19 +242,3 @@ def test_a_masks_configs_take_the_overrides_in_both_directions():
     assert fwd == dataclasses.replace(mask_fwd_config(128, documents), persistent=False)
     assert bwd == dataclasses.replace(bwd_config(128, True, 1), q_stages=2, short_grid_q_stages=0)
     assert mask_configs(64, None) == (fwd_config(64, False, 2), bwd_config(64, False, 2))
-
-
-def test_inputs_go_to_the_kernels_in_place_only_where_tma_can_read_them():
-    """transformers' q, k, v ([B, S, H, D] views of [B, H, S, D]) are passed as they are; a unit
-    stride missing in the last dim, or a stride that is not a multiple of 16 bytes, takes a copy."""
-    import torch
-    from flashmask3.optimized.interface import _tma_operand
-
-    heads_major = torch.randn(2, 4, 100, 128).bfloat16().transpose(1, 2)
-    assert _tma_operand(heads_major) is heads_major
-    for unreadable in (
-        torch.randn(2, 100, 4, 130).bfloat16()[..., :128],  # rows of 260 bytes
-        torch.randn(2, 100, 4, 256).bfloat16()[..., ::2],  # stride 2 in the last dim
-    ):
-        copy = _tma_operand(unreadable)
-        assert copy.is_contiguous() and torch.equal(copy, unreadable)
