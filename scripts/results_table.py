@@ -73,8 +73,8 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("fwd_bench_train_32k_fmax_peers.json",),
     ),
     (
-        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (three Q/dO stages)",
-        ("bwd_bench_train_32k_q_stages_3.json",),
+        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (the dQ writer warp)",
+        ("bwd_bench_train_32k_peers_h200.json",),
     ),
     (
         "Forward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 16 heads",
