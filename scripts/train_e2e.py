@@ -24,16 +24,16 @@ documents' lengths lognormal (`data.doc_len_median`, `data.doc_len_sigma`), each
 repeated pattern of Zipf-distributed token ids (the repeats are learnable only by attending within
 the document).
 
-Per backend a JSON record under `logging.out_dir` (runs/): tokens/s (wall clock over the timed
-steps), median step time and attention time (CUDA events; attention's forward, recomputation and
-backward stamped around every call), attention's share of the step, the time to build the backend's
-mask from the packing metadata, peak memory, model TFLOP/s and MFU (6 FLOPs per linear weight per
-token plus 3x the forward FLOPs of the attended pairs, over `peak_tflops`), and the loss of every
-step. Then a summary JSON (each run's numbers and its largest loss difference from the first) and
-the loss curves' plot, both named after the mask and length. `logging=wandb` adds an offline wandb
-run per backend. A backend that fails (out of memory, a missing package) leaves its error in its
-record and the others run; the exit code is then 2. A backend that cannot express the mask
-(fa4_varlen on share_question or prefix_lm_document) is skipped, with a line and a summary row
+Per backend a JSON record under `logging.out_dir` ($OUT where set, else runs/): tokens/s (wall clock
+over the timed steps), median step time and attention time (CUDA events; attention's forward,
+recomputation and backward stamped around every call), attention's share of the step, the time to
+build the backend's mask from the packing metadata, peak memory, model TFLOP/s and MFU (6 FLOPs per
+linear weight per token plus 3x the forward FLOPs of the attended pairs, over `peak_tflops`), and
+the loss of every step. Then a summary JSON (each run's numbers and its largest loss difference from
+the first) and the loss curves' plot, both named after the mask and length. `logging=wandb` adds an
+offline wandb run per backend. A backend that fails (out of memory, a missing package) leaves its
+error in its record and the others run; the exit code is then 2. A backend that cannot express the
+mask (fa4_varlen on share_question or prefix_lm_document) is skipped, with a line and a summary row
 saying so, so that one sweep over the masks takes all backends:
 
     python scripts/train_e2e.py -m preset=h200_quick data.mask=causal_document,share_question,prefix_lm_document

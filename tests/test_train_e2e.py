@@ -22,6 +22,14 @@ def config(overrides: list[str]):
         return compose(config_name="train_e2e", overrides=overrides)
 
 
+def test_records_go_to_out_where_set_as_the_benchmarks(monkeypatch, tmp_path):
+    """`logging.out_dir` is $OUT where set (the benchmark scripts' folder), else runs/."""
+    monkeypatch.delenv("OUT", raising=False)
+    assert config([]).logging.out_dir == "runs"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert config([]).logging.out_dir == str(tmp_path)
+
+
 def test_default_run_is_the_tiny_cpu_config_on_the_reference_backend(tmp_path):
     cfg = config([f"logging.out_dir={tmp_path}", "logging.wandb.enabled=true"])
     assert cfg.device == "cpu" and list(cfg.backends) == ["fm3"] and cfg.fm3_backend == "reference"
