@@ -40,6 +40,9 @@ def attention(
     """
     row_indices = None if mask is None else mask.startend_row_indices
     causal, segmented = (False, False) if mask is None else (mask.causal, mask.segmented)
+    # The kernels take contiguous q, k and v: copied here, the copies are what the backward gets
+    # back (transformers passes [B, S, H, D] views of [B, H, S, D] tensors), not copied again there.
+    q, k, v = (x.contiguous() for x in (q, k, v))
     return cute_forward(q, k, v, row_indices, causal, segmented, softmax_scale, deterministic, sinks)
 
 

@@ -84,6 +84,38 @@ def test_the_segmented_hint_reaches_the_forward_op(cute_on_cpu):
     assert seen == [True, False, True, False, True]
 
 
+def test_the_backward_op_gets_the_forward_ops_contiguous_inputs_back(cute_on_cpu):
+    """q, k and v as transformers passes them ([B, S, H, D] views of [B, H, S, D]) are made
+    contiguous once, before the forward op, and the backward op gets those very tensors back (the
+    kernels copy nothing again there); the gradients are the reference's, on the views."""
+    from conftest import _reference_backward, _reference_forward
+
+    seen = {}
+
+    def forward(q, k, v, *rest):
+        seen["forward"] = [x.data_ptr() for x in (q, k, v)]
+        assert all(x.is_contiguous() for x in (q, k, v))
+        return _reference_forward(q, k, v, *rest)
+
+    def backward(dout, q, k, v, *rest):
+        seen["backward"] = [x.data_ptr() for x in (q, k, v)]
+        return _reference_backward(dout, q, k, v, *rest)
+
+    ops.cute_forward.register_kernel("cpu", forward)
+    ops.cute_backward.register_kernel("cpu", backward)
+    heads_major = [x.transpose(1, 2).contiguous() for x in random_qkv(2, 40, 4, 2, 16, seed=4)]
+    leaves = [x.requires_grad_() for x in heads_major]
+    mask = fm.masks.build("causal_document", 40, batch=2, seed=4)
+    views = [x.transpose(1, 2) for x in leaves]
+    out = fm.attention(*views, mask, backend="cute")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    expected = torch.autograd.grad(fm.attention(*views, mask, backend="reference"), leaves, dout)
+    assert seen["backward"] == seen["forward"]
+    for grad, want in zip(grads, expected):  # the ops' backward reads the fp32 LSE the kernel keeps
+        assert ((grad - want).norm() / want.norm()).item() < 1e-6
+
+
 def masks_or_none(name, seqlen):
     return None if name is None else fm.masks.build(name, seqlen, batch=2, seed=3)
 
