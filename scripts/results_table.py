@@ -41,7 +41,7 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("fwd_bench_8k_causal_masks_peers.json",),
     ),
     (
-        "Forward + backward, S = 8K, every mask on the current kernels (three Q/dO stages)",
+        "Forward + backward, S = 8K, every mask (three Q/dO stages, before the dQ writer warp)",
         ("bwd_bench_8k_q_stages_3_peers.json",),
     ),
     (

@@ -23,11 +23,15 @@ def config(overrides: list[str]):
 
 
 def test_records_go_to_out_where_set_as_the_benchmarks(monkeypatch, tmp_path):
-    """`logging.out_dir` is $OUT where set (the benchmark scripts' folder), else runs/."""
+    """`logging.out_dir`, of this benchmark and of the main job, is $OUT where set (the benchmark
+    scripts' folder), else runs/."""
     monkeypatch.delenv("OUT", raising=False)
     assert config([]).logging.out_dir == "runs"
     monkeypatch.setenv("OUT", str(tmp_path))
     assert config([]).logging.out_dir == str(tmp_path)
+    assert config(["logging=wandb"]).logging.out_dir == str(tmp_path)
+    with initialize_config_module(version_base="1.3", config_module="flashmask3.conf"):
+        assert compose(config_name="config").logging.out_dir == str(tmp_path)  # the main job
 
 
 def test_default_run_is_the_tiny_cpu_config_on_the_reference_backend(tmp_path):
