@@ -128,6 +128,7 @@ class FlashMaskBackwardSm90:
     tile_m = 64  # query rows per step
     num_consumer_wgs = 2
     num_threads = 128 * (num_consumer_wgs + 1)
+    dq_pair_threads = 128 + 32  # a consumer warpgroup and the dQ writer warp, on DQ_FULL / DQ_EMPTY
 
     def __init__(
         self,
@@ -974,7 +975,7 @@ class FlashMaskBackwardSm90:
         fragment and its `target` (query tile, head, batch, rank) into smem, and an arrive, not a
         wait, for the writer; without a fragment (`acc_dQ` None, query tile -1), only the word that
         the steps are over."""
-        pair = 128 + 32  # the warpgroup and the writer warp
+        pair = self.dq_pair_threads
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY) + wg, number_of_threads=pair)
         if lane_in_wg == 0:
             for i in cutlass.range_constexpr(4):
@@ -989,7 +990,7 @@ class FlashMaskBackwardSm90:
         the fp32 accumulator by a bulk reduce-add, then sdQ freed once the adds have read it, so
         the consumers neither wait for the one thread that issues the add nor for its read. Stops
         at the query tile -1."""
-        pair = 128 + 32
+        pair = self.dq_pair_threads
         lane = cute.arch.lane_idx()
         for wg in cutlass.range_constexpr(self.num_consumer_wgs):  # sdQ starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY) + wg, number_of_threads=pair)

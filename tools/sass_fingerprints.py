@@ -33,14 +33,14 @@ VARIANTS = ((True, 1), (True, 2), (False, 2), (False, 4))  # (causal, boundaries
 
 def cases() -> dict[str, dict]:
     """label -> `compile_check` keyword arguments, each with the host's chosen configuration."""
+    from flashmask3.optimized import bwd_config
+
     chosen = {}
     for head_dim in (64, 128):
         for direction in ("fwd", "bwd"):
             for causal, width in VARIANTS:
                 label = f"{direction} bf16 d{head_dim} {'causal' if causal else 'noncausal'} w{width}"
                 chosen[label] = dict(dtype="bf16", head_dim=head_dim, causal=causal, width=width, direction=direction)
-    from flashmask3.optimized import bwd_config
-
     chosen["bwd bf16 d128 causal w1 short grid"] = dict(  # the CTAs longest first: two Q/dO stages
         dtype="bf16",
         head_dim=128,
