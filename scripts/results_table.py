@@ -1,15 +1,16 @@
 """Markdown tables of the benchmark JSON (bench_fwd.py / bench_bwd.py `bench` records), peers as columns.
 
     python scripts/results_table.py bench/results/fwd_bench_v12_8k_peers.json bench/results/fwd_bench_v13_8k_fa4.json
-    python scripts/results_table.py --readme              # the README's result tables, as the README has them
-    python scripts/results_table.py --readme --write README.md   # regenerate them there
+    python scripts/results_table.py --docs            # the README's and docs/results.md's tables
+    python scripts/results_table.py --docs --write    # regenerate them in those files
 
 One row per (mask, sequence length), TFLOP/s on unmasked work; a later file's row replaces an
 earlier one's for the same mask and length (pass them oldest first). The last column is ours over
 the fastest peer that ran the mask. Each table is followed by its files, the commits they were
-measured at and those commits' dates (from git). `--readme` makes the README's tables, from the
-files of `README_TABLES` in bench/results/, each under its title and with the date it was measured;
-`--write` puts them between the README's `<!-- results_table.py -->` markers.
+measured at and those commits' dates (from git). `--docs` makes the tables of `DOCUMENTS` (the
+README's newest runs, docs/results.md's earlier ones) from bench/results/, each under its title and
+with the date it was measured; `--write` puts each document's between its
+`<!-- results_table.py -->` markers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-BEGIN, END = "<!-- results_table.py --readme: begin -->", "<!-- results_table.py --readme: end -->"
+BEGIN, END = "<!-- results_table.py: begin -->", "<!-- results_table.py: end -->"
 
 PEERS = ("fa4", "fa4_sparse", "flex_flash", "flex", "cudnn", "flashmask_v3", "cudnn_flex")
 PEER_NAMES = {
@@ -34,57 +35,64 @@ PEER_NAMES = {
     "cudnn_flex": "cuDNN flex_attention",
 }
 
-# The README's result tables: title, then the files (oldest first) in bench/results/.
+# The README's result tables (the newest measurement of each comparison): title, then the files
+# (oldest first) in bench/results/.
 README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
-        "Forward, S = 8K, the causal masks on the current kernels (diagonal-only and off-diagonal tiles)",
-        ("fwd_bench_8k_causal_masks_peers.json",),
+        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (the current kernels)",
+        ("bwd_bench_train_32k_peers_h200.json",),
     ),
     (
-        "Forward + backward, S = 8K, every mask (three Q/dO stages, before the dQ writer warp)",
-        ("bwd_bench_8k_q_stages_3_peers.json",),
-    ),
-    (
-        "Forward, S = 8K, every mask against FA4 native, cuDNN flex_attention and Flex Triton",
-        ("fwd_bench_8k_fa4_cudnn_flex_flex.json",),
-    ),
-    (
-        "Forward + backward, S = 8K, every mask against FA4, Flex Triton and cuDNN (diagonal-only steps)",
-        ("bwd_bench_8k_diagonal_steps_fa4_flex_cudnn.json", "bwd_bench_8k_diagonal_steps_sparse_cudnn_flex.json"),
-    ),
-    (
-        "Forward + backward, S = 8K, against cuDNN's interval-mask attention (diagonal-only steps)",
-        ("bwd_bench_8k_diagonal_steps_cudnn_flex.json",),
-    ),
-    ("Forward, S = 8K, the column-mask kernels (earlier kernels)", ("fwd_bench_v14_8k_fmv3_cudnn.json",)),
-    (
-        "Forward + backward, S = 8K, the column-mask kernels (earlier kernels)",
-        ("bwd_bench_v14_8k_fmv3_cudnn.json",),
-    ),
-    ("Forward, S = 32K, the column-mask kernels (the previous kernels)", ("fwd_bench_v13_32k_fmv3_cudnn.json",)),
-    (
-        "Forward + backward, S = 32K, the column-mask kernels (the previous kernels)",
-        ("bwd_bench_v13_32k_fmv3_cudnn.json",),
-    ),
-    ("Forward, S = 8K", ("fwd_bench_v12_8k_peers.json", "fwd_bench_v13_8k_fa4.json")),
-    ("Forward, S = 32K and 128K", ("fwd_bench_v12_32k_peers.json", "fwd_bench_v13_128k_partial.json")),
-    (
-        "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads",
+        "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (before segment-aligned tiles)",
         ("fwd_bench_train_32k_fmax_peers.json",),
     ),
     (
-        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (the dQ writer warp)",
-        ("bwd_bench_train_32k_peers_h200.json",),
+        "Forward + backward, S = 8K, every mask, against FA4 and Flex FLASH "
+        "(before the diagonal-only steps and the dQ writer)",
+        ("bwd_bench_8k_q_stages_3_peers.json",),
+    ),
+    (
+        "Forward + backward, S = 8K, every mask, against FA4, Flex Triton, cuDNN and cuDNN flex_attention "
+        "(before the dQ writer)",
+        ("bwd_bench_8k_diagonal_steps_fa4_flex_cudnn.json", "bwd_bench_8k_diagonal_steps_sparse_cudnn_flex.json"),
+    ),
+    (
+        "Forward, S = 8K, every mask, against FA4, Flex Triton and cuDNN flex_attention (before segment-aligned tiles)",
+        ("fwd_bench_8k_fa4_cudnn_flex_flex.json",),
+    ),
+    (
+        "Forward + backward, head dim 256: S = 8K, 16 sequences, 16 heads (before the dQ writer)",
+        ("bwd_bench_hd256_8k_full_causal.json", "bwd_bench_hd256_8k_documents.json"),
     ),
     (
         "Forward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 16 heads",
         ("fwd_bench_hdim192_v128_8k_peers.json",),
     ),
-    (
-        "Forward + backward, head dim 256: S = 8K, 16 sequences, 16 heads",
-        ("bwd_bench_hd256_8k_full_causal.json", "bwd_bench_hd256_8k_documents.json"),
-    ),
 )
+
+# docs/results.md's tables: the earlier runs, on the kernels before the README's.
+EARLIER_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "Forward, S = 8K, the causal masks (diagonal-only and off-diagonal tiles)",
+        ("fwd_bench_8k_causal_masks_peers.json",),
+    ),
+    (
+        "Forward + backward, S = 8K, against cuDNN's interval-mask attention (diagonal-only steps)",
+        ("bwd_bench_8k_diagonal_steps_cudnn_flex.json",),
+    ),
+    ("Forward, S = 8K, the column-mask kernels", ("fwd_bench_v14_8k_fmv3_cudnn.json",)),
+    ("Forward + backward, S = 8K, the column-mask kernels", ("bwd_bench_v14_8k_fmv3_cudnn.json",)),
+    ("Forward, S = 32K, the column-mask kernels", ("fwd_bench_v13_32k_fmv3_cudnn.json",)),
+    ("Forward + backward, S = 32K, the column-mask kernels", ("bwd_bench_v13_32k_fmv3_cudnn.json",)),
+    ("Forward, S = 8K", ("fwd_bench_v12_8k_peers.json", "fwd_bench_v13_8k_fa4.json")),
+    ("Forward, S = 32K and 128K", ("fwd_bench_v12_32k_peers.json", "fwd_bench_v13_128k_partial.json")),
+)
+
+# Each document with generated tables, relative to the repository root, and its tables.
+DOCUMENTS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "README.md": README_TABLES,
+    "docs/results.md": EARLIER_TABLES,
+}
 
 
 def shape_of(row: dict) -> tuple:
@@ -150,39 +158,40 @@ def provenance(names: list[str], rows: list[dict], with_commits: bool = True) ->
     return f"({files}" + (f"; {when}" if when else "") + ")"
 
 
-def readme_tables(results: Path = RESULTS) -> str:
-    """The README's result tables, each with its title and files, from `README_TABLES`."""
+def document_tables(document: str, results: Path = RESULTS) -> str:
+    """The result tables of `document` (a key of `DOCUMENTS`), each with its title and files."""
     blocks = []
-    for title, names in README_TABLES:
+    for title, names in DOCUMENTS[document]:
         rows = merged_rows([json.loads((results / n).read_text()) for n in names])
         blocks.append(f"**{title}** {provenance(list(names), rows, with_commits=False)}:\n\n{table(rows)}")
     return "\n\n".join(blocks)
 
 
-def write_readme(readme: Path, tables: str) -> None:
-    """Replace what stands between the README's markers by `tables`."""
-    text = readme.read_text()
+def write_tables(document: Path, tables: str) -> None:
+    """Replace what stands between the document's markers by `tables`."""
+    text = document.read_text()
     if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise SystemExit(f"{readme} must hold the markers {BEGIN!r} and {END!r} once each")
+        raise SystemExit(f"{document} must hold the markers {BEGIN!r} and {END!r} once each")
     head, rest = text.split(BEGIN)
-    readme.write_text(f"{head}{BEGIN}\n{tables}\n{END}{rest.split(END)[1]}")
+    document.write_text(f"{head}{BEGIN}\n{tables}\n{END}{rest.split(END)[1]}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", type=Path)
-    parser.add_argument("--readme", action="store_true", help="the README's tables, from bench/results/")
-    parser.add_argument("--write", type=Path, metavar="README", help="with --readme: put them into this file")
+    parser.add_argument("--docs", action="store_true", help="the tables of README.md and docs/results.md")
+    parser.add_argument("--write", action="store_true", help="with --docs: put them into those files")
     args = parser.parse_args()
-    if args.readme == bool(args.files) or (args.write and not args.readme):
-        parser.error("give either result files or --readme (with --write README to update the README)")
-    if args.readme:
-        tables = readme_tables()
-        if args.write:
-            write_readme(args.write, tables)
-            print(f"wrote the result tables into {args.write}")
-        else:
-            print(tables)
+    if args.docs == bool(args.files) or (args.write and not args.docs):
+        parser.error("give either result files or --docs (with --write to update the documents)")
+    if args.docs:
+        for document in DOCUMENTS:
+            tables = document_tables(document)
+            if args.write:
+                write_tables(ROOT / document, tables)
+                print(f"wrote the result tables into {document}")
+            else:
+                print(f"## {document}\n\n{tables}\n")
         return
     rows = merged_rows([json.loads(f.read_text()) for f in args.files])
     print(table(rows))

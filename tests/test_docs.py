@@ -75,15 +75,16 @@ def test_the_readme_paddle_example_runs():
 
 
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="the tables' dates come from git")
-def test_the_readme_result_tables_are_what_results_table_makes():
+@pytest.mark.parametrize("document", ["README.md", "docs/results.md"])
+def test_the_result_tables_are_what_results_table_makes(document):
     import results_table  # scripts/, on pytest's pythonpath
 
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split(results_table.BEGIN)[1].split(results_table.END)[0]
-    assert block.strip() == results_table.readme_tables().strip()
-    for _, names in results_table.README_TABLES:
+    text = (ROOT / document).read_text()
+    block = text.split(results_table.BEGIN)[1].split(results_table.END)[0]
+    assert block.strip() == results_table.document_tables(document).strip()
+    for _, names in results_table.DOCUMENTS[document]:
         assert all((ROOT / "bench" / "results" / n).exists() for n in names)
-    assert re.search(r"\*\*Forward, S = 8K\*\* \(`fwd_bench_v12_8k_peers.json`, .*; measured \d{4}-\d\d-\d\d\):", block)
+    assert re.search(r"\*\*Forward.*\*\* \(`\w+\.json`.*; measured \d{4}-\d\d-\d\d\):", block)
 
 
 def test_results_table_writes_between_the_markers_only(tmp_path):
@@ -91,11 +92,11 @@ def test_results_table_writes_between_the_markers_only(tmp_path):
 
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{results_table.BEGIN}\nold\n{results_table.END}\n\nafter\n")
-    results_table.write_readme(readme, "| new |")
+    results_table.write_tables(readme, "| new |")
     assert readme.read_text() == f"# x\n\nbefore\n{results_table.BEGIN}\n| new |\n{results_table.END}\n\nafter\n"
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="must hold the markers"):
-        results_table.write_readme(readme, "| new |")
+        results_table.write_tables(readme, "| new |")
 
 
 def test_results_table_names_files_commits_and_dates(monkeypatch):
