@@ -153,19 +153,23 @@ def varlen_attention(
     `attention`, no varlen kernel of their own.
 
     Args:
-        q: [total, Hq, D]; k: [total, Hkv, D]; v: [total, Hkv, Dv] (dtypes, GQA and head dims as in
-            `attention`: Dv may differ from D).
-        cu_seqlens_q, cu_seqlens_k: int32 or int64 [N + 1] document boundaries, 0 first, total
-            last. They must be equal for now (each document attends to itself): pass the same
-            tensor twice to skip comparing them, which reads them on the host.
+        q: [total_q, Hq, D]; k: [total_k, Hkv, D]; v: [total_k, Hkv, Dv] (dtypes, GQA and head dims
+            as in `attention`: Dv may differ from D).
+        cu_seqlens_q, cu_seqlens_k: int32 or int64 [N + 1] boundaries of the N documents' queries
+            and keys, 0 first, total_q and total_k last. Where they differ (a document with more
+            keys than queries, e.g. a chunk of queries against its cached keys), causal and the
+            window are aligned bottom-right within each document, as FlashAttention's; a document
+            with no keys gives its queries output 0 and LSE -inf. Equal packings compute as one
+            document mask over Sq = Sk (the causal kernels' path): pass the same tensor twice to
+            skip comparing them, which reads them on the host.
         max_seqlen_q, max_seqlen_k: accepted for FlashAttention compatibility and not needed:
             the mask carries every document's length.
         causal, window_size: as in `attention`, within each document.
         softmax_scale, return_lse, deterministic, backend: as in `attention`.
 
     Returns:
-        out [total, Hq, Dv] in q's dtype (and lse fp32 [Hq, total], FlashAttention's varlen layout,
-        if asked).
+        out [total_q, Hq, Dv] in q's dtype (and lse fp32 [Hq, total_q], FlashAttention's varlen
+        layout, if asked).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -175,22 +179,33 @@ def varlen_attention(
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
             got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
             raise ValueError(f"{name} must be an int32 or int64 tensor [N + 1], got {got}")
-    if cu_seqlens_q is not cu_seqlens_k and (
-        cu_seqlens_q.shape != cu_seqlens_k.shape or not torch.equal(cu_seqlens_q, cu_seqlens_k.to(cu_seqlens_q))
-    ):
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(
-            "cu_seqlens_q must equal cu_seqlens_k (different query and key packings are not "
-            f"supported yet), got cu_seqlens_q={cu_seqlens_q.tolist()} and cu_seqlens_k={cu_seqlens_k.tolist()}"
+            "cu_seqlens_q and cu_seqlens_k must bound the same N documents, shape [N + 1] each, got "
+            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
         )
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must hold the same number of tokens, got {q.shape[0]} and {k.shape[0]}")
+    if cu_seqlens_q.device != cu_seqlens_k.device:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must be on one device, got {cu_seqlens_q.device} and {cu_seqlens_k.device}"
+        )
     if v.shape[:2] != k.shape[:2]:
         raise ValueError(
-            f"v must be [total, Hkv, Dv] with k's total and Hkv (k is {tuple(k.shape)}), got {tuple(v.shape)}"
+            f"v must be [total_k, Hkv, Dv] with k's total and Hkv (k is {tuple(k.shape)}), got {tuple(v.shape)}"
         )
+    same_packing = q.shape[0] == k.shape[0] and (
+        cu_seqlens_q is cu_seqlens_k or torch.equal(cu_seqlens_q, cu_seqlens_k.to(cu_seqlens_q.dtype))
+    )
     window = _check_flash_arguments(causal, window_size)
     # Built on cu_seqlens's device, where CPU metadata gets checked; attention moves it to q's.
-    mask = _flash_attention_mask(causal, window, q.shape[0], k.shape[0], q.device, cu_seqlens=cu_seqlens_q)
+    mask = _flash_attention_mask(
+        causal,
+        window,
+        q.shape[0],
+        k.shape[0],
+        q.device,
+        cu_seqlens=cu_seqlens_q,
+        cu_seqlens_k=None if same_packing else cu_seqlens_k,
+    )
     result = attention(
         q[None],
         k[None],
@@ -234,17 +249,21 @@ def _flash_attention_mask(
     seqlen_k: int,
     device: torch.device,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> ColumnMask | None:
-    """The mask of FlashAttention's causal / window_size (and documents); None for full attention.
-    Kept for the next calls with the same arguments (and the same cu_seqlens tensor, unchanged):
-    the layers of a model share it, and the kernels' work orders with it."""
+    """The mask of FlashAttention's causal / window_size (and documents: `cu_seqlens`, with
+    `cu_seqlens_k` where the keys are packed differently); None for full attention. Kept for the
+    next calls with the same arguments (and the same cu_seqlens tensors, unchanged): the layers of a
+    model share it, and the kernels' work orders with it."""
     if not causal and window == (-1, -1) and cu_seqlens is None:
         return None
-    key = (causal, window, seqlen_q, seqlen_k, str(device))
-    tensors = [] if cu_seqlens is None else [cu_seqlens]
+    key = (causal, window, seqlen_q, seqlen_k, str(device), cu_seqlens_k is None)
+    tensors = [t for t in (cu_seqlens, cu_seqlens_k) if t is not None]
 
     def build() -> ColumnMask:
-        return ColumnMask._band(seqlen_q, seqlen_k, *window, causal, cu_seqlens=cu_seqlens, device=device)
+        return ColumnMask._band(
+            seqlen_q, seqlen_k, *window, causal, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k, device=device
+        )
 
     return build() if torch.compiler.is_compiling() else _flash_masks.get(key, tensors, build)
 

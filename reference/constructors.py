@@ -175,12 +175,19 @@ class MaskConstructors:
         causal: bool,
         *,
         cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
         device: torch.device | str | None = None,
     ) -> ColumnMask:
         """FlashAttention's `window_size=(left, right)`: query i sees key j iff
         i' - left <= j <= i' + right, i' = i + Sk - Sq (bottom-right aligned), -1 = unbounded;
         `causal` hides the keys after i'; with `cu_seqlens` (Sq = Sk) only within each document.
+        With `cu_seqlens_k` too, `cu_seqlens` packs the queries and `cu_seqlens_k` the keys of the
+        same documents (`_varlen_band`).
         """
+        if cu_seqlens_k is not None:
+            if cu_seqlens is None:
+                raise ValueError("cu_seqlens_k needs cu_seqlens, the queries' packing of the same documents")
+            return cls._varlen_band(seqlen_q, seqlen_k, left, right, causal, cu_seqlens, cu_seqlens_k)
         if cu_seqlens is not None:
             device = cu_seqlens.device
         # The query row i' of each key column j is j - (Sk - Sq): the window's rows count from it.
@@ -194,6 +201,41 @@ class MaskConstructors:
             vectors.append(start if right < 0 else torch.maximum(start, diagonal - right))
         segmented = cu_seqlens is not None
         return cls._from_vectors([v.clamp(0, seqlen_q) for v in vectors], causal, seqlen_q, segmented)
+
+    @classmethod
+    def _varlen_band(
+        cls,
+        seqlen_q: int,
+        seqlen_k: int,
+        left: int,
+        right: int,
+        causal: bool,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+    ) -> ColumnMask:
+        """`_band` per document where the queries and the keys are packed differently (FlashAttention's
+        varlen with cu_seqlens_q != cu_seqlens_k): document d holds queries [cu_seqlens_q[d],
+        cu_seqlens_q[d + 1]) and keys [cu_seqlens_k[d], cu_seqlens_k[d + 1]); causal and the window
+        are aligned bottom-right within each document. Tokens after the last boundary form one more
+        document on each side. The non-causal variant with two bounds: a key column's query rows are
+        the interval [lo, hi), its document's rows cut by its diagonal row and the window."""
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(
+                "cu_seqlens_q and cu_seqlens_k must hold the same documents, shape [N + 1] each, got "
+                f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
+            )
+        keys = _segments(cu_seqlens_k, seqlen_k, "cu_seqlens_k", "total_k")
+        queries = _segments(cu_seqlens_q, seqlen_q, "cu_seqlens_q", "total_q")
+        bounds_q = F.pad(queries.cu, (0, 1), value=seqlen_q)
+        document = keys.segment  # [B, Sk]: each key's document
+        rows_start, rows_end = bounds_q.gather(-1, document), bounds_q.gather(-1, document + 1)
+        # The query row of each key column j: its document's last query row lines up with its last key.
+        j = torch.arange(seqlen_k, device=keys.cu.device)
+        diagonal = j - keys.end + rows_end
+        hi = rows_end if left < 0 else torch.minimum(rows_end, diagonal + left + 1)
+        lowest = diagonal if causal else (None if right < 0 else diagonal - right)
+        lo = rows_start if lowest is None else torch.maximum(rows_start, lowest)
+        return cls._from_vectors([hi.clamp(0, seqlen_q), lo.clamp(0, seqlen_q)], False, seqlen_q)
 
     @classmethod
     def _from_vectors(
@@ -257,21 +299,25 @@ class _CuSegments(NamedTuple):
     cu: torch.Tensor
 
 
-def _segments(cu_seqlens: IndexLike, seqlen: int | None) -> _CuSegments:
-    cu = _as_index_tensor(cu_seqlens, "cu_seqlens")
+def _segments(
+    cu_seqlens: IndexLike, seqlen: int | None, name: str = "cu_seqlens", length_name: str = "seqlen"
+) -> _CuSegments:
+    """The segments of `cu_seqlens` over `seqlen` tokens; errors name the arguments `name` and
+    `length_name`."""
+    cu = _as_index_tensor(cu_seqlens, name)
     if cu.dim() not in (1, 2) or cu.shape[-1] < 2:
-        raise ValueError(f"cu_seqlens must be [N + 1] or [B, N + 1] with N >= 1, got shape {tuple(cu.shape)}")
+        raise ValueError(f"{name} must be [N + 1] or [B, N + 1] with N >= 1, got shape {tuple(cu.shape)}")
     cu = cu.reshape(-1, cu.shape[-1]).to(torch.int64)
     if seqlen is None:
         seqlen = int(cu[:, -1].max())  # a host read: pass seqlen for GPU metadata
     _check_int("seqlen", seqlen, 1)
     if cu.device.type == "cpu":
         if bool((cu[:, 0] != 0).any()):
-            raise ValueError(f"cu_seqlens must start at 0, got {cu[:, 0].tolist()}")
+            raise ValueError(f"{name} must start at 0, got {cu[:, 0].tolist()}")
         if bool((cu[:, 1:] < cu[:, :-1]).any()):
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
+            raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
         if bool((cu[:, -1] > seqlen).any()):
-            raise ValueError(f"cu_seqlens must end at or before seqlen={seqlen}, got {cu[:, -1].tolist()}")
+            raise ValueError(f"{name} must end at or before {length_name}={seqlen}, got {cu[:, -1].tolist()}")
     # The clamps keep the boundaries and gathers in range for unchecked (GPU) metadata.
     cu = cu.clamp(0, seqlen)
     t = torch.arange(seqlen, device=cu.device).expand(cu.shape[0], seqlen).contiguous()

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import dense_attention, random_column_mask
 from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
@@ -251,23 +250,26 @@ def test_flash_attention_argument_errors(kwargs, error, match):
         fm.attention(q, k, v, **kwargs)
 
 
-def per_document_sdpa(q, k, v, cu, causal, window_size, scale):
-    """torch SDPA on each document alone (float64, [n, H, D] slices), and its LSE [H, total]."""
+def per_document_attention(q, k, v, cu_q, cu_k, causal, window_size, scale):
+    """Each document's queries against its keys alone (float64, [n, H, D] slices), FlashAttention's
+    causal / window bottom-right aligned per document; a row that sees no key gives 0 and LSE -inf.
+    Returns out [total_q, H, Dv] and LSE [H, total_q]."""
     outs, lses = [], []
     g = q.shape[1] // k.shape[1]
-    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qd, kd, vd = (x[s:e].transpose(0, 1) for x in (q, k, v))
-        allowed = window_dense(e - s, e - s, causal, *window_size)[0, 0]
-        outs.append(
-            F.scaled_dot_product_attention(qd, kd, vd, attn_mask=allowed, scale=scale, enable_gqa=True).transpose(0, 1)
-        )
+    for qs, qe, ks, ke in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        qd, kd, vd = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)
+        allowed = window_dense(qe - qs, ke - ks, causal, *window_size)[0, 0]
+        sees = allowed.any(-1, keepdim=True)
         scores = (qd @ kd.repeat_interleave(g, 0).transpose(-1, -2)) * scale
-        lses.append(torch.logsumexp(scores.masked_fill(~allowed, -math.inf), -1))
+        scores = torch.where(sees, scores.masked_fill(~allowed, -math.inf), 0.0)
+        probs = torch.softmax(scores, -1) * sees
+        outs.append((probs @ vd.repeat_interleave(g, 0)).transpose(0, 1))
+        lses.append(torch.where(sees[:, 0], torch.logsumexp(scores, -1), -math.inf))
     return torch.cat(outs), torch.cat(lses, -1)
 
 
 @pytest.mark.parametrize("causal, window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 1))])
-def test_varlen_attention_matches_per_document_sdpa(causal, window_size):
+def test_varlen_attention_matches_per_document_attention(causal, window_size):
     cu = torch.tensor([0, 1, 18, 23, 24, 54, 55], dtype=torch.int32)  # documents of 1, 17, 5, 1, 30, 1
     q, k, v, dout = (x[0] for x in random_inputs(1, 55, 55, 4, 2, 16, torch.float64, seed=7))
     scale = 0.3
@@ -285,34 +287,57 @@ def test_varlen_attention_matches_per_document_sdpa(causal, window_size):
         backend="reference",
     )
     ref_ins = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_lse = per_document_sdpa(*ref_ins, cu, causal, window_size, scale)
+    ref_out, ref_lse = per_document_attention(*ref_ins, cu, cu, causal, window_size, scale)
     assert out.shape == (55, 4, 16) and lse.shape == (4, 55)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse.double(), ref_lse.float().double(), rtol=1e-6, atol=1e-6)
     assert_grads_close(ins, ref_ins, out, ref_out, dout)
-    # The same boundaries in another tensor are compared, and accepted.
+    # The same boundaries in another tensor are compared, and take the same path.
     again = fm.varlen_attention(
         q, k, v, cu, cu.long(), 30, 30, causal=causal, window_size=window_size, softmax_scale=scale
     )
     torch.testing.assert_close(again, ref_out.detach(), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("causal, window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 1))])
+def test_varlen_attention_with_other_key_packing_matches_per_document_attention(causal, window_size):
+    """Queries and keys packed differently (chunked prefill against cached keys, cross-attention):
+    documents with more keys than queries, more queries than keys (causal: the first rows see no
+    key), no queries and no keys."""
+    cu_q = torch.tensor([0, 3, 10, 10, 15, 19], dtype=torch.int32)  # 3, 7, 0, 5, 4 queries
+    cu_k = torch.tensor([0, 5, 9, 14, 30, 30], dtype=torch.int64)  # 5, 4, 5, 16, 0 keys
+    q = random_inputs(1, 19, 19, 4, 2, 16, torch.float64, seed=3)[0][0]
+    _, k, v, _ = (x[0] for x in random_inputs(1, 30, 30, 4, 2, 16, torch.float64, seed=4))
+    dout = torch.randn(19, 4, 16, dtype=torch.float64)
+    scale = 0.25
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fm.varlen_attention(
+        *ins, cu_q, cu_k, 7, 16, causal=causal, window_size=window_size, softmax_scale=scale, return_lse=True
+    )
+    ref_ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = per_document_attention(*ref_ins, cu_q, cu_k, causal, window_size, scale)
+    assert out.shape == (19, 4, 16) and lse.shape == (4, 19)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse.float().double(), rtol=1e-6, atol=1e-6)
+    assert torch.isneginf(lse[:, 15:]).all()  # the last document has no keys
+    assert_grads_close(ins, ref_ins, out, ref_out, dout)
+
+
 def test_varlen_attention_errors_name_the_argument():
     q = k = v = torch.zeros(8, 2, 16, dtype=torch.float64)
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
-    with pytest.raises(
-        ValueError,
-        match=r"cu_seqlens_q must equal cu_seqlens_k .* cu_seqlens_q=\[0, 4, 8\] and cu_seqlens_k=\[0, 3, 8\]",
-    ):
-        fm.varlen_attention(q, k, v, cu, torch.tensor([0, 3, 8], dtype=torch.int32), 4, 5)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q and cu_seqlens_k must bound the same N documents"):
+        fm.varlen_attention(q, k, v, cu, torch.tensor([0, 3, 5, 8], dtype=torch.int32), 4, 5)
     with pytest.raises(ValueError, match=r"q must be a 3-D tensor \[total, H, D\]"):
         fm.varlen_attention(q[None], k, v, cu, cu, 4, 4)
     with pytest.raises(
         ValueError, match=r"cu_seqlens_k must be an int32 or int64 tensor \[N \+ 1\], got torch.float32"
     ):
         fm.varlen_attention(q, k, v, cu, cu.float(), 4, 4)
-    with pytest.raises(ValueError, match="q and k must hold the same number of tokens, got 8 and 6"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must end at or before total_k=6, got \[8\]"):
         fm.varlen_attention(q, k[:6], v[:6], cu, cu, 4, 4)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0"):
+        fm.varlen_attention(q, k, v, torch.tensor([1, 4, 8]), torch.tensor([0, 3, 8]), 4, 5)
     with pytest.raises(ValueError, match=r"window_size\[1\] must be 0 or -1 with causal=True"):
         fm.varlen_attention(q, k, v, cu, cu, 4, 4, causal=True, window_size=(2, 2))
     with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
