@@ -39,11 +39,13 @@ The tile counts, the exact splits and the swaps run in numba.
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
 import numba
 import numpy as np
 
 from ..reference import ColumnMask
+from ..reference.masks import _check_int
 
 PARTIAL_TILE_COST = 1.3
 """Cost of a PARTIAL tile relative to an UNMASKED one (element mask + lower issue rate)."""
@@ -55,7 +57,10 @@ def chunk_loads(
 ) -> np.ndarray:
     """Workload of each query chunk (float64 [Sq / chunk_size]), summed over batch and mask heads:
     its UNMASKED tiles plus `partial_cost` times its PARTIAL tiles, as `ColumnMask.block_classes`
-    classifies them, counted exactly in O(B * Hm * Sk / tile + Sq / tile) without the tile grid."""
+    classifies them, counted exactly in O(B * Hm * Sk / tile + Sq / tile) without the tile grid.
+    `chunk_size` and `tile` are ints >= 1, `chunk_size` a multiple of `tile` dividing Sq."""
+    _check_int("chunk_size", chunk_size, 1)
+    _check_int("tile", tile, 1)
     if chunk_size % tile:
         raise ValueError(f"chunk_size {chunk_size} must be a multiple of the tile {tile}")
     if mask.seqlen_q % chunk_size:
@@ -172,7 +177,23 @@ def _best_three_way(weights: np.ndarray, k: int) -> list[list[int]]:
     return best_groups
 
 
-def lower_bound(loads, world_size: int) -> float:
+def _checked_loads(loads: np.ndarray | Sequence[float]) -> np.ndarray:
+    """`loads` as float64 [chunks]; TypeError / ValueError naming it unless it is a non-empty 1-D
+    sequence of finite numbers >= 0."""
+    try:
+        array = np.asarray(loads, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"loads must be a 1-D array or sequence of numbers, got {type(loads).__name__}") from None
+    if array.ndim != 1 or len(array) == 0:
+        raise ValueError(f"loads must be 1-D with one entry per chunk (at least one), got shape {array.shape}")
+    bad = ~np.isfinite(array) | (array < 0)
+    if bad.any():
+        chunk = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"loads must be finite and >= 0, got {array[chunk]} for chunk {chunk}")
+    return array
+
+
+def lower_bound(loads: np.ndarray | Sequence[float], world_size: int) -> float:
     """No equal-count assignment of `loads` to `world_size` ranks has a smaller largest rank load:
     the mean rank load, and the rank holding the largest chunk holds k - 1 others."""
     loads = np.sort(np.asarray(loads, dtype=np.float64))
@@ -181,7 +202,11 @@ def lower_bound(loads, world_size: int) -> float:
 
 
 def balance(
-    loads, world_size: int, max_rounds: int = 200, visibility: np.ndarray | None = None, chunk_comm: float = 0.0
+    loads: np.ndarray | Sequence[float],
+    world_size: int,
+    max_rounds: int = 200,
+    visibility: np.ndarray | None = None,
+    chunk_comm: float = 0.0,
 ) -> tuple[tuple[int, ...], ...]:
     """Assign len(loads) chunks to `world_size` ranks, equal counts, lowering the largest load by
     local search (see the module docstring for what the result guarantees).
@@ -189,8 +214,10 @@ def balance(
     With `visibility` (`chunk_visibility`'s bool [chunk, chunk]) and `chunk_comm` > 0 (the cost of
     receiving one K/V chunk, in units of `loads`), the largest load plus communication instead.
     Every round lowers the largest cost or the number of ranks at it, so each search ends;
-    `max_rounds` only caps its time (the guarantees hold when it ends before)."""
-    loads = np.asarray(loads, dtype=np.float64)
+    `max_rounds` only caps its time (the guarantees hold when it ends before).
+    `loads`: one finite entry >= 0 per chunk; `world_size`: an int >= 1 dividing their number."""
+    loads = _checked_loads(loads)
+    _check_int("world_size", world_size, 1)
     n = len(loads)
     if n % world_size:
         raise ValueError(f"{n} chunks cannot be split evenly over {world_size} ranks")
@@ -343,7 +370,7 @@ def _swap_for_cost(owned: np.ndarray, weights: np.ndarray, bits: np.ndarray, chu
         cost[best_partner] = _cost(owned[best_partner], weights, bits, chunk_comm)
 
 
-def imbalance(loads, assignment) -> float:
+def imbalance(loads: np.ndarray | Sequence[float], assignment: Sequence[Sequence[int]]) -> float:
     """max rank load / mean rank load (1.0 is perfect)."""
     loads = np.asarray(loads, dtype=np.float64)
     per_rank = [loads[list(chunks)].sum() for chunks in assignment]

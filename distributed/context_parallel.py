@@ -46,6 +46,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -102,8 +103,12 @@ class CPConfig:
             raise ValueError(f"unknown CP scheme {self.scheme!r}; accepted: {', '.join(SCHEMES)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown CP backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
-        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node must be a positive int or None, got {self.ranks_per_node!r}")
+        for name in ("prune", "overlap", "hold_remote_kv"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        rpn = self.ranks_per_node
+        if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
+            raise ValueError(f"ranks_per_node must be a positive int or None, got {rpn!r}")
         if self.stage_chunks is not None:
             if not isinstance(self.stage_chunks, int) or isinstance(self.stage_chunks, bool) or self.stage_chunks < 1:
                 raise ValueError(f"stage_chunks must be a positive int or None, got {self.stage_chunks!r}")
@@ -185,6 +190,7 @@ class CPStats:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.held_kv_bytes)
 
     def drop_kv(self, *tensors: torch.Tensor) -> None:
+        """Stop counting the storages of these K/V tensors (released; see `hold_kv`)."""
         for t in tensors:
             self._live_kv.pop(t.untyped_storage().data_ptr(), None)
 
@@ -204,6 +210,7 @@ class CPStats:
         self.peak_grad_bytes = max(self.peak_grad_bytes, sum(self._live_grad.values()))
 
     def drop_grad(self, *tensors: torch.Tensor) -> None:
+        """Stop counting the storages of these dK/dV message buffers (waited for; see `hold_grad`)."""
         for t in tensors:
             self._live_grad.pop(t.untyped_storage().data_ptr(), None)
 
@@ -901,7 +908,7 @@ def cp_attention(
     config: CPConfig = CPConfig(),
     softmax_scale: float | None = None,
     return_lse: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Context-parallel attention of this rank's chunks; differentiable.
 
     Args:
@@ -918,6 +925,12 @@ def cp_attention(
     Returns:
         This rank's output [B, local_len, Hq, D] (and LSE [B, Hq, local_len] with `return_lse`).
     """
+    reference.check_attention_inputs(q_local, k_local, v_local, ("q_local", "k_local", "v_local"))
+    reference.check_softmax_scale(softmax_scale)
+    reference.check_flag("return_lse", return_lse)
+    for name, value, cls in (("mask", mask, ColumnMask), ("plan", plan, CPPlan), ("config", config, CPConfig)):
+        if not isinstance(value, cls):
+            raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
     if v_local.shape != k_local.shape:
         # K and V travel stacked as one tensor, and the local kernels take them so.
         raise ValueError(
@@ -933,6 +946,8 @@ def cp_attention(
             raise ValueError(f"{name} must be [B, {plan.local_len}, H, D] (this rank's chunks), got {tuple(t.shape)}")
     if mask.seqlen_q != plan.seqlen or mask.seqlen_k != plan.seqlen:
         raise ValueError(f"mask covers {mask.seqlen_q}x{mask.seqlen_k} tokens but the plan {plan.seqlen}")
+    batch, heads_q, heads_kv = q_local.shape[0], q_local.shape[2], k_local.shape[2]
+    mask.check_compatible(batch, heads_q, heads_kv, plan.seqlen, plan.seqlen)
     if q_local.is_cuda and "nccl" in dist.get_backend(group) and q_local.device.index != torch.cuda.current_device():
         raise ValueError(
             f"q_local is on {q_local.device} but the current CUDA device is "
@@ -956,5 +971,10 @@ class ContextParallelAttention(torch.nn.Module):
         super().__init__()
         self.group, self.config, self.softmax_scale = group, config, softmax_scale
 
-    def forward(self, q_local, k_local, v_local, mask: ColumnMask, plan: CPPlan) -> torch.Tensor:
-        return cp_attention(q_local, k_local, v_local, mask, plan, self.group, self.config, self.softmax_scale)
+    def forward(
+        self, q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, mask: ColumnMask, plan: CPPlan
+    ) -> torch.Tensor:
+        """`cp_attention` of this rank's chunks [B, plan.local_len, H, D] with the module's group,
+        config and scale; returns this rank's output."""
+        out = cp_attention(q_local, k_local, v_local, mask, plan, self.group, self.config, self.softmax_scale)
+        return cast(torch.Tensor, out)  # without return_lse: the output alone

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 import numpy as np
 import torch
+
+from ..reference.masks import _check_int
 
 
 @dataclass(frozen=True)
@@ -41,14 +44,17 @@ class CPPlan:
 
     @property
     def world_size(self) -> int:
+        """Number of ranks R (one chunk tuple each in `assignment`)."""
         return len(self.assignment)
 
     @property
     def num_chunks(self) -> int:
+        """Number of chunks C = seqlen / chunk_size."""
         return self.seqlen // self.chunk_size
 
     @property
     def local_len(self) -> int:
+        """Tokens each rank holds: its chunks times chunk_size."""
         return len(self.assignment[0]) * self.chunk_size
 
     @cached_property
@@ -59,14 +65,25 @@ class CPPlan:
         return owners
 
     def owner(self, chunk: int) -> int:
+        """The rank holding chunk id `chunk`."""
         return int(self.chunk_owners[chunk])
 
     def token_index(self, rank: int) -> torch.Tensor:
-        """Global positions of rank's local tokens, in local order."""
+        """Global positions of rank's local tokens, in local order; `rank` in [0, world_size)."""
+        _check_int(f"rank (world_size {self.world_size})", rank, 0, self.world_size - 1)
         return torch.cat([torch.arange(c * self.chunk_size, (c + 1) * self.chunk_size) for c in self.assignment[rank]])
 
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
-        """Rank's local part of a full-sequence tensor (e.g. [B, S, H, D] along dim 1)."""
+        """Rank's local part of a full-sequence tensor (e.g. [B, S, H, D] along dim 1): `x` has the
+        plan's seqlen along `dim`, the sequence dim."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        _check_int(f"dim (x is {x.dim()}-D)", dim, -x.dim(), x.dim() - 1)
+        if x.shape[dim] != self.seqlen:
+            raise ValueError(
+                f"x must have the plan's seqlen {self.seqlen} along dim {dim} (the sequence dim), "
+                f"got shape {tuple(x.shape)}"
+            )
         return x.index_select(dim, self.token_index(rank).to(x.device))
 
     def unshard(self, parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
@@ -79,6 +96,7 @@ class CPPlan:
 
 
 def contiguous_assignment(world_size: int, chunks_per_rank: int) -> tuple[tuple[int, ...], ...]:
+    """Rank r takes the k = `chunks_per_rank` consecutive chunks r*k .. (r+1)*k - 1."""
     k = chunks_per_rank
     return tuple(tuple(range(r * k, (r + 1) * k)) for r in range(world_size))
 
@@ -102,15 +120,29 @@ def make_plan(
     world_size: int,
     chunks_per_rank: int = 2,
     scheme: str = "zigzag",
-    loads=None,
+    loads: np.ndarray | Sequence[float] | None = None,
     visibility: np.ndarray | None = None,
     chunk_comm: float = 0.0,
 ) -> CPPlan:
     """A plan with `scheme` in contiguous | zigzag | balanced (needs per-chunk `loads`; with
-    `visibility` and `chunk_comm`, communication counted too: see `balance`)."""
+    `visibility` and `chunk_comm`, communication counted too: see `balance`).
+
+    `seqlen`, `world_size` and `chunks_per_rank` are ints >= 1, `seqlen` a multiple of
+    world_size * chunks_per_rank; `loads`, where given, has one finite entry >= 0 per chunk."""
+    _check_int("seqlen", seqlen, 1)
+    _check_int("world_size", world_size, 1)
+    _check_int("chunks_per_rank", chunks_per_rank, 1)
     num_chunks = world_size * chunks_per_rank
     if seqlen % num_chunks:
         raise ValueError(f"seqlen {seqlen} must be a multiple of world_size * chunks_per_rank = {num_chunks}")
+    if loads is not None:
+        from .balance import _checked_loads
+
+        loads = _checked_loads(loads)
+        if len(loads) != num_chunks:
+            raise ValueError(
+                f"loads must have one entry per chunk (world_size * chunks_per_rank = {num_chunks}), got {len(loads)}"
+            )
     if scheme == "contiguous":
         assignment = contiguous_assignment(world_size, chunks_per_rank)
     elif scheme == "zigzag":

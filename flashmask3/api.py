@@ -13,11 +13,17 @@ from .memo import TensorMemo
 from .optimized import ops
 from .optimized.interface import requires_backward, unsupported_error, unsupported_reason
 from .reference import ColumnMask
-from .reference.attention import join_sinks, reference_attention
+from .reference.attention import (
+    ATTENTION_DTYPES,
+    check_attention_inputs,
+    check_flag,
+    check_softmax_scale,
+    join_sinks,
+    reference_attention,
+)
 
 Backend = Literal["auto", "reference", "cute", "sdpa", "flex"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cute", "sdpa", "flex")
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def attention(
@@ -53,14 +59,15 @@ def attention(
             iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1 meaning unbounded; with
             causal=True, right must be 0 or -1. Given together with `mask`: ValueError.
         backend: "reference" (pure PyTorch, any device), "cute" (the CuTe DSL Hopper kernels:
-            bf16/fp16, sm_90; head dims (q/k, v) (64, 64) or (128, 128), and (128, 64) or
-            (192, 128) for the forward alone), "sdpa" (torch SDPA with a
-            dense mask), "flex" (FlexAttention with a BlockMask), or "auto": cute where it
-            supports the inputs, else flex on CUDA, else reference.
-        softmax_scale: scale of q.k; default 1/sqrt(D), D being q's (and k's) head dim.
+            bf16/fp16, sm_90; head dims as for v above), "sdpa" (torch SDPA with a dense mask),
+            "flex" (FlexAttention with a BlockMask), or "auto": cute where it supports the inputs,
+            else flex on CUDA, else reference.
+        softmax_scale: scale of q.k, a finite float; default 1/sqrt(D), D being q's (and k's)
+            head dim.
         return_lse: also return the log-sum-exp of the scaled scores, fp32 [B, Hq, Sq].
         deterministic: the cute backward adds dQ in a fixed order, so gradients are bitwise
-            identical run to run (slightly slower); the reference is deterministic anyway.
+            identical run to run (slightly slower); the reference is deterministic anyway; sdpa
+            and flex run their own backward as it is (also where "auto" falls back to flex).
         sinks: learnable attention sinks (gpt-oss): a floating-point tensor [Hq] on q's device,
             one logit per query head (GQA: per query head, not per kv head), any float dtype; it
             may require grad. Each query row's softmax gets one more term in its denominator:
@@ -78,7 +85,10 @@ def attention(
         out = 0 and lse = its sink. B = 0 or Sq = 0 gives empty results; 0 heads or head dim 0 is
         a ValueError.
     """
-    _check_inputs(q, k, v)
+    check_attention_inputs(q, k, v)
+    check_softmax_scale(softmax_scale)
+    check_flag("return_lse", return_lse)
+    check_flag("deterministic", deterministic)
     if sinks is not None:
         _check_sinks(sinks, q)
     b, sq, hq, d = q.shape
@@ -104,9 +114,10 @@ def attention(
             mask = mask.to(q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
-    if sk == 0 and backend in BACKENDS:
-        # No key at all: every row sees nothing (out 0, lse -inf) on any backend. The reference
-        # answers it without reducing over an empty key axis, as the others would.
+    if 0 in (b, sq, sk) and backend in BACKENDS:
+        # Nothing to compute, or no key at all (every row sees nothing: out 0, lse -inf): the
+        # reference answers it on any backend, without a kernel launch over an empty grid or a
+        # reduction over an empty key axis.
         backend = "reference"
     if backend == "auto":
         backend = _auto_backend(q, k, v, requires_backward(q, k, v, sinks))
@@ -192,6 +203,10 @@ def varlen_attention(
         raise ValueError(
             f"v must be [total_k, Hkv, Dv] with k's total and Hkv (k is {tuple(k.shape)}), got {tuple(v.shape)}"
         )
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        _check_packing(name, cu, total, "total_q" if name == "cu_seqlens_q" else "total_k")
+    if 0 in (q.shape[0], k.shape[0]):  # no query, or no key for any: nothing to mask
+        return _varlen_result(attention(q[None], k[None], v[None], softmax_scale=softmax_scale, return_lse=return_lse))
     same_packing = q.shape[0] == k.shape[0] and (
         cu_seqlens_q is cu_seqlens_k or torch.equal(cu_seqlens_q, cu_seqlens_k.to(cu_seqlens_q.dtype))
     )
@@ -216,10 +231,29 @@ def varlen_attention(
         return_lse=return_lse,
         deterministic=deterministic,
     )
-    if return_lse:
+    return _varlen_result(result)
+
+
+def _varlen_result(
+    result: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`attention`'s batch of one as FlashAttention's varlen layout: out [total, H, Dv], lse [H, total]."""
+    if isinstance(result, tuple):
         out, lse = result
         return out[0], lse[0]
     return result[0]
+
+
+def _check_packing(name: str, cu_seqlens: torch.Tensor, total: int, total_name: str) -> None:
+    """FlashAttention's boundaries: 0 first, non-decreasing, `total` last. Read only where they are on
+    the CPU (on a GPU that would be a host sync; there the mask clamps them instead)."""
+    if cu_seqlens.device.type != "cpu":
+        return
+    if cu_seqlens[0] != 0 or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()) or cu_seqlens[-1] != total:
+        raise ValueError(
+            f"{name} must go from 0 to {total_name}={total} without decreasing (the documents' boundaries), "
+            f"got {cu_seqlens.tolist()}"
+        )
 
 
 def _check_flash_arguments(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
@@ -303,36 +337,7 @@ def _check_sinks(sinks: torch.Tensor, q: torch.Tensor) -> None:
         raise ValueError(
             f"sinks must be a 1-D tensor [Hq] = [{heads_q}], one logit per query head, got shape {tuple(sinks.shape)}"
         )
-    if sinks.dtype not in _DTYPES:
+    if sinks.dtype not in ATTENTION_DTYPES:
         raise TypeError(f"sinks dtype must be one of bf16, fp16, fp32, fp64, got {sinks.dtype}")
     if sinks.device != q.device:
         raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
-
-
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} dtype must be one of bf16, fp16, fp32, fp64, got {t.dtype}")
-        if t.shape[2] == 0:
-            raise ValueError(f"{name} heads (H of [B, S, H, D]) must be >= 1, got shape {tuple(t.shape)}")
-        if t.shape[3] == 0:
-            raise ValueError(f"{name} head dim (D of [B, S, H, D]) must be >= 1, got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(
-            f"k and v must have the same batch, length and heads (k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]; "
-            f"only the head dims may differ), got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")

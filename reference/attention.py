@@ -16,6 +16,7 @@ output 0 and LSE = the sink.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -256,6 +257,60 @@ class ReferenceAttention(torch.autograd.Function):
         if sinks is not None and ctx.needs_input_grad[6]:
             dsinks = sinks_backward(dout, out, lse, sinks, ctx.compute_dtype).to(sinks.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
+
+
+ATTENTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: tuple[str, str, str] = ("q", "k", "v")
+) -> None:
+    """q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] as every entry point takes them: one
+    floating dtype and device, Hq a multiple of Hkv, at least one head and one head-dim column;
+    errors name the arguments as `names` (the caller's)."""
+    qn, kn, vn = names
+    for name, t in zip(names, (q, k, v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in ATTENTION_DTYPES:
+            raise TypeError(f"{name} dtype must be one of bf16, fp16, fp32, fp64, got {t.dtype}")
+        if t.shape[2] == 0:
+            raise ValueError(f"{name} heads (H of [B, S, H, D]) must be >= 1, got shape {tuple(t.shape)}")
+        if t.shape[3] == 0:
+            raise ValueError(f"{name} head dim (D of [B, S, H, D]) must be >= 1, got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{qn}, {kn}, {vn} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{qn}, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"{kn} and {vn} must have the same batch, length and heads ({kn} [B, Sk, Hkv, D], {vn} [B, Sk, Hkv, Dv]; "
+            f"only the head dims may differ), got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"{qn} and {kn} must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"{qn} and {kn} must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{qn} heads ({q.shape[2]}) must be a multiple of {kn}/{vn} heads ({k.shape[2]})")
+
+
+def check_softmax_scale(softmax_scale: object) -> None:
+    """`softmax_scale`: None (1/sqrt(D)) or a finite real number."""
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None (1/sqrt(D)), got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+
+
+def check_flag(name: str, value: object) -> None:
+    """A bool argument: a truthy string or number is a TypeError, not True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def reference_attention(

@@ -182,12 +182,13 @@ class MaskConstructors:
         i' - left <= j <= i' + right, i' = i + Sk - Sq (bottom-right aligned), -1 = unbounded;
         `causal` hides the keys after i'; with `cu_seqlens` (Sq = Sk) only within each document.
         With `cu_seqlens_k` too, `cu_seqlens` packs the queries and `cu_seqlens_k` the keys of the
-        same documents (`_varlen_band`).
+        same documents (`_varlen_bounds`).
         """
         if cu_seqlens_k is not None:
             if cu_seqlens is None:
                 raise ValueError("cu_seqlens_k needs cu_seqlens, the queries' packing of the same documents")
-            return cls._varlen_band(seqlen_q, seqlen_k, left, right, causal, cu_seqlens, cu_seqlens_k)
+            bounds = _varlen_bounds((seqlen_q, seqlen_k), (cu_seqlens, cu_seqlens_k), (left, right), causal)
+            return cls._from_vectors(bounds, False, seqlen_q)
         if cu_seqlens is not None:
             device = cu_seqlens.device
         # The query row i' of each key column j is j - (Sk - Sq): the window's rows count from it.
@@ -203,41 +204,6 @@ class MaskConstructors:
         return cls._from_vectors([v.clamp(0, seqlen_q) for v in vectors], causal, seqlen_q, segmented)
 
     @classmethod
-    def _varlen_band(
-        cls,
-        seqlen_q: int,
-        seqlen_k: int,
-        left: int,
-        right: int,
-        causal: bool,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-    ) -> ColumnMask:
-        """`_band` per document where the queries and the keys are packed differently (FlashAttention's
-        varlen with cu_seqlens_q != cu_seqlens_k): document d holds queries [cu_seqlens_q[d],
-        cu_seqlens_q[d + 1]) and keys [cu_seqlens_k[d], cu_seqlens_k[d + 1]); causal and the window
-        are aligned bottom-right within each document. Tokens after the last boundary form one more
-        document on each side. The non-causal variant with two bounds: a key column's query rows are
-        the interval [lo, hi), its document's rows cut by its diagonal row and the window."""
-        if cu_seqlens_q.shape != cu_seqlens_k.shape:
-            raise ValueError(
-                "cu_seqlens_q and cu_seqlens_k must hold the same documents, shape [N + 1] each, got "
-                f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
-            )
-        keys = _segments(cu_seqlens_k, seqlen_k, "cu_seqlens_k", "total_k")
-        queries = _segments(cu_seqlens_q, seqlen_q, "cu_seqlens_q", "total_q")
-        bounds_q = F.pad(queries.cu, (0, 1), value=seqlen_q)
-        document = keys.segment  # [B, Sk]: each key's document
-        rows_start, rows_end = bounds_q.gather(-1, document), bounds_q.gather(-1, document + 1)
-        # The query row of each key column j: its document's last query row lines up with its last key.
-        j = torch.arange(seqlen_k, device=keys.cu.device)
-        diagonal = j - keys.end + rows_end
-        hi = rows_end if left < 0 else torch.minimum(rows_end, diagonal + left + 1)
-        lowest = diagonal if causal else (None if right < 0 else diagonal - right)
-        lo = rows_start if lowest is None else torch.maximum(rows_start, lowest)
-        return cls._from_vectors([hi.clamp(0, seqlen_q), lo.clamp(0, seqlen_q)], False, seqlen_q)
-
-    @classmethod
     def _from_vectors(
         cls, vectors: list[torch.Tensor], causal: bool, seqlen_q: int | None = None, segmented: bool = False
     ) -> ColumnMask:
@@ -246,6 +212,35 @@ class MaskConstructors:
         idx = torch.stack(vectors, dim=-1).to(torch.int32)
         idx = idx.reshape(idx.shape[:-2].numel(), 1, *idx.shape[-2:])  # not view(-1, ...): Sk may be 0
         return cls._unchecked(idx, causal, idx.shape[-2] if seqlen_q is None else seqlen_q, segmented)
+
+
+def _varlen_bounds(
+    seqlens: tuple[int, int], packings: tuple[torch.Tensor, torch.Tensor], window: tuple[int, int], causal: bool
+) -> list[torch.Tensor]:
+    """The non-causal two-bound vectors [hi, lo] of FlashAttention's varlen attention where queries
+    and keys are packed differently: `seqlens` (total_q, total_k), `packings` (cu_seqlens_q,
+    cu_seqlens_k): document d holds queries [cu_seqlens_q[d], cu_seqlens_q[d + 1]) and keys
+    [cu_seqlens_k[d], cu_seqlens_k[d + 1]); causal and the `window` (left, right) are aligned
+    bottom-right within each document. Tokens after the last boundary form one more document on
+    each side. A key column's visible query rows are the interval [lo, hi): its document's rows cut
+    by its diagonal row and the window."""
+    (seqlen_q, seqlen_k), (cu_seqlens_q, cu_seqlens_k), (left, right) = seqlens, packings, window
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            "cu_seqlens_q and cu_seqlens_k must hold the same documents, shape [N + 1] each, got "
+            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
+        )
+    keys = _segments(cu_seqlens_k, seqlen_k, "cu_seqlens_k", "total_k")
+    queries = _segments(cu_seqlens_q, seqlen_q, "cu_seqlens_q", "total_q")
+    bounds_q = F.pad(queries.cu, (0, 1), value=seqlen_q)
+    document = keys.segment  # [B, Sk]: each key's document
+    rows_start, rows_end = bounds_q.gather(-1, document), bounds_q.gather(-1, document + 1)
+    # The query row of each key column j: its document's last query row lines up with its last key.
+    diagonal = torch.arange(seqlen_k, device=keys.cu.device) - keys.end + rows_end
+    hi = rows_end if left < 0 else torch.minimum(rows_end, diagonal + left + 1)
+    lowest = diagonal if causal else (None if right < 0 else diagonal - right)
+    lo = rows_start if lowest is None else torch.maximum(rows_start, lowest)
+    return [hi.clamp(0, seqlen_q), lo.clamp(0, seqlen_q)]
 
 
 def _documents(

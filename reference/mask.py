@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .constructors import MaskConstructors
+from .constructors import MaskConstructors, _check_int
 
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
 """Tile classes of `ColumnMask.block_classes`."""
@@ -134,21 +134,26 @@ class ColumnMask(MaskConstructors):
     # -- shape ----------------------------------------------------------------------------------
     @property
     def batch(self) -> int:
+        """B of `startend_row_indices` [B, H or 1, Sk, k]: 1 (broadcast) or the batch size."""
         return self.startend_row_indices.shape[0]
 
     @property
     def heads(self) -> int:
+        """Mask heads (H of `startend_row_indices`): 1 (broadcast), the kv heads or the q heads."""
         return self.startend_row_indices.shape[1]
 
     @property
     def seqlen_k(self) -> int:
+        """Number of key columns Sk (one boundary row per key)."""
         return self.startend_row_indices.shape[2]
 
     @property
     def device(self) -> torch.device:
+        """The device of `startend_row_indices`."""
         return self.startend_row_indices.device
 
     def to(self, device: torch.device | str) -> ColumnMask:
+        """The same mask with its boundaries on `device` (unchecked: they are already valid)."""
         return ColumnMask._unchecked(self.startend_row_indices.to(device), self.causal, self.seqlen_q, self.segmented)
 
     def check_compatible(self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int) -> None:
@@ -242,6 +247,7 @@ class ColumnMask(MaskConstructors):
         return self._block_skip_partial(block_m, block_n)[0]
 
     def _block_skip_partial(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_int("block_m", block_m, 1)
         bounds = self.block_bounds(block_n)
         tm = -(-self.seqlen_q // block_m)
         r0 = torch.arange(tm, device=self.device) * block_m
@@ -273,6 +279,7 @@ class ColumnMask(MaskConstructors):
         Order: LTS min/max, LTE min/max, UTS min/max, UTE min/max. A ragged last block repeats its
         last column, which leaves its min/max unchanged.
         """
+        _check_int("block_n", block_n, 1)
         tn = -(-self.seqlen_k // block_n)
         pad = tn * block_n - self.seqlen_k
         out = []
@@ -286,19 +293,26 @@ class ColumnMask(MaskConstructors):
     # -- conversions ----------------------------------------------------------------------------
     @staticmethod
     def from_dense(mask: torch.Tensor, causal: bool | None = None) -> ColumnMask:
-        """Exact conversion of a dense bool mask (True = attend), [Sq, Sk] or [B, H, Sq, Sk].
+        """Exact conversion of a dense bool mask (True = attend), [Sq, Sk] or [B, H, Sq, Sk], every
+        dim >= 1.
 
         `causal=None` picks the causal variant when every key after its query (bottom-right
-        aligned) is masked. Raises ValueError naming a column whose masked rows do not fit the
-        variant (more than two runs, or rows visible above the causal diagonal). Reads the mask in
-        chunks of query rows, so the working memory is that of one chunk.
+        aligned) is masked and the causal variant can hold the rest, else the non-causal one.
+        Raises ValueError naming a column whose masked rows do not fit the variant (more than two
+        runs, or rows visible above the causal diagonal). Reads the mask in chunks of query rows,
+        so the working memory is that of one chunk.
         """
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a bool torch.Tensor (True = attend), got {type(mask).__name__}")
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor (True = attend), got {mask.dtype}")
+        if mask.dim() not in (2, 4) or 0 in mask.shape:
+            raise ValueError(
+                f"mask must be [Sq, Sk] or [B, H, Sq, Sk] with every dim >= 1 (at least one query row and "
+                f"one key column), got shape {tuple(mask.shape)}"
+            )
         if mask.dim() == 2:
             mask = mask[None, None]
-        if mask.dim() != 4:
-            raise ValueError(f"mask must be [Sq, Sk] or [B, H, Sq, Sk], got shape {tuple(mask.shape)}")
         batch, heads, sq, sk = mask.shape
         return _convert(lambda rows: mask[..., rows, :], batch, heads, sq, sk, causal, mask.device)
 
@@ -318,8 +332,11 @@ class ColumnMask(MaskConstructors):
         q_idx [1, 1, rows, 1], kv_idx [1, 1, 1, Sk]) on `device`, one chunk of query rows at a time,
         as FlexAttention's `create_block_mask` evaluates block by block: no [Sq, Sk] tensor is ever
         made. The result is converted exactly as `from_dense` does, raising if it is not
-        representable. Returns a mask of batch `batch` and `heads` heads.
+        representable. Returns a mask of batch `batch` and `heads` heads. `batch`, `heads`,
+        `seqlen_q` and `seqlen_k` are ints >= 1.
         """
+        for name, value in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+            _check_int(name, value, 1)
         device = torch.device(device)
         b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
         h = torch.arange(heads, device=device).view(1, -1, 1, 1)
@@ -358,7 +375,10 @@ def _convert(
     """Exact ColumnMask of the dense mask that `attend_rows(rows)` gives chunk by chunk.
 
     `attend_rows` returns bool (True = attend) broadcastable to [B or 1, H or 1, rows, Sk].
+    `causal=None`: the causal variant where it can hold the mask, else the non-causal one.
     """
+    if causal is not None and not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool or None, got {type(causal).__name__}")
     chunk = max(1, _CHUNK_ELEMENTS // (batch * heads * seqlen_k))
     switches = _ColumnSwitches(seqlen_q, seqlen_k, device)
     for row0 in range(0, seqlen_q, chunk):
@@ -374,7 +394,12 @@ def _convert(
             if seen is not None:
                 causal = False
         switches.add(attend, row0)
-    return switches.column_mask(causal is not False)
+    if causal is None:  # nothing seen above the diagonal: causal if its single run per column fits
+        try:
+            return switches.column_mask(True)
+        except ValueError:
+            causal = False  # the non-causal variant's two runs may hold it; if not, its error names a column
+    return switches.column_mask(causal)
 
 
 def _first_visible_above_diagonal(attend: torch.Tensor, row0: int, offset: int) -> tuple[int, ...] | None:

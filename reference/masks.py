@@ -51,6 +51,8 @@ def split_lengths(rng: np.random.Generator, total: int, parts: int) -> list[int]
 
 
 def sample_docs(rng: np.random.Generator, seqlen: int, num_docs: int | None) -> list[int]:
+    """Random lengths of the packed documents of one sequence, summing to `seqlen`: `num_docs` of
+    them (at most `seqlen`), or a count drawn from `doc_count_range(seqlen)` where None."""
     lo, hi = doc_count_range(seqlen)
     n = num_docs if num_docs is not None else int(rng.integers(lo, hi + 1))
     return split_lengths(rng, seqlen, n)

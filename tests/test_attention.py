@@ -334,14 +334,25 @@ def test_varlen_attention_errors_name_the_argument():
         ValueError, match=r"cu_seqlens_k must be an int32 or int64 tensor \[N \+ 1\], got torch.float32"
     ):
         fm.varlen_attention(q, k, v, cu, cu.float(), 4, 4)
-    with pytest.raises(ValueError, match=r"cu_seqlens_k must end at or before total_k=6, got \[8\]"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must go from 0 to total_k=6 .*, got \[0, 4, 8\]"):
         fm.varlen_attention(q, k[:6], v[:6], cu, cu, 4, 4)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must go from 0 to total_q=8 .*, got \[1, 4, 8\]"):
         fm.varlen_attention(q, k, v, torch.tensor([1, 4, 8]), torch.tensor([0, 3, 8]), 4, 5)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must go from 0 to total_q=8 .*, got \[0, 4, 6\]"):
+        fm.varlen_attention(q, k, v, torch.tensor([0, 4, 6]), cu, 4, 4)  # tokens past the last document
     with pytest.raises(ValueError, match=r"window_size\[1\] must be 0 or -1 with causal=True"):
         fm.varlen_attention(q, k, v, cu, cu, 4, 4, causal=True, window_size=(2, 2))
-    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must go from 0 to total_q=8 without decreasing"):
         fm.varlen_attention(q, k, v, torch.tensor([0, 5, 4, 8]), torch.tensor([0, 5, 4, 8]), 5, 5)
+
+
+def test_varlen_attention_without_queries_or_keys():
+    """A packing of 0 queries gives empty results; 0 keys, output 0 and LSE -inf for every query."""
+    q, k, v = (torch.randn(n, 2, 16, dtype=torch.float64) for n in (5, 0, 0))
+    out, lse = fm.varlen_attention(q, k, v, torch.tensor([0, 2, 5]), torch.tensor([0, 0, 0]), 3, 0, return_lse=True)
+    assert torch.equal(out, torch.zeros(5, 2, 16, dtype=torch.float64)) and torch.isneginf(lse).all()
+    out = fm.varlen_attention(q[:0], q, q, torch.tensor([0, 0]), torch.tensor([0, 5]), 0, 5, causal=True)
+    assert out.shape == (0, 2, 16)
 
 
 def test_flex_builds_a_masks_block_mask_once_and_drops_it_with_the_mask(monkeypatch):

@@ -84,10 +84,86 @@ def test_no_keys_give_zero_and_minus_inf_on_every_backend(backend, form):
     assert not dq.any() and dk.shape == k.shape and dv.shape == v.shape
 
 
-def test_empty_batch_and_queries_give_empty_results():
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "flex"])
+@pytest.mark.parametrize("form", ["no mask", "mask", "causal", "window"])
+def test_empty_batch_and_queries_give_empty_results(backend, form):
     for q, k, v in (qkv(batch=0), qkv(sq=0)):
-        out, lse = fm.attention(q, k, v, return_lse=True)
+        kwargs = {
+            "no mask": {},
+            "mask": {"mask": masks.build("causal", q.shape[1], batch=1) if q.shape[1] else None},
+            "causal": {"causal": True},
+            "window": {"window_size": (2, 2)},
+        }[form]
+        out, lse = fm.attention(q, k, v, backend=backend, return_lse=True, **kwargs)
         assert out.shape == q.shape and lse.shape == (q.shape[0], 2, q.shape[1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite, got nan"),
+        ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite, got inf"),
+        ({"softmax_scale": "0.1"}, TypeError, r"softmax_scale must be a float or None \(1/sqrt\(D\)\), got str"),
+        ({"softmax_scale": True}, TypeError, "softmax_scale must be a float or None"),
+        ({"return_lse": "no"}, TypeError, "return_lse must be a bool, got str"),
+        ({"deterministic": 1}, TypeError, "deterministic must be a bool, got int"),
+    ],
+)
+def test_scale_and_flags_are_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fm.attention(*qkv(), **kwargs)
+    with pytest.raises(error, match=match):
+        cu = torch.tensor([0, 8])
+        fm.varlen_attention(*(x[0] for x in qkv()), cu, cu, 8, 8, **kwargs)
+
+
+def test_a_numpy_scale_is_a_float():
+    import numpy as np
+
+    q, k, v = qkv()
+    torch.testing.assert_close(
+        fm.attention(q, k, v, softmax_scale=np.float32(0.5)), fm.attention(q, k, v, softmax_scale=0.5)
+    )
+
+
+def test_paddle_entry_checks_query_before_reading_its_mask():
+    q, k, v = qkv()
+    rows = masks.build("causal_document", 8).startend_row_indices
+    with pytest.raises(ValueError, match=r"query must be 4-D \[B, S, H, D\], got shape \(8, 2, 16\)"):
+        fm.flashmask_attention(q[0], k[0], v[0], rows, causal=True)
+    with pytest.raises(TypeError, match="query, key, value must share a dtype"):
+        fm.flashmask_attention(q.float(), k, v, rows, causal=True)
+    out = fm.flashmask_attention(q[:, :0], k, v, rows, causal=True)  # no query row: nothing to mask
+    assert out.shape == (1, 0, 2, 16)
+
+
+def test_cp_attention_checks_its_inputs_by_name(tmp_path):
+    """Checked before any communication, on a one-rank gloo group: the same rules as attention's."""
+    import torch.distributed as dist
+    from flashmask3.distributed import CPConfig, cp_attention, make_plan
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plan, mask = make_plan(64, 1), masks.build("causal_document", 64)
+        q = k = torch.randn(1, 64, 4, 16, dtype=torch.float64)
+        bad = [
+            ((q.long(), k.long(), k.long(), mask, plan), TypeError, "q_local dtype must be one of bf16, fp16"),
+            ((q.float(), k, k, mask, plan), TypeError, "q_local, k_local, v_local must share a dtype"),
+            ((q, k[:, :, :3], k[:, :, :3], mask, plan), ValueError, r"q_local heads \(4\) must be a multiple of"),
+            ((q, k[..., :8], k[..., :8], mask, plan), ValueError, "q_local and k_local must have the same head dim"),
+            ((q, k, k, None, plan), TypeError, "mask must be a ColumnMask, got NoneType"),
+            ((q, k, k, mask, plan, None, {"scheme": "ring"}), TypeError, "config must be a CPConfig, got dict"),
+            ((q, k, k, masks.build("random_eviction", 64, heads=3), plan), ValueError, "head dim must be"),
+            ((q, k, k, masks.build("causal_document", 64, batch=3), plan), ValueError, "batch dim must be"),
+            ((q, k, k, mask, plan, None, CPConfig(), float("nan")), ValueError, "softmax_scale must be finite"),
+        ]
+        for args, error, match in bad:
+            with pytest.raises(error, match=match):
+                cp_attention(*args)
+        out = cp_attention(q, k, k, mask, plan)
+        torch.testing.assert_close(out, fm.attention(q, k, k, mask), rtol=1e-10, atol=1e-10)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

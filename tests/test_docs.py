@@ -61,6 +61,25 @@ def test_the_readme_quickstart_runs():
     assert tuple(scope["out"].shape) == (1, 8192, 32, 128) and tuple(scope["lse"].shape) == (1, 32, 8192)
 
 
+def test_the_readme_flash_attention_forms_run():
+    import torch
+
+    import flashmask3 as fm
+
+    q = torch.randn(1, 1024, 4, 32)
+    k = v = torch.randn(1, 1024, 2, 32)
+    scope: dict = {"fm": fm, "torch": torch, "q": q, "k": k, "v": v}
+    exec(readme_example("fm.varlen_attention("), scope)
+    expected = torch.cat(
+        [
+            fm.attention(x, y, z, causal=True)
+            for x, y, z in ((q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in ((0, 300), (300, 301), (301, 1024)))
+        ],
+        1,
+    )[0]
+    torch.testing.assert_close(scope["out"], expected)
+
+
 def test_the_readme_hugging_face_example_runs():
     pytest.importorskip("transformers")
     scope: dict = {}

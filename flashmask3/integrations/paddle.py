@@ -7,6 +7,7 @@ import torch
 
 from ..api import attention
 from ..reference import ColumnMask
+from ..reference.attention import check_attention_inputs
 
 
 def flashmask_attention(
@@ -68,13 +69,14 @@ def flashmask_attention(
         raise ValueError("fixed_seed_offset: there is no dropout RNG to seed; pass None")
     if rng_name:
         raise ValueError(f"rng_name={rng_name!r}: there is no dropout RNG to select; pass ''")
+    check_attention_inputs(query, key, value, ("query", "key", "value"))  # before the mask reads their shapes
     window = (-1, -1)
     if window_size is not None:
         if startend_row_indices is not None:
             raise ValueError("window_size and startend_row_indices cannot be given together, as in Paddle")
         window = _window(window_size, causal)
     mask = None
-    if startend_row_indices is not None:
+    if startend_row_indices is not None and query.shape[1] > 0:  # no query row: nothing to mask
         mask = ColumnMask(startend_row_indices, causal, query.shape[1])
         causal = False  # the mask carries it
     return attention(
