@@ -76,6 +76,10 @@ class FwdConfig:
     # masked steps, are gone. 128-row query tiles and key tiles dividing 128 only (the plan's
     # granule: a key tile must not span two).
     segment_tiles: bool
+    # O rescaled by the previous turn's correction right after the S GEMM is issued, before the PV
+    # GEMM that accumulates into it (FA4's order above head dim 128), so the 64 FMULs per row run
+    # under the S GEMM instead of after the PV's wait (the same numbers bit for bit).
+    rescale_before_pv: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -154,6 +158,10 @@ class BwdConfig:
     # from the start, and with the dQ writer two stages can beat three there. It overrides
     # `q_stages` in short grids: set it to 0 with a `q_stages` meant for every grid.
     short_grid_q_stages: int
+    # dO's stage released once the dV GEMM is done, before the dK GEMM is issued (FA4's order: dQ and
+    # dK do not read dO), not once dV and dQ are: the next dO load starts a GEMM earlier, which
+    # counts where dO has one stage (head dim 256). The dK issue then waits for dV.
+    do_release_after_dv: bool
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -245,6 +253,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=head_dim == 128 and segmented,
+        rescale_before_pv=False,
     )
 
 
@@ -281,6 +290,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
         segment_steps=False,
         dq_writer=not (head_dim == 192 and mask_width == 4),  # there its consumers spill with it
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
+        do_release_after_dv=False,
     )
 
 

@@ -454,6 +454,30 @@ def test_off_diagonal_tiles_give_the_full_masks_numbers(name, head_dim, head_dim
     assert_a_field_keeps_the_forwards_numbers("off_diagonal_tiles", name, head_dim, head_dim_v, seqlen, seed=31)
 
 
+@pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
+@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", [(128, 128, 1531), (256, 256, 1531), (64, 64, 4096)])
+def test_rescale_before_pv_gives_the_defaults_numbers(name, head_dim, head_dim_v, seqlen):
+    """`rescale_before_pv`: O rescaled right before the PV GEMM that accumulates into it, not right
+    after the one before: the same products in the same order, so the same outputs and LSE."""
+    assert_a_field_keeps_the_forwards_numbers("rescale_before_pv", name, head_dim, head_dim_v, seqlen, seed=23)
+
+
+@pytest.mark.parametrize("name, head_dim", [("full", 256), ("causal_document", 256), ("share_question", 128)])
+def test_releasing_do_after_dv_gives_the_default_backwards_numbers(name, head_dim):
+    """`do_release_after_dv` moves only when dO's stage is freed and the dK GEMM issued: dK and dV
+    bit for bit, dQ within the fp32 add order's rounding, the deterministic backward bit for bit."""
+    from flashmask3.optimized import bwd_config
+    from flashmask3.optimized.interface import forward
+
+    seqlen, scale = 1531, 1 / math.sqrt(head_dim)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=37, device="cuda")
+    q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=37)
+    default = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
+    early = dataclasses.replace(default, do_release_after_dv=True)
+    out, lse = forward(q, k, v, mask, scale)
+    assert_same_gradients((dout, q, k, v, out, lse, mask, scale), default, early)
+
+
 @pytest.mark.parametrize("kind", ["random", "plain"])
 @pytest.mark.parametrize("width", [1, 2])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1531), (1531, 1000)])

@@ -1,6 +1,7 @@
 """The CuTe DSL forward and backward kernels compile for sm_90a without a GPU (fake tensors), every config."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -356,17 +357,16 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         hot_loop_in_registers(compiled_sass(tmp_path, name, kernel, args), name)
 
 
-def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[list[str], int, int]:
-    """The forward's key-tile loop (head dim 128, non-causal, width 2) with one `FwdConfig` field
-    changed, checked free of local memory: its instructions and the positions of the wait for S_j
-    (`wait_group 1`) and then for the warpgroup's own PV GEMM (`wait_group 0`)."""
-    import sass_path
-
-    config = f"dataclasses.replace(fwd_config(128, False, 2), {field}={value})"
+def forward_loop_with_one_change(tmp_path, field: str, value: bool, head_dim: int = 128) -> tuple[list[str], int, int]:
+    """The forward's key-tile loop (non-causal, width 2) with one `FwdConfig` field changed, checked
+    free of local memory and of serialized WGMMAs: its instructions and the positions of the wait for
+    S_j (`wait_group 1`) and then for the warpgroup's own PV GEMM (`wait_group 0`)."""
+    config = f"dataclasses.replace(fwd_config({head_dim}, False, 2), {field}={value})"
     setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    sass = compiled_sass(tmp_path, f"{field}_{value}", "FlashMaskForward", f"'bf16', 128, False, 2, {config}", setup)
-    assert "STL" not in sass and "LDL" not in sass
-    loop = [inst for _, block in sass_path.hot_loop(sass_path.read_blocks(sass.splitlines())) for inst in block]
+    args = f"'bf16', {head_dim}, False, 2, {config}"
+    name = f"{field}_{value}_{head_dim}"
+    blocks, _ = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", args, setup), name)
+    loop = [inst for _, block in blocks for inst in block]
     s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
     pv_wait = next(i for i, inst in enumerate(loop) if i > s_wait and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst)
     return loop, s_wait, pv_wait
@@ -399,6 +399,42 @@ def test_diagonal_steps_keep_the_loop_in_registers(tmp_path, head_dim):
     default, diagonal = loop_of(False), loop_of(True)
     assert sum("LDG" in inst for inst in diagonal) == sum("LDG" in inst for inst in default)
     assert sum("HGMMA" in inst for inst in diagonal) == sum("HGMMA" in inst for inst in default)
+
+
+@pytest.mark.slow  # compiles and disassembles two forwards, ~15 s
+def test_rescale_before_pv_moves_the_o_rescale_under_the_s_gemm(tmp_path):
+    """`rescale_before_pv` at head dim 256 (O's 128 accumulators per thread): the FMULs that rescale
+    O run between the S GEMM's HGMMAs and the PV GEMM's, not after the wait for the PV GEMM; no local
+    memory, the WGMMAs in flight either way."""
+
+    def fmuls_between_the_gemms(on: bool) -> int:
+        loop, _, _ = forward_loop_with_one_change(tmp_path, "rescale_before_pv", on, head_dim=256)
+        # PV's HGMMAs take P from registers (A operand R...), S's both operands from smem (gdesc).
+        pv_start = next(i for i, inst in enumerate(loop) if re.search(r"HGMMA\S* R\d+, R\d+", inst))
+        s_end = max(i for i, inst in enumerate(loop[:pv_start]) if "HGMMA" in inst)
+        return sum("FMUL" in inst for inst in loop[s_end:pv_start])
+
+    assert fmuls_between_the_gemms(False) < 16
+    assert fmuls_between_the_gemms(True) >= 120
+
+
+@pytest.mark.slow  # compiles and disassembles two backwards, ~25 s
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_releasing_do_after_dv_keeps_the_step_in_registers(tmp_path, head_dim):
+    """`do_release_after_dv` waits for dV before issuing dK: no local memory, the WGMMAs in flight,
+    one more wait per step (the dV wait) than the default."""
+    setup = "import dataclasses; from flashmask3.optimized import bwd_config"
+
+    def waits(on: bool) -> int:
+        config = f"dataclasses.replace(bwd_config({head_dim}, False, 2), do_release_after_dv={on})"
+        name = f"do_release_{head_dim}_{on}"
+        sass = compiled_sass(
+            tmp_path, name, "FlashMaskBackward", f"'bf16', {head_dim}, False, 2, {config}, direction='bwd'", setup
+        )
+        blocks, _ = hot_loop_in_registers(sass, name)
+        return sum("WARPGROUP.DEPBAR" in inst for _, block in blocks for inst in block)
+
+    assert waits(True) == waits(False) + 1
 
 
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s

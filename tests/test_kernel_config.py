@@ -21,6 +21,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         diagonal_tiles=False,
         off_diagonal_tiles=False,
         segment_tiles=False,
+        rescale_before_pv=False,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         diagonal, off_diagonal = causal and width == 1, causal and width == 2
@@ -87,6 +88,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
             segment_steps=False,
             dq_writer=True,
             short_grid_q_stages=0,
+            do_release_after_dv=False,
         )
 
 
@@ -143,6 +145,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "diagonal_tiles": bool,
         "off_diagonal_tiles": bool,
         "segment_tiles": bool,
+        "rescale_before_pv": bool,
         "key_tile": int,
         "keys_on_rows": bool,
         "q_stages": int,
@@ -154,6 +157,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "segment_steps": bool,
         "dq_writer": bool,
         "short_grid_q_stages": int,
+        "do_release_after_dv": bool,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
@@ -169,6 +173,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         diagonal_tiles=False,
         off_diagonal_tiles=False,
         segment_tiles=False,
+        rescale_before_pv=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == dataclasses.replace(
         bwd_config(64, True, 1), lse_ahead=False
