@@ -328,7 +328,9 @@ def test_varlen_attention_with_another_value_head_dim():
 
     assert got[0].shape == (55, 4, 16) and got[4].shape == (55, 2, 16)
     assert_close_all(got, values_and_grads(expected_fn, (q, k, v), dout), 1e-10)
-    with pytest.raises(ValueError, match=r"v must be \[total, Hkv, Dv\] with k's total and Hkv \(k is \(55, 2, 24\)\)"):
+    with pytest.raises(
+        ValueError, match=r"v must be \[total_k, Hkv, Dv\] with k's total and Hkv \(k is \(55, 2, 24\)\)"
+    ):
         fm.varlen_attention(q, k, v[:, :1], cu, cu, 31, 31)
 
 
