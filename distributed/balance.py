@@ -45,7 +45,7 @@ import numba
 import numpy as np
 
 from ..reference import ColumnMask
-from ..reference.masks import _check_int
+from ..reference.constructors import check_int
 
 PARTIAL_TILE_COST = 1.3
 """Cost of a PARTIAL tile relative to an UNMASKED one (element mask + lower issue rate)."""
@@ -59,8 +59,8 @@ def chunk_loads(
     its UNMASKED tiles plus `partial_cost` times its PARTIAL tiles, as `ColumnMask.block_classes`
     classifies them, counted exactly in O(B * Hm * Sk / tile + Sq / tile) without the tile grid.
     `chunk_size` and `tile` are ints >= 1, `chunk_size` a multiple of `tile` dividing Sq."""
-    _check_int("chunk_size", chunk_size, 1)
-    _check_int("tile", tile, 1)
+    check_int("chunk_size", chunk_size, 1)
+    check_int("tile", tile, 1)
     if chunk_size % tile:
         raise ValueError(f"chunk_size {chunk_size} must be a multiple of the tile {tile}")
     if mask.seqlen_q % chunk_size:
@@ -217,7 +217,7 @@ def balance(
     `max_rounds` only caps its time (the guarantees hold when it ends before).
     `loads`: one finite entry >= 0 per chunk; `world_size`: an int >= 1 dividing their number."""
     loads = _checked_loads(loads)
-    _check_int("world_size", world_size, 1)
+    check_int("world_size", world_size, 1)
     n = len(loads)
     if n % world_size:
         raise ValueError(f"{n} chunks cannot be split evenly over {world_size} ranks")

@@ -104,8 +104,7 @@ class CPConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown CP backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
         for name in ("prune", "overlap", "hold_remote_kv"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+            reference.check_flag(name, getattr(self, name))
         rpn = self.ranks_per_node
         if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
             raise ValueError(f"ranks_per_node must be a positive int or None, got {rpn!r}")

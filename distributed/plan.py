@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..reference.masks import _check_int
+from ..reference.constructors import check_int
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class CPPlan:
 
     def token_index(self, rank: int) -> torch.Tensor:
         """Global positions of rank's local tokens, in local order; `rank` in [0, world_size)."""
-        _check_int(f"rank (world_size {self.world_size})", rank, 0, self.world_size - 1)
+        check_int(f"rank (world_size {self.world_size})", rank, 0, self.world_size - 1)
         return torch.cat([torch.arange(c * self.chunk_size, (c + 1) * self.chunk_size) for c in self.assignment[rank]])
 
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
@@ -78,7 +78,7 @@ class CPPlan:
         plan's seqlen along `dim`, the sequence dim."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        _check_int(f"dim (x is {x.dim()}-D)", dim, -x.dim(), x.dim() - 1)
+        check_int(f"dim (x is {x.dim()}-D)", dim, -x.dim(), x.dim() - 1)
         if x.shape[dim] != self.seqlen:
             raise ValueError(
                 f"x must have the plan's seqlen {self.seqlen} along dim {dim} (the sequence dim), "
@@ -129,9 +129,9 @@ def make_plan(
 
     `seqlen`, `world_size` and `chunks_per_rank` are ints >= 1, `seqlen` a multiple of
     world_size * chunks_per_rank; `loads`, where given, has one finite entry >= 0 per chunk."""
-    _check_int("seqlen", seqlen, 1)
-    _check_int("world_size", world_size, 1)
-    _check_int("chunks_per_rank", chunks_per_rank, 1)
+    check_int("seqlen", seqlen, 1)
+    check_int("world_size", world_size, 1)
+    check_int("chunks_per_rank", chunks_per_rank, 1)
     num_chunks = world_size * chunks_per_rank
     if seqlen % num_chunks:
         raise ValueError(f"seqlen {seqlen} must be a multiple of world_size * chunks_per_rank = {num_chunks}")

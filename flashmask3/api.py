@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -159,9 +160,10 @@ def varlen_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention's `flash_attn_varlen_func`: attention within each packed document.
 
-    The documents stay packed as one row of `total` tokens, attended with a document mask
-    (`ColumnMask.document` / `.causal_document`, cut to the window): the same kernels as
-    `attention`, no varlen kernel of their own.
+    The documents stay packed as one row of tokens, attended with a document mask: with equal
+    packings `ColumnMask.document` / `.causal_document` cut to the window, else the non-causal
+    two-bound mask of each key's document rows: the same kernels as `attention`, no varlen kernel
+    of their own.
 
     Args:
         q: [total_q, Hq, D]; k: [total_k, Hkv, D]; v: [total_k, Hkv, Dv] (dtypes, GQA and head dims
@@ -187,9 +189,14 @@ def varlen_attention(
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a 3-D tensor [total, H, D], got {shape}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+        if (
+            not isinstance(cu, torch.Tensor)
+            or cu.dim() != 1
+            or cu.shape[0] < 2
+            or cu.dtype not in (torch.int32, torch.int64)
+        ):
             got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
-            raise ValueError(f"{name} must be an int32 or int64 tensor [N + 1], got {got}")
+            raise ValueError(f"{name} must be an int32 or int64 tensor [N + 1] with N >= 1, got {got}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(
             "cu_seqlens_q and cu_seqlens_k must bound the same N documents, shape [N + 1] each, got "
@@ -205,12 +212,15 @@ def varlen_attention(
         )
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
         _check_packing(name, cu, total, "total_q" if name == "cu_seqlens_q" else "total_k")
+    window = _check_flash_arguments(causal, window_size)
+    run = functools.partial(
+        attention, backend=backend, softmax_scale=softmax_scale, return_lse=return_lse, deterministic=deterministic
+    )
     if 0 in (q.shape[0], k.shape[0]):  # no query, or no key for any: nothing to mask
-        return _varlen_result(attention(q[None], k[None], v[None], softmax_scale=softmax_scale, return_lse=return_lse))
+        return _varlen_result(run(q[None], k[None], v[None]))
     same_packing = q.shape[0] == k.shape[0] and (
         cu_seqlens_q is cu_seqlens_k or torch.equal(cu_seqlens_q, cu_seqlens_k.to(cu_seqlens_q.dtype))
     )
-    window = _check_flash_arguments(causal, window_size)
     # Built on cu_seqlens's device, where CPU metadata gets checked; attention moves it to q's.
     mask = _flash_attention_mask(
         causal,
@@ -221,17 +231,7 @@ def varlen_attention(
         cu_seqlens=cu_seqlens_q,
         cu_seqlens_k=None if same_packing else cu_seqlens_k,
     )
-    result = attention(
-        q[None],
-        k[None],
-        v[None],
-        mask,
-        backend=backend,
-        softmax_scale=softmax_scale,
-        return_lse=return_lse,
-        deterministic=deterministic,
-    )
-    return _varlen_result(result)
+    return _varlen_result(run(q[None], k[None], v[None], mask))
 
 
 def _varlen_result(

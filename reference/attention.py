@@ -298,13 +298,18 @@ def check_attention_inputs(
 
 
 def check_softmax_scale(softmax_scale: object) -> None:
-    """`softmax_scale`: None (1/sqrt(D)) or a finite real number."""
-    if softmax_scale is None:
+    """`softmax_scale`: None (1/sqrt(D)) or a positive finite real number (a symbolic one under
+    torch.compile is taken as it is). The kernels' online softmax takes row maxima of the unscaled
+    scores and scales masked -inf scores, so 0 or a negative scale would give NaN there."""
+    if softmax_scale is None or isinstance(softmax_scale, (torch.SymFloat, torch.SymInt)):
         return
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a float or None (1/sqrt(D)), got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+        raise TypeError(
+            f"softmax_scale must be a float or None (1/sqrt(D)), got {type(softmax_scale).__name__}"
+            + ("; pass float(scale)" if isinstance(softmax_scale, torch.Tensor) else "")
+        )
+    if not (math.isfinite(softmax_scale) and float(softmax_scale) > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
 
 
 def check_flag(name: str, value: object) -> None:

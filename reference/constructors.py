@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -136,8 +137,8 @@ class MaskConstructors:
         i - left <= j <= i + right, so this is `window_size=(window - 1, 0)` with `causal=True`
         and `(window - 1, window - 1)` without. Equals `masks.build("sliding_window", window=...)`.
         """
-        _check_int("seqlen", seqlen, 1)
-        _check_int("window", window, 1)
+        check_int("seqlen", seqlen, 1)
+        check_int("window", window, 1)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         return cls._band(seqlen, seqlen, window - 1, window - 1, causal, device=device)
@@ -153,9 +154,9 @@ class MaskConstructors:
         `window_size=(window, window)`), as in `masks.build("global_sliding_window", window=...)`,
         which this equals.
         """
-        _check_int("seqlen", seqlen, 1)
-        _check_int("window", window, 0)
-        _check_int("global_tokens", global_tokens, 0)
+        check_int("seqlen", seqlen, 1)
+        check_int("window", window, 0)
+        check_int("global_tokens", global_tokens, 0)
         j = torch.arange(seqlen, device=device)
         is_global = j < global_tokens
         narrow = j < global_tokens + window + 1  # no rows between the global ones and the band
@@ -223,13 +224,9 @@ def _varlen_bounds(
     [cu_seqlens_k[d], cu_seqlens_k[d + 1]); causal and the `window` (left, right) are aligned
     bottom-right within each document. Tokens after the last boundary form one more document on
     each side. A key column's visible query rows are the interval [lo, hi): its document's rows cut
-    by its diagonal row and the window."""
+    by its diagonal row and the window. The packings must be of one shape (`varlen_attention`
+    checks)."""
     (seqlen_q, seqlen_k), (cu_seqlens_q, cu_seqlens_k), (left, right) = seqlens, packings, window
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            "cu_seqlens_q and cu_seqlens_k must hold the same documents, shape [N + 1] each, got "
-            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
-        )
     keys = _segments(cu_seqlens_k, seqlen_k, "cu_seqlens_k", "total_k")
     queries = _segments(cu_seqlens_q, seqlen_q, "cu_seqlens_q", "total_q")
     bounds_q = F.pad(queries.cu, (0, 1), value=seqlen_q)
@@ -305,7 +302,7 @@ def _segments(
     cu = cu.reshape(-1, cu.shape[-1]).to(torch.int64)
     if seqlen is None:
         seqlen = int(cu[:, -1].max())  # a host read: pass seqlen for GPU metadata
-    _check_int("seqlen", seqlen, 1)
+    check_int("seqlen", seqlen, 1)
     if cu.device.type == "cpu":
         if bool((cu[:, 0] != 0).any()):
             raise ValueError(f"{name} must start at 0, got {cu[:, 0].tolist()}")
@@ -341,6 +338,14 @@ def _as_index_tensor(values: IndexLike, name: str) -> torch.Tensor:
     return values
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+def check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """`value` an int (Python or numpy, not bool) >= `low` and, if given, <= `high`; else a
+    ValueError naming `name` and the accepted range."""
+    if (
+        not isinstance(value, (int, np.integer))
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {accepted}, got {value!r}")

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .constructors import MaskConstructors, _check_int
+from .constructors import MaskConstructors, check_int
 
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
 """Tile classes of `ColumnMask.block_classes`."""
@@ -247,7 +247,7 @@ class ColumnMask(MaskConstructors):
         return self._block_skip_partial(block_m, block_n)[0]
 
     def _block_skip_partial(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _check_int("block_m", block_m, 1)
+        check_int("block_m", block_m, 1)
         bounds = self.block_bounds(block_n)
         tm = -(-self.seqlen_q // block_m)
         r0 = torch.arange(tm, device=self.device) * block_m
@@ -279,7 +279,7 @@ class ColumnMask(MaskConstructors):
         Order: LTS min/max, LTE min/max, UTS min/max, UTE min/max. A ragged last block repeats its
         last column, which leaves its min/max unchanged.
         """
-        _check_int("block_n", block_n, 1)
+        check_int("block_n", block_n, 1)
         tn = -(-self.seqlen_k // block_n)
         pad = tn * block_n - self.seqlen_k
         out = []
@@ -336,7 +336,7 @@ class ColumnMask(MaskConstructors):
         `seqlen_q` and `seqlen_k` are ints >= 1.
         """
         for name, value in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
-            _check_int(name, value, 1)
+            check_int(name, value, 1)
         device = torch.device(device)
         b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
         h = torch.arange(heads, device=device).view(1, -1, 1, 1)

@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .constructors import check_int
 from .mask import ColumnMask
 
 MASK_NAMES = (
@@ -206,17 +207,6 @@ def _accepted_params(name: str, seqlen: int) -> dict[str, tuple[int, int | None]
     return accepted[name]
 
 
-def _check_int(what: str, value: object, low: int, high: int | None = None) -> None:
-    if (
-        not isinstance(value, (int, np.integer))
-        or isinstance(value, bool)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{what} must be an int {accepted}, got {value!r}")
-
-
 def build(
     name: str,
     seqlen: int,
@@ -244,9 +234,9 @@ def build(
         raise ValueError(f"unknown mask name {name!r}; accepted: {', '.join(MASK_NAMES)}")
     if not isinstance(seqlen, int) or seqlen < 2:
         raise ValueError(f"seqlen must be an int >= 2, got {seqlen!r}")
-    _check_int("batch", batch, 1)
-    _check_int("heads", heads, 1)
-    _check_int("seed", seed, 0)
+    check_int("batch", batch, 1)
+    check_int("heads", heads, 1)
+    check_int("seed", seed, 0)
     accepted = _accepted_params(name, seqlen)
     params = {key: value for key, value in params.items() if value is not None}
     for key, value in params.items():
@@ -254,7 +244,7 @@ def build(
             raise ValueError(
                 f"mask {name!r} takes no parameter {key!r}; its parameters: {', '.join(accepted) or 'none'}"
             )
-        _check_int(f"{key} (mask {name!r}, seqlen {seqlen})", value, *accepted[key])
+        check_int(f"{key} (mask {name!r}, seqlen {seqlen})", value, *accepted[key])
     mask_heads = heads if name in _PER_HEAD else 1
     rows, causal = [], True
     for b in range(batch):

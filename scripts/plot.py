@@ -1,7 +1,7 @@
 """Charts from the JSON results: TFLOP/s per mask per backend, and scaling with sequence length.
 
     python scripts/plot.py bench/results/fwd_bench_v12_8k_peers.json bench/results/fwd_bench_v12_32k_peers.json \
-        --out docs/fwd_tflops.png    # the README's chart
+        --out docs/fwd_tflops.png    # the chart in docs/results.md
     python scripts/plot.py runs/*.json        # records of `python -m flashmask3 -m ...`: runs/tflops.png
 
 Kernel benchmark files (`scripts/bench_fwd.py`) give one bar group per mask and sequence length

@@ -328,10 +328,12 @@ def test_varlen_attention_errors_name_the_argument():
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"cu_seqlens_q and cu_seqlens_k must bound the same N documents"):
         fm.varlen_attention(q, k, v, cu, torch.tensor([0, 3, 5, 8], dtype=torch.int32), 4, 5)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be .*\[N \+ 1\] with N >= 1, got torch.int32 \(1,\)"):
+        fm.varlen_attention(q, k, v, cu[:1], cu[:1], 4, 4)
     with pytest.raises(ValueError, match=r"q must be a 3-D tensor \[total, H, D\]"):
         fm.varlen_attention(q[None], k, v, cu, cu, 4, 4)
     with pytest.raises(
-        ValueError, match=r"cu_seqlens_k must be an int32 or int64 tensor \[N \+ 1\], got torch.float32"
+        ValueError, match=r"cu_seqlens_k must be an int32 or int64 tensor \[N \+ 1\] with N >= 1, got torch.float32"
     ):
         fm.varlen_attention(q, k, v, cu, cu.float(), 4, 4)
     with pytest.raises(ValueError, match=r"cu_seqlens_k must go from 0 to total_k=6 .*, got \[0, 4, 8\]"):

@@ -101,8 +101,11 @@ def test_empty_batch_and_queries_give_empty_results(backend, form):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite, got nan"),
-        ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite, got inf"),
+        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be a positive finite float, got nan"),
+        ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be a positive finite float, got inf"),
+        ({"softmax_scale": 0.0}, ValueError, "softmax_scale must be a positive finite float, got 0.0"),
+        ({"softmax_scale": -0.5}, ValueError, "softmax_scale must be a positive finite float, got -0.5"),
+        ({"softmax_scale": torch.tensor(0.5)}, TypeError, r"softmax_scale must be a float .*got Tensor; pass float"),
         ({"softmax_scale": "0.1"}, TypeError, r"softmax_scale must be a float or None \(1/sqrt\(D\)\), got str"),
         ({"softmax_scale": True}, TypeError, "softmax_scale must be a float or None"),
         ({"return_lse": "no"}, TypeError, "return_lse must be a bool, got str"),
@@ -155,7 +158,7 @@ def test_cp_attention_checks_its_inputs_by_name(tmp_path):
             ((q, k, k, mask, plan, None, {"scheme": "ring"}), TypeError, "config must be a CPConfig, got dict"),
             ((q, k, k, masks.build("random_eviction", 64, heads=3), plan), ValueError, "head dim must be"),
             ((q, k, k, masks.build("causal_document", 64, batch=3), plan), ValueError, "batch dim must be"),
-            ((q, k, k, mask, plan, None, CPConfig(), float("nan")), ValueError, "softmax_scale must be finite"),
+            ((q, k, k, mask, plan, None, CPConfig(), float("nan")), ValueError, "softmax_scale must be a positive"),
         ]
         for args, error, match in bad:
             with pytest.raises(error, match=match):

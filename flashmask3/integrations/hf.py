@@ -252,7 +252,8 @@ def _attention_forward(
     elif isinstance(attention_mask, ColumnMask):
         mask = attention_mask
     elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        mask = _from_dense(attention_mask)
+        # No row, key or batch element: nothing to mask (attention gives the empty or zero rows).
+        mask = None if 0 in attention_mask.shape else _from_dense(attention_mask)
     else:
         got = (
             f"shape {tuple(attention_mask.shape)}"

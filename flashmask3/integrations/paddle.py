@@ -7,7 +7,7 @@ import torch
 
 from ..api import attention
 from ..reference import ColumnMask
-from ..reference.attention import check_attention_inputs
+from ..reference.attention import check_attention_inputs, check_flag
 
 
 def flashmask_attention(
@@ -70,6 +70,7 @@ def flashmask_attention(
     if rng_name:
         raise ValueError(f"rng_name={rng_name!r}: there is no dropout RNG to select; pass ''")
     check_attention_inputs(query, key, value, ("query", "key", "value"))  # before the mask reads their shapes
+    check_flag("return_softmax_lse", return_softmax_lse)
     window = (-1, -1)
     if window_size is not None:
         if startend_row_indices is not None:
