@@ -113,6 +113,11 @@ class BwdConfig:
     # Keys per CTA (the key tile): 128 with keys on rows, else a multiple of 16 up to 128 (48 at
     # head dim 256, 96 at 192, FA4's SM90 shapes: what fits beside the fp32 dQ staging in smem).
     key_tile: int
+    # Query rows per step: 64, or 128 with keys on rows at head dim 64 (FA4's SM90 shape there:
+    # half the steps, and their barriers, list reads and dQ adds, per key tile; the dQ GEMM splits
+    # the rows between the warpgroups; two Q/dO stages fit in smem, the LSE is read after the S
+    # GEMM, whose 32 values per thread ahead of it spill).
+    query_tile: int
     # The step's orientation. On rows: the scores transposed (S^T = K Q^T), 64 keys per consumer
     # warpgroup, P^T and dS^T kept in registers as the A operands of dV and dK. Off (head dims
     # above 128, whose dK and dV accumulators would not fit in registers that way): S = Q K^T with
@@ -168,6 +173,20 @@ class BwdConfig:
             raise ValueError(f"q_stages must be 2 or 3, got {self.q_stages}")
         if self.key_tile % 16 != 0 or not 16 <= self.key_tile <= 128:
             raise ValueError(f"key_tile must be a multiple of 16 from 16 to 128, got {self.key_tile}")
+        if self.query_tile not in (64, 128):
+            raise ValueError(f"query_tile must be 64 or 128, got {self.query_tile}")
+        if self.query_tile == 128 and (
+            not self.keys_on_rows
+            or self.lse_ahead
+            or self.segment_steps
+            or 3 in (self.q_stages, self.short_grid_q_stages)
+        ):
+            raise ValueError(
+                "query_tile=128 takes keys_on_rows=True, lse_ahead=False, segment_steps=False and two Q/dO stages "
+                f"(q_stages=2, short_grid_q_stages 0 or 2), got keys_on_rows={self.keys_on_rows}, "
+                f"lse_ahead={self.lse_ahead}, segment_steps={self.segment_steps}, q_stages={self.q_stages}, "
+                f"short_grid_q_stages={self.short_grid_q_stages}"
+            )
         if not 0 <= self.do_stages <= self.q_stages:
             raise ValueError(
                 f"do_stages must be from 0 (as many as Q's) to q_stages={self.q_stages}, got {self.do_stages}"
@@ -280,6 +299,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int) -> BwdConfig:
     queries_on_rows = head_dim > 128
     return BwdConfig(
         key_tile={192: 96, 256: 48}.get(head_dim, 128),
+        query_tile=64,
         keys_on_rows=not queries_on_rows,
         q_stages=2 if queries_on_rows else 3,
         do_stages=1 if head_dim == 256 else 0,

@@ -29,10 +29,10 @@ LOG2_E = math.log2(math.e)
 
 class BackwardPreprocess:
     threads_per_row = 4
-    tile_m = FlashMaskBackwardSm90.tile_m  # the main kernel's query rows per step
-    num_threads = tile_m * threads_per_row
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int | None = None):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int, head_dim_v: int | None = None):
+        self.tile_m = tile_m  # the main kernel's query rows per step
+        self.num_threads = tile_m * self.threads_per_row
         self.dtype = dtype
         self.head_dim = head_dim  # Q's: the dQ accumulator's
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v  # O's and dO's: Delta's
@@ -105,9 +105,10 @@ class BackwardPostprocess:
     main = FlashMaskBackwardSm90  # whose dQ accumulator this reads back
     num_threads = 128 * main.num_consumer_wgs
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int):
         self.dtype = dtype
         self.head_dim = head_dim
+        self.tile_m = tile_m  # the main kernel's query rows per step
 
     @cute.jit
     def __call__(
@@ -126,10 +127,10 @@ class BackwardPostprocess:
         half = self.head_dim // self.main.num_consumer_wgs
         halves_split_an_atom = self.head_dim > 64 and half % 64 != 0
         s_layout = smem_layout(
-            self.dtype, self.main.tile_m, self.head_dim, major_size=half if halves_split_an_atom else None
+            self.dtype, self.tile_m, self.head_dim, major_size=half if halves_split_an_atom else None
         )
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.main.tile_m, self.head_dim)
+            cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_layout, (self.tile_m, self.head_dim)
         )
 
         @cute.struct
@@ -144,8 +145,8 @@ class BackwardPostprocess:
             mStepRows,
             tma_dq,
             softmax_scale,
-            self.main.dq_tiled_mma(self.dtype, self.head_dim),
-            self.main.dq_slot_layout(self.head_dim),
+            self.main.dq_tiled_mma(self.dtype, self.head_dim, self.tile_m),
+            self.main.dq_slot_layout(self.head_dim, self.tile_m),
             s_layout,
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
@@ -176,7 +177,7 @@ class BackwardPostprocess:
         # that accumulator, scale, convert, and store it in place through smem (stmatrix + TMA,
         # which leaves out rows past seqlen_q).
         acc = cute.make_rmem_tensor(
-            tiled_mma_dq.get_slice(tidx).partition_shape_C((self.main.tile_m, self.head_dim)), self.dtype
+            tiled_mma_dq.get_slice(tidx).partition_shape_C((self.tile_m, self.head_dim)), self.dtype
         )
         acc.store((cute.make_tensor(values.iterator, acc.layout).load() * softmax_scale).to(self.dtype))
         st_copy = cute.make_tiled_copy_C(
@@ -186,10 +187,10 @@ class BackwardPostprocess:
         cute.copy(st_copy, thr_copy.retile(acc), thr_copy.partition_D(sdQ))
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
-        tile, dq_head = (self.main.tile_m, self.head_dim), mdQ[None, None, head, batch]
+        tile, dq_head = (self.tile_m, self.head_dim), mdQ[None, None, head, batch]
         if const_expr(mStepRows is not None):
             first, real_rows = mStepRows[batch, head, m_block, 0], mStepRows[batch, head, m_block, 1]
-            if real_rows == self.main.tile_m:
+            if real_rows == self.tile_m:
                 if tidx == 0:
                     self.store_tile(tma_dq, sdQ, cute.local_tile(cute.domain_offset((first, 0), dq_head), tile, (0, 0)))
             else:  # a TMA store of the whole tile would write over the next segment's first rows
@@ -208,11 +209,16 @@ class BackwardPostprocess:
 
 
 def prepost_compile_args(
-    dtype: Type[cutlass.Numeric], head_dim: int, stream, head_dim_v: int | None = None, segment_steps: bool = False
+    dtype: Type[cutlass.Numeric],
+    head_dim: int,
+    tile_m: int,
+    stream,
+    head_dim_v: int | None = None,
+    segment_steps: bool = False,
 ) -> tuple[list, list]:
     """Fake arguments (symbolic sizes; `stream`, a fake one) to compile the preprocess and the
-    postprocess without a GPU; `head_dim_v`: O's head dim when not `head_dim`; `segment_steps`:
-    their builds on the virtual rows."""
+    postprocess of the main kernel's `tile_m`-row steps without a GPU; `head_dim_v`: O's head dim
+    when not `head_dim`; `segment_steps`: their builds on the virtual rows."""
     b, sq, h, tm = (cute.sym_int32() for _ in range(4))
 
     def fake(dt, shape):
@@ -221,7 +227,7 @@ def prepost_compile_args(
 
     q_like = fake(dtype, (b, sq, h, head_dim))
     o_like = fake(dtype, (b, sq, h, head_dim if head_dim_v is None else head_dim_v))
-    accum = fake(Float32, (b, h, tm, FlashMaskBackwardSm90.tile_m * head_dim))
+    accum = fake(Float32, (b, h, tm, tile_m * head_dim))
     rows = fake(Float32, (b, h, sq))
     steps = fake(cutlass.Int32, (b, h, tm, 2)) if segment_steps else None
     return [o_like, o_like, rows, rows, rows, accum, steps, stream], [accum, q_like, steps, Float32(0.1), stream]

@@ -1,9 +1,9 @@
 """Mask-aware attention backward for Hopper (sm_90a) in the CuTe DSL.
 
-Column-parallel, FlashAttention-2/3 style: one CTA per (key tile, KV head, batch) keeps
-K, V and the dK, dV accumulators on chip and walks the query tiles (`tile_m` = 64 rows) that can see
-it, for every query head of its KV group (so GQA sums dK/dV in registers, no extra pass). The
-tuning choices come as a `BwdConfig` (config.py).
+Column-parallel, FlashAttention-2/3 style: one CTA per (key tile, KV head, batch) keeps K, V and
+the dK, dV accumulators on chip and walks the query tiles (`tile_m` rows: 64, or 128 at head dim
+64, `BwdConfig.query_tile`) that can see it, for every query head of its KV group (so GQA sums
+dK/dV in registers, no extra pass). The tuning choices come as a `BwdConfig` (config.py).
 
 Warpgroup 0, warp 1 is the mask role (mask_role.py): per query head, it classifies the query tiles
 against the key tile from the key block's min/max and publishes the ones not fully masked, flagged
@@ -125,7 +125,6 @@ def _bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int)
 class FlashMaskBackwardSm90:
     """Compile-time configuration and kernel of the backward pass."""
 
-    tile_m = 64  # query rows per step
     num_consumer_wgs = 2
     num_threads = 128 * (num_consumer_wgs + 1)
     dq_pair_threads = 128 + 32  # a consumer warpgroup and the dQ writer warp, on DQ_FULL / DQ_EMPTY
@@ -154,6 +153,12 @@ class FlashMaskBackwardSm90:
         self.head_dim_v = head_dim_v
         self.causal = causal
         self.mask_width = mask_width
+        if config.query_tile == 128 and head_dim != 64:
+            raise ValueError(
+                f"query_tile=128 is built for head dim 64 (S^T and dP^T of 64 registers each fit beside its "
+                f"dK and dV), got head dim {head_dim}"
+            )
+        self.tile_m = config.query_tile  # query rows per step
         self.tile_n = config.key_tile  # the host's key-block min/max are per tile_n keys
         self.keys_on_rows = config.keys_on_rows
         self.num_stages = config.q_stages  # Q pipeline depth
@@ -174,25 +179,27 @@ class FlashMaskBackwardSm90:
         self.deterministic = deterministic
 
     @classmethod
-    def dq_tiled_mma(cls, dtype: Type[cutlass.Numeric], head_dim: int) -> cute.TiledMma:
-        """dQ = dS K: queries x head dim, the warpgroups each taking half of the head dim."""
+    def dq_tiled_mma(cls, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int) -> cute.TiledMma:
+        """dQ = dS K: `tile_m` queries x head dim, the warpgroups each taking half of the head dim,
+        or, with a 64-row WGMMA per warpgroup (128 rows), half of the rows (FA4's layout there)."""
+        rows_split = tile_m == 64 * cls.num_consumer_wgs
         return sm90.make_trivial_tiled_mma(
             dtype,
             dtype,
             warpgroup.OperandMajorMode.K,
             warpgroup.OperandMajorMode.MN,
             Float32,
-            atom_layout_mnk=(1, cls.num_consumer_wgs, 1),
-            tiler_mn=(64, head_dim // cls.num_consumer_wgs),
+            atom_layout_mnk=(cls.num_consumer_wgs, 1, 1) if rows_split else (1, cls.num_consumer_wgs, 1),
+            tiler_mn=(64, head_dim) if rows_split else (64, head_dim // cls.num_consumer_wgs),
         )
 
     @classmethod
-    def dq_slot_layout(cls, head_dim: int) -> cute.Layout:
+    def dq_slot_layout(cls, head_dim: int, tile_m: int) -> cute.Layout:
         """(4, thread in warpgroup, value / 4, warpgroup) -> slot of a dQ tile kept in register-fragment
         order: 4 consecutive floats per thread (one 16-byte store), threads side by side, so smem
         writes are conflict-free and each warpgroup's half is one contiguous block for a 1-D bulk
         reduce-add. The accumulator in global memory keeps this order; the postprocess undoes it."""
-        values = cls.tile_m * head_dim // (128 * cls.num_consumer_wgs)
+        values = tile_m * head_dim // (128 * cls.num_consumer_wgs)
         return cute.make_layout((4, 128, values // 4, cls.num_consumer_wgs), stride=(1, 4, 512, 128 * values))
 
     @cute.jit
@@ -263,10 +270,10 @@ class FlashMaskBackwardSm90:
             tiler_mn=dkv_tiler,
             a_source=dkv_a_source,
         )
-        sdQ_layout = self.dq_slot_layout(d)
+        sdQ_layout = self.dq_slot_layout(d, self.tile_m)
         q_tile = cute.select(sQ_layout, mode=[0, 1])
         do_tile = cute.select(sdO_layout, mode=[0, 1])
-        tiled_mma_dq = self.dq_tiled_mma(self.dtype, d)
+        tiled_mma_dq = self.dq_tiled_mma(self.dtype, d, self.tile_m)
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, d), 1)
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load_op, mdO, do_tile, (self.tile_m, dv), 1)

@@ -131,9 +131,11 @@ def _make_kernel(
     direction: str = "fwd",
     deterministic: bool = False,
     head_dim_v: int | None = None,
+    query_tile: int = 64,
 ):
     """The kernel object of `direction` ("fwd", "bwd", or the backward's "bwd_pre" / "bwd_post",
-    which take no configuration); `head_dim_v`: V's and O's head dim when not `head_dim`."""
+    which take no configuration, only the main kernel's `query_tile` rows per step); `head_dim_v`:
+    V's and O's head dim when not `head_dim`."""
     import cutlass
 
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
@@ -141,8 +143,8 @@ def _make_kernel(
         from .flash_bwd_pre_post import BackwardPostprocess, BackwardPreprocess
 
         if direction == "bwd_pre":
-            return BackwardPreprocess(cute_dtype, head_dim, head_dim_v)
-        return BackwardPostprocess(cute_dtype, head_dim)
+            return BackwardPreprocess(cute_dtype, head_dim, query_tile, head_dim_v)
+        return BackwardPostprocess(cute_dtype, head_dim, query_tile)
     if direction == "bwd":
         from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
@@ -183,16 +185,17 @@ def _launch(
     scalars: list[float | int],
     deterministic: bool = False,
     head_dim_v: int | None = None,
+    query_tile: int = 64,
 ) -> None:
     """Run one kernel on the current stream, compiling it on first use per configuration (the
     scalars: floats are Float32, ints Int32). The compiled function takes the torch tensors and
-    Python scalars as they are (TVM-FFI). `head_dim_v`: as in `_make_kernel`."""
+    Python scalars as they are (TVM-FFI). `head_dim_v`, `query_tile`: as in `_make_kernel`."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
     config = _device_part(config)
     nones = tuple(t is None for t in tensors)
-    key = (direction, dtype, head_dim, head_dim_v, causal, width, config, deterministic, nones)
+    key = (direction, dtype, head_dim, head_dim_v, causal, width, config, deterministic, nones, query_tile)
     compiled = _compiled.get(key)
     if compiled is None:
         with _compile_lock:
@@ -203,7 +206,9 @@ def _launch(
                     *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars),
                 ]
                 name = "bf16" if dtype == torch.bfloat16 else "fp16"
-                kernel = _make_kernel(name, head_dim, causal, width, config, direction, deterministic, head_dim_v)
+                kernel = _make_kernel(
+                    name, head_dim, causal, width, config, direction, deterministic, head_dim_v, query_tile
+                )
                 start = time.perf_counter()
                 stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's current one
                 compiled = _compiled[key] = cute.compile(kernel, *cute_args, stream, options="--enable-tvm-ffi")
@@ -367,7 +372,6 @@ def backward(
     kernel that records each CTA's phases and the cycles of each segment of its steps
     (`optimized/timeline.py`); CTAs = `backward_ctas(...)`.
     """
-    from .flash_bwd_sm90 import FlashMaskBackwardSm90 as Kernel
     from .flash_bwd_sm90 import head_dims_refusal
 
     b, sq, hq, d = q.shape
@@ -381,7 +385,7 @@ def backward(
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
     config = config or bwd_config(d, mask.causal, width)
-    tile_m, tile_n = Kernel.tile_m, config.key_tile
+    tile_m, tile_n = config.query_tile, config.key_tile
     step_rows = None
     if config.segment_steps and timeline is not None:  # its buffer is sized for the sequence's tiles
         raise ValueError("a profiled build runs on the sequence's tiles: pass a config with segment_steps=False")
@@ -407,7 +411,7 @@ def backward(
     dq_accum = torch.empty(b, hq, tiles_m, tile_m * d, dtype=torch.float32, device=q.device)
     prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum, step_rows]
     dims_v = None if head_dim_v == d else head_dim_v
-    _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [], head_dim_v=dims_v)
+    _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [], head_dim_v=dims_v, query_tile=tile_m)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
@@ -428,7 +432,9 @@ def backward(
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic, dims_v)
     dq = torch.empty_like(q)
-    _launch("bwd_post", q.dtype, d, False, 2, None, [dq_accum, dq, step_rows], [float(softmax_scale)])
+    _launch(
+        "bwd_post", q.dtype, d, False, 2, None, [dq_accum, dq, step_rows], [float(softmax_scale)], query_tile=tile_m
+    )
     return dq, dk, dv
 
 
@@ -500,7 +506,6 @@ def compile_check(
     row_indices = fake(cutlass.Int32, (bm, hm, sk, width))
     if direction == "bwd":
         from .flash_bwd_pre_post import prepost_compile_args
-        from .flash_bwd_sm90 import FlashMaskBackwardSm90
 
         config = config or bwd_config(head_dim, causal, width)
         tensors = [
@@ -510,7 +515,7 @@ def compile_check(
             o_like,
             fake(cutlass.Float32, (b, hq, sq)),
             fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, hq, tm, FlashMaskBackwardSm90.tile_m * head_dim)),
+            fake(cutlass.Float32, (b, hq, tm, config.query_tile * head_dim)),
             kv_like,
             v_like,
             fake(cutlass.Int32, (bm, hm, cute.sym_int32(), width)) if config.segment_steps else row_indices,
@@ -545,9 +550,13 @@ def compile_check(
         start = time.perf_counter()
         kernel = _make_kernel(dtype, head_dim, causal, width, config, direction, deterministic, head_dim_v)
         cute.compile(kernel, *args, **flags)
-        if direction == "bwd":
-            pre_args, post_args = prepost_compile_args(cute_dtype, head_dim, stream, head_dim_v, config.segment_steps)
-            pre = _make_kernel(dtype, head_dim, False, 2, None, "bwd_pre", head_dim_v=head_dim_v)
+        if isinstance(config, BwdConfig):
+            tile_m = config.query_tile
+            pre_args, post_args = prepost_compile_args(
+                cute_dtype, head_dim, tile_m, stream, head_dim_v, config.segment_steps
+            )
+            pre = _make_kernel(dtype, head_dim, False, 2, None, "bwd_pre", head_dim_v=head_dim_v, query_tile=tile_m)
             cute.compile(pre, *pre_args, **flags)
-            cute.compile(_make_kernel(dtype, head_dim, False, 2, None, "bwd_post"), *post_args, **flags)
+            post = _make_kernel(dtype, head_dim, False, 2, None, "bwd_post", query_tile=tile_m)
+            cute.compile(post, *post_args, **flags)
         return time.perf_counter() - start

@@ -280,7 +280,6 @@ def fa4_backward(case, q, k, v, dout, marked: bool) -> tuple[tuple[torch.Tensor,
 
 def main() -> None:
     from bench_fwd import kernel_overrides
-    from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90
     from flashmask3.optimized.interface import (
         backward,
         backward_ctas,
@@ -331,7 +330,7 @@ def main() -> None:
         torch.cuda.synchronize()
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
         measured = {"bwd_config": dataclasses.asdict(bwd), **summarize_backward(stamps.cpu(), sm_count)}
-        with_step_shape(measured, FlashMaskBackwardSm90.tile_m, bwd.key_tile)
+        with_step_shape(measured, bwd.query_tile, bwd.key_tile)
         if args.peer:
             from flash_attn.cute.interface import _tile_size_bwd_sm90
 

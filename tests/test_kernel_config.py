@@ -78,6 +78,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
         assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
         assert bwd_config(head_dim, False, 4) == BwdConfig(
             key_tile=128,
+            query_tile=64,
             keys_on_rows=True,
             q_stages=3,
             do_stages=0,
@@ -147,6 +148,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "segment_tiles": bool,
         "rescale_before_pv": bool,
         "key_tile": int,
+        "query_tile": int,
         "keys_on_rows": bool,
         "q_stages": int,
         "do_stages": int,
@@ -247,3 +249,19 @@ def test_a_masks_configs_take_the_overrides_in_both_directions():
     assert fwd == dataclasses.replace(mask_fwd_config(128, documents), persistent=False)
     assert bwd == dataclasses.replace(bwd_config(128, True, 1), q_stages=2, short_grid_q_stages=0)
     assert mask_configs(64, None) == (fwd_config(64, False, 2), bwd_config(64, False, 2))
+
+
+def test_128_row_steps_are_for_keys_on_rows_with_two_stages():
+    """`query_tile=128`: the step FA4 takes at head dim 64, with keys on rows, two Q/dO stages, the
+    LSE after the S GEMM and the sequence's tiles; anything else is refused by name."""
+    rows_128 = dataclasses.replace(
+        bwd_config(64, True, 1), query_tile=128, q_stages=2, lse_ahead=False, short_grid_q_stages=0
+    )
+    assert rows_128.for_short_grid().query_tile == 128
+    with pytest.raises(ValueError, match="query_tile must be 64 or 128, got 96"):
+        dataclasses.replace(bwd_config(64, True, 1), query_tile=96)
+    for change in ({"lse_ahead": True}, {"q_stages": 3}, {"short_grid_q_stages": 3}):
+        with pytest.raises(ValueError, match=r"query_tile=128 takes keys_on_rows=True, lse_ahead=False"):
+            dataclasses.replace(rows_128, **change)
+    with pytest.raises(ValueError, match="query_tile=128 takes"):
+        dataclasses.replace(bwd_config(256, True, 1), query_tile=128, lse_ahead=False)

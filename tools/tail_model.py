@@ -67,11 +67,10 @@ def backward_orders(
     pairs a CTA reads are its key tile's query tiles under the mask's first head (every benchmark
     mask but random eviction has one)."""
     from flashmask3.optimized.config import bwd_config
-    from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90 as Backward
     from flashmask3.optimized.tile_plan import backward_cta_steps, longest_first
 
-    tile_m = Backward.tile_m
-    tile_n = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]).key_tile
+    config = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
+    tile_m, tile_n = config.query_tile, config.key_tile
     steps = backward_cta_steps(mask, batch, heads, kv_heads, tile_m, tile_n)
     seen = ~mask.block_skip(tile_m, tile_n)  # [Bm, Hm, Tm, Tn]
     tiles_n = seen.shape[-1]
@@ -103,13 +102,12 @@ def work_steps(mask, batch: int, heads: int, kv_heads: int, head_dim: int, forwa
     """Steps per unit of work in the order the kernel takes them (the forward on the sequence's
     tiles, as without the mask's segmented hint)."""
     from flashmask3.optimized.config import bwd_config, fwd_config
-    from flashmask3.optimized.flash_bwd_sm90 import FlashMaskBackwardSm90 as Backward
     from flashmask3.optimized.tile_plan import backward_cta_steps, forward_tile_steps
 
     variant = (mask.causal, mask.startend_row_indices.shape[-1])
     if not forward:
-        key_tile = bwd_config(head_dim, *variant).key_tile
-        return backward_cta_steps(mask, batch, heads, kv_heads, Backward.tile_m, key_tile)
+        backward = bwd_config(head_dim, *variant)
+        return backward_cta_steps(mask, batch, heads, kv_heads, backward.query_tile, backward.key_tile)
     config = fwd_config(head_dim, *variant)
     tile_m = config.tile_m
     steps = forward_tile_steps(mask, batch, heads, tile_m, config.tile_n)
