@@ -56,6 +56,7 @@ from ..memo import TensorMemo
 from ..optimized import interface as cute_kernels
 from ..reference import ColumnMask
 from ..reference import attention as reference
+from ..reference.constructors import check_flag
 from .localize import chunk_visibility, localize
 from .plan import CPPlan
 
@@ -104,7 +105,7 @@ class CPConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown CP backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
         for name in ("prune", "overlap", "hold_remote_kv"):
-            reference.check_flag(name, getattr(self, name))
+            check_flag(name, getattr(self, name))
         rpn = self.ranks_per_node
         if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
             raise ValueError(f"ranks_per_node must be a positive int or None, got {rpn!r}")
@@ -926,7 +927,7 @@ def cp_attention(
     """
     reference.check_attention_inputs(q_local, k_local, v_local, ("q_local", "k_local", "v_local"))
     reference.check_softmax_scale(softmax_scale)
-    reference.check_flag("return_lse", return_lse)
+    check_flag("return_lse", return_lse)
     for name, value, cls in (("mask", mask, ColumnMask), ("plan", plan, CPPlan), ("config", config, CPConfig)):
         if not isinstance(value, cls):
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")

@@ -136,7 +136,7 @@ def make_plan(
     if seqlen % num_chunks:
         raise ValueError(f"seqlen {seqlen} must be a multiple of world_size * chunks_per_rank = {num_chunks}")
     if loads is not None:
-        from .balance import _checked_loads
+        from .balance import _checked_loads  # balance imports numba: only when loads are given
 
         loads = _checked_loads(loads)
         if len(loads) != num_chunks:

@@ -17,11 +17,11 @@ from .reference import ColumnMask
 from .reference.attention import (
     ATTENTION_DTYPES,
     check_attention_inputs,
-    check_flag,
     check_softmax_scale,
     join_sinks,
     reference_attention,
 )
+from .reference.constructors import check_flag
 
 Backend = Literal["auto", "reference", "cute", "sdpa", "flex"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cute", "sdpa", "flex")
@@ -258,8 +258,7 @@ def _check_packing(name: str, cu_seqlens: torch.Tensor, total: int, total_name: 
 
 def _check_flash_arguments(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
     """FlashAttention's causal / window_size checked; window_size as a tuple."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_flag("causal", causal)
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2

@@ -312,12 +312,6 @@ def check_softmax_scale(softmax_scale: object) -> None:
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
 
 
-def check_flag(name: str, value: object) -> None:
-    """A bool argument: a truthy string or number is a TypeError, not True."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
-
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -139,8 +139,7 @@ class MaskConstructors:
         """
         check_int("seqlen", seqlen, 1)
         check_int("window", window, 1)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        check_flag("causal", causal)
         return cls._band(seqlen, seqlen, window - 1, window - 1, causal, device=device)
 
     @classmethod
@@ -336,6 +335,12 @@ def _as_index_tensor(values: IndexLike, name: str) -> torch.Tensor:
     if values.is_floating_point() or values.dtype == torch.bool:
         raise TypeError(f"{name} must hold integers, got {values.dtype}")
     return values
+
+
+def check_flag(name: str, value: object) -> None:
+    """A bool argument: a truthy string or number is a TypeError naming `name`, not True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .constructors import MaskConstructors, check_int
+from .constructors import MaskConstructors, check_flag, check_int
 
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
 """Tile classes of `ColumnMask.block_classes`."""
@@ -77,15 +77,13 @@ class ColumnMask(MaskConstructors):
             raise TypeError(f"startend_row_indices must be int32, got {idx.dtype}")
         if idx.dim() != 4:
             raise ValueError(f"startend_row_indices must be 4-D [B, H or 1, Sk, 1|2|4], got shape {tuple(idx.shape)}")
-        if not isinstance(self.causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
+        check_flag("causal", self.causal)
         allowed = _VARIANTS[self.causal]
         if idx.shape[-1] not in allowed:
             raise ValueError(
                 f"startend_row_indices last dim must be one of {allowed} when causal={self.causal}, got {idx.shape[-1]}"
             )
-        if not isinstance(self.segmented, bool):
-            raise TypeError(f"segmented must be a bool, got {type(self.segmented).__name__}")
+        check_flag("segmented", self.segmented)
         if not isinstance(self.seqlen_q, int) or self.seqlen_q < 1:
             raise ValueError(f"seqlen_q must be a positive int, got {self.seqlen_q!r}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) > self.seqlen_q):

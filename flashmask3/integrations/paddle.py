@@ -7,7 +7,8 @@ import torch
 
 from ..api import attention
 from ..reference import ColumnMask
-from ..reference.attention import check_attention_inputs, check_flag
+from ..reference.attention import check_attention_inputs
+from ..reference.constructors import check_flag
 
 
 def flashmask_attention(
