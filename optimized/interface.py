@@ -116,6 +116,19 @@ def mask_configs(
     )
 
 
+def tma_operand(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself where the kernels' TMA can read it in place (unit stride in the last dim, the
+    base address and every other stride a positive multiple of 16 bytes: e.g. the [B, S, H, D]
+    view of a [B, H, S, D] tensor, as transformers passes q, k and v), else a contiguous copy
+    (broadcast views, with stride 0, included)."""
+    size = x.element_size()
+    # Traced (torch.compile), where the address is unknown, only the strides are checked: the
+    # kernels' own call, outside the trace, checks the address too.
+    base = 0 if torch.compiler.is_compiling() else x.data_ptr()
+    aligned = base % 16 == 0 and all(stride > 0 and stride * size % 16 == 0 for stride in x.stride()[:-1])
+    return x if x.stride(-1) == 1 and aligned else x.contiguous()
+
+
 def _to_cute(t: torch.Tensor):
     from cutlass.cute.runtime import from_dlpack
 
@@ -262,7 +275,7 @@ def forward(
             mask, tile_rows = plan.mask, plan.tile_rows
     row_indices = mask.startend_row_indices.contiguous()
     bounds = block_minmax(mask, config.tile_n)
-    q, k, v = (x.contiguous() for x in (q, k, v))
+    q, k, v = (tma_operand(x) for x in (q, k, v))
     dv = v.shape[-1]
     out = q.new_empty(b, sq, hq, dv) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
@@ -405,15 +418,15 @@ def backward(
     bounds = block_minmax(mask, tile_n)
     # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
     ranks = dq_ranks(mask, tile_m, tile_n) if deterministic else bounds[:1, :1, :1]
-    q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
+    q, k, v, dout = (tma_operand(x) for x in (q, k, v, dout))
     lse2 = torch.empty(b, hq, tiles_m * tile_m, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
     dq_accum = torch.empty(b, hq, tiles_m, tile_m * d, dtype=torch.float32, device=q.device)
     prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum, step_rows]
     dims_v = None if head_dim_v == d else head_dim_v
     _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [], head_dim_v=dims_v, query_tile=tile_m)
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
+    dk = k.new_empty(k.shape) if dk is None else dk  # contiguous, whatever the inputs' strides
+    dv = v.new_empty(v.shape) if dv is None else dv
     semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
     order = None
     # Deterministic mode keeps the grid order: its key tiles wait for the ones before them.
@@ -431,7 +444,7 @@ def backward(
     tensors.append(timeline)
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic, dims_v)
-    dq = torch.empty_like(q)
+    dq = q.new_empty(q.shape)
     _launch(
         "bwd_post", q.dtype, d, False, 2, None, [dq_accum, dq, step_rows], [float(softmax_scale)], query_tile=tile_m
     )

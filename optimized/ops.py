@@ -40,9 +40,9 @@ def attention(
     """
     row_indices = None if mask is None else mask.startend_row_indices
     causal, segmented = (False, False) if mask is None else (mask.causal, mask.segmented)
-    # The kernels take contiguous q, k and v: copied here, the copies are what the backward gets
-    # back (transformers passes [B, S, H, D] views of [B, H, S, D] tensors), not copied again there.
-    q, k, v = (x.contiguous() for x in (q, k, v))
+    # The kernels read q, k and v in place where TMA can (transformers' [B, S, H, D] views of
+    # [B, H, S, D] tensors); any copy is made here, once, and is what the backward gets back.
+    q, k, v = (interface.tma_operand(x) for x in (q, k, v))
     return cute_forward(q, k, v, row_indices, causal, segmented, softmax_scale, deterministic, sinks)
 
 

@@ -356,6 +356,27 @@ def test_the_public_entry_trains_mlas_head_dims_on_the_kernels():
         fm.attention(q.requires_grad_(), k, v, mask=None, backend="cute")
 
 
+@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (64, 64), (192, 128), (256, 256)])
+def test_heads_major_inputs_run_in_place_with_the_contiguous_numbers(head_dim, head_dim_v):
+    """q, k, v and dout as transformers holds them ([B, H, S, D], passed as their [B, S, H, D]
+    views): the kernels read them in place (no copy: their strides go to TMA) and give the
+    contiguous inputs' out and LSE, and deterministic gradients, bit for bit, as contiguous tensors."""
+    from flashmask3.optimized.interface import backward, forward, tma_operand
+
+    seqlen, scale = 1000, 1 / math.sqrt(head_dim)
+    mask = masks.build("causal_document", seqlen, batch=2, heads=4, seed=9, device="cuda")
+    inputs = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=9, head_dim_v=head_dim_v)
+    views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in inputs]  # [B, S, H, D] over [B, H, S, D]
+    assert all(tma_operand(x) is x and not x.is_contiguous() for x in views)
+    q, k, v, dout = inputs
+    out, lse = forward(q, k, v, mask, scale)
+    out_view, lse_view = forward(*views[:3], mask, scale)
+    assert torch.equal(out_view, out) and torch.equal(lse_view, lse)
+    grads = backward(dout, q, k, v, out, lse, mask, scale, deterministic=True)
+    grads_view = backward(views[3], *views[:3], out, lse, mask, scale, deterministic=True)
+    assert all(g.is_contiguous() and torch.equal(g, want) for g, want in zip(grads_view, grads))
+
+
 @pytest.mark.parametrize("name", ["full", "causal_document", "random_eviction"])
 def test_fmax_row_max_gives_the_default_forwards_numbers(name):
     """`fmax_row_max` changes only how the row maxima are reduced (never NaN here): the default's

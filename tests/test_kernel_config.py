@@ -265,3 +265,20 @@ def test_128_row_steps_are_for_keys_on_rows_with_two_stages():
             dataclasses.replace(rows_128, **change)
     with pytest.raises(ValueError, match="query_tile=128 takes"):
         dataclasses.replace(bwd_config(256, True, 1), query_tile=128, lse_ahead=False)
+
+
+def test_inputs_go_to_the_kernels_in_place_only_where_tma_can_read_them():
+    """transformers' q, k, v ([B, S, H, D] views of [B, H, S, D]) are passed as they are; a unit
+    stride missing in the last dim, or a stride that is not a multiple of 16 bytes, takes a copy."""
+    import torch
+    from flashmask3.optimized.interface import tma_operand
+
+    heads_major = torch.randn(2, 4, 100, 128).bfloat16().transpose(1, 2)
+    assert tma_operand(heads_major) is heads_major
+    for unreadable in (
+        torch.randn(2, 100, 4, 130).bfloat16()[..., :128],  # rows of 260 bytes
+        torch.randn(2, 100, 4, 256).bfloat16()[..., ::2],  # stride 2 in the last dim
+        torch.randn(1, 100, 4, 128).bfloat16().expand(2, 100, 4, 128),  # stride 0 over the batch
+    ):
+        copy = tma_operand(unreadable)
+        assert copy.is_contiguous() and torch.equal(copy, unreadable)
