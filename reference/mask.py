@@ -146,6 +146,18 @@ class ColumnMask(MaskConstructors):
         return self.startend_row_indices.shape[2]
 
     @property
+    def shape(self) -> torch.Size:
+        """(batch, heads, seqlen_q, seqlen_k): the dense mask's shape, as FlexAttention's
+        `BlockMask.shape` (batch and heads 1 where they broadcast). With `ndim`, what a Hugging Face
+        model reads of a prepared `attention_mask`, so a model call takes the mask as it is."""
+        return torch.Size((self.batch, self.heads, self.seqlen_q, self.seqlen_k))
+
+    @property
+    def ndim(self) -> int:
+        """4, the dense mask's dimensions (see `shape`)."""
+        return 4
+
+    @property
     def device(self) -> torch.device:
         """The device of `startend_row_indices`."""
         return self.startend_row_indices.device

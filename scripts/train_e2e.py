@@ -11,7 +11,7 @@ the same model (random init from `seed`) on the same batches, one after the othe
 
 - `fm3`: flashmask3 through its HF integration (`attn_implementation="fm3"`, `fm3_backend` the
   kernel: cute on the H200, reference on the CPU), the mask a ColumnMask built from the packing
-  metadata by the constructors and passed as `attention_mask=hf.as_attention_mask(mask)`.
+  metadata by the constructors and passed as `attention_mask=mask`.
 - `sdpa`: HF's sdpa with the same mask in dense form ([B, 1, S, S] bool: where it fits in memory).
 - `flex_flash`: FlexAttention compiled with `kernel_options={"BACKEND": "FLASH"}` (FA4's kernels) on
   a 128 x 128 BlockMask from the same mask's tile classes.
@@ -206,7 +206,7 @@ def column_mask(mask_name: str, batch: PackedBatch) -> ColumnMask:
 
 
 def _fm3_inputs(batch: PackedBatch, mask_name: str, config: LlamaConfig) -> dict:
-    return {"attention_mask": hf.as_attention_mask(column_mask(mask_name, batch))}
+    return {"attention_mask": column_mask(mask_name, batch)}
 
 
 def _sdpa_inputs(batch: PackedBatch, mask_name: str, config: LlamaConfig) -> dict:

@@ -61,6 +61,7 @@ def test_document_masks_match_the_dense_definition_from_every_form(layout, causa
     for mask in forms:
         assert mask.causal == causal and mask.seqlen_q == sum(rows[0])
         assert torch.equal(mask.to_dense(), expected)
+        assert mask.shape == expected.shape and mask.ndim == expected.ndim == 4
         assert mask == forms[0]
     # One sequence: a plain list of boundaries, batch 1.
     one = build([0, *np.cumsum(rows[0]).tolist()])

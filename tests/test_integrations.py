@@ -61,11 +61,9 @@ def test_opcheck_of_the_forward_and_backward_ops(cute_on_cpu, mask_name):
 
 def test_the_segmented_hint_reaches_the_forward_op(cute_on_cpu):
     """The document constructors' hint travels to the forward op (where the kernel picks its tiles
-    by it): through `attention`, HF's `as_attention_mask` and `varlen_attention`; a mask from raw
+    by it): through `attention` and `varlen_attention`; a mask from raw
     boundaries and a causal window do not carry it."""
     from conftest import _reference_forward
-
-    from flashmask3.integrations import hf
 
     seen = []
 
@@ -77,11 +75,11 @@ def test_the_segmented_hint_reaches_the_forward_op(cute_on_cpu):
     q, k, v = (x.float() for x in random_qkv(1, 12, 2, 2, 16, seed=2))
     documents = ColumnMask.causal_document(torch.tensor([0, 5, 12]))
     raw = ColumnMask(documents.startend_row_indices, True, 12)
-    for mask in (documents, raw, hf.as_attention_mask(documents), fm.masks.build("causal", 12)):
+    for mask in (documents, raw, fm.masks.build("causal", 12)):
         fm.attention(q, k, v, mask, backend="cute")
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     fm.varlen_attention(q[0], k[0], v[0], cu, cu, 7, 7, causal=True, backend="cute")
-    assert seen == [True, False, True, False, True]
+    assert seen == [True, False, False, True]
 
 
 def test_the_ops_take_transformers_views_without_a_copy(cute_on_cpu):
@@ -397,10 +395,8 @@ def test_cu_seq_lens_give_the_documents(llama, packed):
 
 @pytest.mark.parametrize("kind", ["prefix_lm_document", "share_question"])
 def test_a_column_mask_passes_through_the_model_call(llama, packed, kind):
-    """Masks varlen attention cannot express, given as attention_mask=hf.as_attention_mask(mask): the
-    same logits as sdpa with the mask's dense form."""
-    from flashmask3.integrations import hf
-
+    """Masks varlen attention cannot express, given as attention_mask=mask (the ColumnMask as it is):
+    the same logits as sdpa with the mask's dense form."""
     model, sdpa = llama
     cu = packed["cu_seq_lens_q"]
     if kind == "prefix_lm_document":
@@ -408,7 +404,7 @@ def test_a_column_mask_passes_through_the_model_call(llama, packed, kind):
     else:  # a question of 5 tokens, answers of 9 and 7
         mask = ColumnMask.share_question(cu, torch.tensor([True, False, False]))
     ids, labels = packed["input_ids"], packed["labels"]
-    ours = model(input_ids=ids, attention_mask=hf.as_attention_mask(mask), labels=labels)
+    ours = model(input_ids=ids, attention_mask=mask, labels=labels)
     theirs = sdpa(input_ids=ids, attention_mask=mask.to_dense(), labels=labels)
     assert_same(ours, theirs)
     causal = model(input_ids=ids, labels=labels)  # the mask made a difference
@@ -535,7 +531,7 @@ def test_compiled_model_with_a_column_mask_has_no_graph_break(llama, packed, cut
 
     model, _ = llama
     ids, labels, positions = packed["input_ids"], packed["labels"], packed["position_ids"]
-    mask = hf.as_attention_mask(ColumnMask.causal_document(position_ids=positions))
+    mask = ColumnMask.causal_document(position_ids=positions)
     hf.register(backend="cute")
     try:
 

@@ -25,7 +25,7 @@ Masks varlen attention cannot express (share-question, prefix-LM documents, ...)
 model call as a `ColumnMask`, the way FlexAttention's integration takes a `BlockMask`:
 
     mask = fm.ColumnMask.prefix_lm_document(cu_seqlens, prefix_lens)
-    model(input_ids, attention_mask=hf.as_attention_mask(mask), labels=labels)
+    model(input_ids, attention_mask=mask, labels=labels)
 
 A dense 4-D `attention_mask` (bool, or additive 0 / -inf) is converted exactly with
 `ColumnMask.from_dense` (O(Sq * Sk) and a host read, once per forward).
@@ -75,30 +75,6 @@ def register(backend: Backend = "auto") -> None:
     AttentionMaskInterface.register(NAME, _create_mask)
 
 
-class _ModelMask(ColumnMask):
-    """A ColumnMask with the 4-D `shape` that HF's mask preparation reads of a prepared mask."""
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.batch, self.heads, self.seqlen_q, self.seqlen_k))
-
-    @property
-    def ndim(self) -> int:
-        return 4
-
-
-def as_attention_mask(mask: ColumnMask) -> ColumnMask:
-    """`mask` in the form a model call's `attention_mask` takes: `model(ids, attention_mask=...)`.
-
-    Every attention layer then uses `mask` as it is (no padding or packing is added to it). Its
-    seqlen_q and Sk must be the call's query and key lengths; batch and heads as in
-    `flashmask3.attention` (1 broadcasts).
-    """
-    if not isinstance(mask, ColumnMask):
-        raise TypeError(f"mask must be a ColumnMask, got {type(mask).__name__}")
-    return _ModelMask._unchecked(mask.startend_row_indices, mask.causal, mask.seqlen_q, mask.segmented)
-
-
 @dataclass(frozen=True)
 class _MaskSpec:
     """What HF's mask function asked for. Query i sits at position i + q_offset, key j at
@@ -138,8 +114,8 @@ def _create_mask(
         raise ValueError(
             f"mask_function: flashmask3 takes causal or bidirectional masks, with or without a sliding "
             f"window, packing and padding; this model asked for {name} (chunked attention, or- / and-"
-            "overlays, ...). Build the mask as a ColumnMask (e.g. ColumnMask.from_mask_mod) and pass "
-            "attention_mask=flashmask3.integrations.hf.as_attention_mask(mask)"
+            "overlays, ...). Build the mask as a ColumnMask (e.g. ColumnMask.from_mask_mod) and pass it "
+            "as attention_mask"
         )
     keep = None
     if attention_mask is not None:  # HF's 2-D padding mask over the keys seen so far, True = token
@@ -260,7 +236,7 @@ def _attention_forward(
             if isinstance(attention_mask, torch.Tensor)
             else type(attention_mask).__name__
         )
-        raise TypeError(f"attention_mask must be a 4-D tensor, a ColumnMask (hf.as_attention_mask) or None, got {got}")
+        raise TypeError(f"attention_mask must be a 4-D tensor, a ColumnMask or None, got {got}")
     return cast(torch.Tensor, attention(q, k, v, mask, softmax_scale=scaling, backend=backend, sinks=s_aux)), None
 
 
@@ -392,7 +368,6 @@ def _convert(attention_mask: torch.Tensor) -> ColumnMask:
         mask = ColumnMask.from_dense(attend)
     except ValueError as error:
         raise ValueError(
-            f"attention_mask: this dense mask is not a FlashMask column mask ({error}); pass the mask as "
-            "a ColumnMask with flashmask3.integrations.hf.as_attention_mask"
+            f"attention_mask: this dense mask is not a FlashMask column mask ({error}); pass a ColumnMask instead"
         ) from error
     return mask
