@@ -518,6 +518,8 @@ def test_what_flashmask3_cannot_honour_raises_naming_it(llama, packed, transform
     three_runs[..., [3, 6, 9], 0] = False  # key 0 hidden from three separate rows: two intervals at most
     with pytest.raises(ValueError, match="^attention_mask: this dense mask is not a FlashMask column mask"):
         model(input_ids=ids, attention_mask=three_runs)
+    with pytest.raises(ValueError, match=r"^attention_mask: takes a 2-D padding mask .* got shape \(1, 21, 21\)"):
+        model(input_ids=ids, attention_mask=torch.ones(1, 21, 21, dtype=torch.bool))
     with pytest.raises(ValueError, match="^attention_mask: an additive mask must hold only 0"):
         model(input_ids=ids, attention_mask=torch.full((1, 1, 21, 21), -1.0, dtype=torch.float64))
     with pytest.raises(ValueError, match="^unknown backend 'triton'"):
