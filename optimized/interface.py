@@ -397,7 +397,7 @@ def backward(
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
-    config = config or bwd_config(d, mask.causal, width)
+    config = config or bwd_config(d, mask.causal, width, deterministic)
     tile_m, tile_n = config.query_tile, config.key_tile
     step_rows = None
     if config.segment_steps and timeline is not None:  # its buffer is sized for the sequence's tiles
@@ -520,7 +520,7 @@ def compile_check(
     if direction == "bwd":
         from .flash_bwd_pre_post import prepost_compile_args
 
-        config = config or bwd_config(head_dim, causal, width)
+        config = config or bwd_config(head_dim, causal, width, deterministic)
         tensors = [
             q_like,
             kv_like,

@@ -440,14 +440,11 @@ def test_releasing_do_after_dv_keeps_the_step_in_registers(tmp_path, head_dim):
 @pytest.mark.slow  # compiles and disassembles two backwards with their pre/post kernels, ~25 s
 @pytest.mark.parametrize("causal, width", [(False, 2), (True, 1)])
 def test_128_row_steps_at_head_dim_64_keep_the_step_in_registers(tmp_path, causal, width):
-    """`query_tile=128` at head dim 64 (FA4's step there; two Q/dO stages, the LSE read after the S
-    GEMM): no local memory and the WGMMAs in flight, the S^T GEMM 64 keys x 128 queries per
-    warpgroup, the dQ GEMM's rows split between the warpgroups."""
-    config = (
-        f"dataclasses.replace(bwd_config(64, {causal}, {width}), query_tile=128, q_stages=2, lse_ahead=False, "
-        "short_grid_q_stages=0)"
-    )
-    setup = "import dataclasses; from flashmask3.optimized import bwd_config"
+    """The default `query_tile=128` at head dim 64 (FA4's step there; two Q/dO stages, the LSE read
+    after the S GEMM): no local memory and the WGMMAs in flight, the S^T GEMM 64 keys x 128 queries
+    per warpgroup, the dQ GEMM's rows split between the warpgroups."""
+    config = f"bwd_config(64, {causal}, {width})"
+    setup = "from flashmask3.optimized import bwd_config"
     name = f"query_tile_128_{causal}_{width}"
     sass = compiled_sass(
         tmp_path, name, "FlashMaskBackward", f"'bf16', 64, {causal}, {width}, {config}, direction='bwd'", setup

@@ -73,9 +73,12 @@ def test_the_causal_masks_diagonal_choices_follow_their_bounds_at_128_row_tiles(
     assert not any(fwd_config(64, True, w).diagonal_tiles or fwd_config(64, True, w).off_diagonal_tiles for w in (1, 2))
 
 
-def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4():
+def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4_and_in_128_row_steps():
+    variants = ((True, 1), (True, 2), (False, 2))
+    assert [bwd_config(128, c, w).lse_ahead for c, w in variants] == [True] * 3
+    assert [bwd_config(64, c, w).lse_ahead for c, w in variants] == [False, True, False]
+    assert [bwd_config(64, c, w, deterministic=True).lse_ahead for c, w in variants] == [True] * 3
     for head_dim in (64, 128):
-        assert [bwd_config(head_dim, c, w).lse_ahead for c, w in ((True, 1), (True, 2), (False, 2))] == [True] * 3
         assert bwd_config(head_dim, False, 4) == BwdConfig(
             key_tile=128,
             query_tile=64,
@@ -98,13 +101,27 @@ def test_the_backward_turns_to_queries_on_rows_above_head_dim_128():
     dO stages, so the fp32 dQ staging fits beside them; 128 keys on rows below."""
     for causal, width in ((True, 1), (False, 4)):
         shapes = {d: bwd_config(d, causal, width) for d in (64, 128, 192, 256)}
-        assert {d: (c.key_tile, c.keys_on_rows, c.q_stages, c.do_stages) for d, c in shapes.items()} == {
-            64: (128, True, 3, 0),
-            128: (128, True, 3, 0),
-            192: (96, False, 2, 0),
-            256: (48, False, 2, 1),
+        assert {d: (c.key_tile, c.keys_on_rows, c.do_stages) for d, c in shapes.items()} == {
+            64: (128, True, 0),
+            128: (128, True, 0),
+            192: (96, False, 0),
+            256: (48, False, 1),
         }
+        assert [shapes[d].q_stages for d in (128, 192, 256)] == [3, 2, 2]
         assert shapes[256].diagonal_steps == causal
+
+
+def test_head_dim_64_steps_over_128_rows_where_that_build_keeps_its_registers():
+    """Non-causal masks with two bounds per key and causal ones with one take FA4's 128-row step
+    (two Q/dO stages, the LSE after the S GEMM); four bounds, causal with two and deterministic
+    mode, whose 128-row builds spill, keep 64 rows and three stages."""
+    for causal, width in ((False, 2), (True, 1)):
+        config = bwd_config(64, causal, width)
+        assert (config.query_tile, config.q_stages, config.lse_ahead, config.short_grid_q_stages) == (128, 2, False, 0)
+        assert bwd_config(64, causal, width, deterministic=True).query_tile == 64
+    for causal, width in ((False, 4), (True, 2)):
+        assert (bwd_config(64, causal, width).query_tile, bwd_config(64, causal, width).q_stages) == (64, 3)
+    assert all(bwd_config(d, c, w).query_tile == 64 for d in (128, 192, 256) for c, w in ((False, 2), (True, 1)))
 
 
 def test_configs_are_frozen_validated_and_hashable():
