@@ -177,7 +177,7 @@ def _best_three_way(weights: np.ndarray, k: int) -> list[list[int]]:
     return best_groups
 
 
-def _checked_loads(loads: np.ndarray | Sequence[float]) -> np.ndarray:
+def checked_loads(loads: np.ndarray | Sequence[float]) -> np.ndarray:
     """`loads` as float64 [chunks]; TypeError / ValueError naming it unless it is a non-empty 1-D
     sequence of finite numbers >= 0."""
     try:
@@ -216,7 +216,7 @@ def balance(
     Every round lowers the largest cost or the number of ranks at it, so each search ends;
     `max_rounds` only caps its time (the guarantees hold when it ends before).
     `loads`: one finite entry >= 0 per chunk; `world_size`: an int >= 1 dividing their number."""
-    loads = _checked_loads(loads)
+    loads = checked_loads(loads)
     check_int("world_size", world_size, 1)
     n = len(loads)
     if n % world_size:

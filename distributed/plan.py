@@ -136,9 +136,9 @@ def make_plan(
     if seqlen % num_chunks:
         raise ValueError(f"seqlen {seqlen} must be a multiple of world_size * chunks_per_rank = {num_chunks}")
     if loads is not None:
-        from .balance import _checked_loads  # balance imports numba: only when loads are given
+        from .balance import checked_loads  # balance imports numba: only when loads are given
 
-        loads = _checked_loads(loads)
+        loads = checked_loads(loads)
         if len(loads) != num_chunks:
             raise ValueError(
                 f"loads must have one entry per chunk (world_size * chunks_per_rank = {num_chunks}), got {len(loads)}"

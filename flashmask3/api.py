@@ -210,8 +210,8 @@ def varlen_attention(
         raise ValueError(
             f"v must be [total_k, Hkv, Dv] with k's total and Hkv (k is {tuple(k.shape)}), got {tuple(v.shape)}"
         )
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-        _check_packing(name, cu, total, "total_q" if name == "cu_seqlens_q" else "total_k")
+    _check_packing("cu_seqlens_q", cu_seqlens_q, q.shape[0], "total_q")
+    _check_packing("cu_seqlens_k", cu_seqlens_k, k.shape[0], "total_k")
     window = _check_flash_arguments(causal, window_size)
     run = functools.partial(
         attention, backend=backend, softmax_scale=softmax_scale, return_lse=return_lse, deterministic=deterministic
