@@ -301,7 +301,9 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
     thread; read after the S GEMM, the width-4 build at 192 spills)."""
     queries_on_rows = head_dim > 128
-    rows_128 = head_dim == 64 and mask_width == (1 if causal else 2) and not deterministic
+    # Causal masks with two bounds per key keep their 128-row step in registers without the writer.
+    rows_128_no_writer = head_dim == 64 and causal and mask_width == 2 and not deterministic
+    rows_128 = rows_128_no_writer or (head_dim == 64 and mask_width == (1 if causal else 2) and not deterministic)
     return BwdConfig(
         key_tile={192: 96, 256: 48}.get(head_dim, 128),
         query_tile=128 if rows_128 else 64,
@@ -313,7 +315,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
         diagonal_steps=causal,
         segment_steps=False,
-        dq_writer=not (head_dim == 192 and mask_width == 4),  # there its consumers spill with it
+        dq_writer=not (head_dim == 192 and mask_width == 4 or rows_128_no_writer),  # their consumers spill with it
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
         do_release_after_dv=False,
     )

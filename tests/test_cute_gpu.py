@@ -484,7 +484,18 @@ def test_rescale_before_pv_gives_the_defaults_numbers(name, head_dim, head_dim_v
 
 
 @pytest.mark.parametrize(
-    "name", ["full", "causal", "causal_document", "document", "share_question", "sliding_window", "random_eviction"]
+    "name",
+    [
+        "full",
+        "causal",
+        "causal_document",
+        "document",
+        "share_question",
+        "sliding_window",
+        "random_eviction",
+        "causal_blockwise",
+        "qk_sparse",
+    ],
 )
 def test_128_row_steps_at_head_dim_64_match_the_reference(name):
     """`query_tile=128` (two Q/dO stages, the LSE after the S GEMM): dQ, dK and dV against the fp32

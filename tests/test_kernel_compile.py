@@ -438,7 +438,7 @@ def test_releasing_do_after_dv_keeps_the_step_in_registers(tmp_path, head_dim):
 
 
 @pytest.mark.slow  # compiles and disassembles two backwards with their pre/post kernels, ~25 s
-@pytest.mark.parametrize("causal, width", [(False, 2), (True, 1)])
+@pytest.mark.parametrize("causal, width", [(False, 2), (True, 1), (True, 2)])
 def test_128_row_steps_at_head_dim_64_keep_the_step_in_registers(tmp_path, causal, width):
     """The default `query_tile=128` at head dim 64 (FA4's step there; two Q/dO stages, the LSE read
     after the S GEMM): no local memory and the WGMMAs in flight, the S^T GEMM 64 keys x 128 queries
