@@ -76,10 +76,6 @@ class FwdConfig:
     # masked steps, are gone. 128-row query tiles and key tiles dividing 128 only (the plan's
     # granule: a key tile must not span two).
     segment_tiles: bool
-    # O rescaled by the previous turn's correction right after the S GEMM is issued, before the PV
-    # GEMM that accumulates into it (FA4's order above head dim 128), so the 64 FMULs per row run
-    # under the S GEMM instead of after the PV's wait (the same numbers bit for bit).
-    rescale_before_pv: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -272,7 +268,6 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=head_dim == 128 and segmented,
-        rescale_before_pv=False,
     )
 
 
@@ -280,8 +275,10 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     """The backward's configuration for this head dim, mask variant and mode (`deterministic`).
     At head dim 64, 128 query rows per step (FA4's SM90 step there; two Q/dO stages, the LSE after
     the S GEMM) where that build keeps its registers: non-causal masks with two bounds per key and
-    causal ones with one (full, documents, causal, causal documents: fwd+bwd +6.6 to +10.3% at 8K
-    on an H100); the other variants and deterministic mode spill with it and keep 64 rows.
+    causal ones with one (on an H100 at 8K, fwd+bwd +6.6 to +10.3% on full, documents, causal and
+    causal documents, +2.6 to +7.9% on share-question, the sliding window, prefix-LM documents and
+    random eviction), and causal ones with two without the dQ writer (+3.9 to +4.3%: causal
+    blockwise, qk-sparse); four bounds per key and deterministic mode spill with it and keep 64.
     Otherwise at head dims 64 and 128 (keys on rows, 128 keys per CTA): three Q/dO stages (fwd+bwd
     +0.3 to +2.2% on the document, share-question and prefix-LM masks at the training shape, -1.0%
     on the global window there, -0.8 to +0.8% at 8K); the LSE ahead of the S GEMM (+0.5-1.8%),

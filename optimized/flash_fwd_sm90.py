@@ -108,7 +108,6 @@ class FlashMaskForwardSm90:
         self.off_diagonal_tiles = config.off_diagonal_tiles and causal
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
-        self.rescale_before_pv = config.rescale_before_pv
         self.segment_tiles = config.segment_tiles
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
@@ -694,8 +693,7 @@ class FlashMaskForwardSm90:
             acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg, free_previous_q)
             k_state.advance()
             self.mask_scores(acc_S, entry, position, bounds, *mask_args)
-            # O is zero: no rescale (with rescale_before_pv, O's rescale owed from the last softmax).
-            pending = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)
+            softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)  # O is zero: no rescale
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             position += 1
             entry = tile_list.read(position)
@@ -708,8 +706,6 @@ class FlashMaskForwardSm90:
                 self.begin_turn(wg)
                 clock = turn_profile.mark(clock, TurnEvent.WAIT_TURN)
                 wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True)
-                if const_expr(self.rescale_before_pv):
-                    rescale_rows(acc_O, pending)  # under the S GEMM: O's last PV was waited for
                 pipe_v.consumer_wait(v_state)
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
@@ -733,17 +729,12 @@ class FlashMaskForwardSm90:
                 pipe_v.consumer_release(v_state)
                 v_state.advance()
                 clock = turn_profile.mark(clock, TurnEvent.WAIT_PV)
-                if const_expr(self.rescale_before_pv):
-                    pending.store(correction.load())
-                else:
-                    rescale_rows(acc_O, correction)
+                rescale_rows(acc_O, correction)
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 clock = turn_profile.mark(clock, TurnEvent.RESCALE)
                 turn_profile.add_pass()
                 position += 1
                 entry = next_entry
-            if const_expr(self.rescale_before_pv):
-                rescale_rows(acc_O, pending)
             pipe_v.consumer_wait(v_state)
             self.begin_turn(wg)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)

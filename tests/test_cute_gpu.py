@@ -475,14 +475,6 @@ def test_off_diagonal_tiles_give_the_full_masks_numbers(name, head_dim, head_dim
     assert_a_field_keeps_the_forwards_numbers("off_diagonal_tiles", name, head_dim, head_dim_v, seqlen, seed=31)
 
 
-@pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "random_eviction"])
-@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", [(128, 128, 1531), (256, 256, 1531), (64, 64, 4096)])
-def test_rescale_before_pv_gives_the_defaults_numbers(name, head_dim, head_dim_v, seqlen):
-    """`rescale_before_pv`: O rescaled right before the PV GEMM that accumulates into it, not right
-    after the one before: the same products in the same order, so the same outputs and LSE."""
-    assert_a_field_keeps_the_forwards_numbers("rescale_before_pv", name, head_dim, head_dim_v, seqlen, seed=23)
-
-
 @pytest.mark.parametrize(
     "name",
     [

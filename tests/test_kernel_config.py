@@ -21,7 +21,6 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         diagonal_tiles=False,
         off_diagonal_tiles=False,
         segment_tiles=False,
-        rescale_before_pv=False,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         diagonal, off_diagonal = causal and width == 1, causal and width == 2
@@ -76,7 +75,7 @@ def test_the_causal_masks_diagonal_choices_follow_their_bounds_at_128_row_tiles(
 def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4_and_in_128_row_steps():
     variants = ((True, 1), (True, 2), (False, 2))
     assert [bwd_config(128, c, w).lse_ahead for c, w in variants] == [True] * 3
-    assert [bwd_config(64, c, w).lse_ahead for c, w in variants] == [False, True, False]
+    assert [bwd_config(64, c, w).lse_ahead for c, w in variants] == [False] * 3
     assert [bwd_config(64, c, w, deterministic=True).lse_ahead for c, w in variants] == [True] * 3
     for head_dim in (64, 128):
         assert bwd_config(head_dim, False, 4) == BwdConfig(
@@ -112,15 +111,16 @@ def test_the_backward_turns_to_queries_on_rows_above_head_dim_128():
 
 
 def test_head_dim_64_steps_over_128_rows_where_that_build_keeps_its_registers():
-    """Non-causal masks with two bounds per key and causal ones with one take FA4's 128-row step
-    (two Q/dO stages, the LSE after the S GEMM); four bounds, causal with two and deterministic
-    mode, whose 128-row builds spill, keep 64 rows and three stages."""
-    for causal, width in ((False, 2), (True, 1)):
+    """Every variant but four bounds per key takes FA4's 128-row step (two Q/dO stages, the LSE
+    after the S GEMM), the causal two-bound one without the dQ writer, whose consumers spill with
+    it; four bounds and deterministic mode, whose 128-row builds spill, keep 64 rows and three
+    stages."""
+    for causal, width in ((False, 2), (True, 1), (True, 2)):
         config = bwd_config(64, causal, width)
         assert (config.query_tile, config.q_stages, config.lse_ahead, config.short_grid_q_stages) == (128, 2, False, 0)
+        assert config.dq_writer == (width == 1 or not causal)
         assert bwd_config(64, causal, width, deterministic=True).query_tile == 64
-    for causal, width in ((False, 4), (True, 2)):
-        assert (bwd_config(64, causal, width).query_tile, bwd_config(64, causal, width).q_stages) == (64, 3)
+    assert (bwd_config(64, False, 4).query_tile, bwd_config(64, False, 4).q_stages) == (64, 3)
     assert all(bwd_config(d, c, w).query_tile == 64 for d in (128, 192, 256) for c, w in ((False, 2), (True, 1)))
 
 
@@ -163,7 +163,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "diagonal_tiles": bool,
         "off_diagonal_tiles": bool,
         "segment_tiles": bool,
-        "rescale_before_pv": bool,
         "key_tile": int,
         "query_tile": int,
         "keys_on_rows": bool,
@@ -192,7 +191,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         diagonal_tiles=False,
         off_diagonal_tiles=False,
         segment_tiles=False,
-        rescale_before_pv=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == dataclasses.replace(
         bwd_config(64, True, 1), lse_ahead=False
