@@ -276,8 +276,8 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     At head dim 64, 128 query rows per step (FA4's SM90 step there; two Q/dO stages, the LSE after
     the S GEMM) where that build keeps its registers: non-causal masks with two bounds per key and
     causal ones with one (on an H100 at 8K, fwd+bwd +6.6 to +10.3% on full, documents, causal and
-    causal documents, +2.6 to +7.9% on share-question, the sliding window, prefix-LM documents and
-    random eviction), and causal ones with two without the dQ writer (+3.9 to +4.3%: causal
+    causal documents, +2.9 to +8.1% on share-question, the sliding window, prefix-LM documents and
+    random eviction), and causal ones with two without the dQ writer (+3.8 to +4.2%: causal
     blockwise, qk-sparse); four bounds per key and deterministic mode spill with it and keep 64.
     Otherwise at head dims 64 and 128 (keys on rows, 128 keys per CTA): three Q/dO stages (fwd+bwd
     +0.3 to +2.2% on the document, share-question and prefix-LM masks at the training shape, -1.0%
@@ -289,7 +289,8 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     The dQ reduce-adds from a warp of their own (on an H100, fwd+bwd +2.5-7% at the training shape
     on six masks, +1.5-3.8% at 8K on five, +1-5% at head dims 64, 192 and 256; -0.2 to -2.3% on
     causal documents and share-question at the training shape, -4% on documents at 8K), except at
-    head dim 192 with four bounds per key, whose consumers spill a register with it. With the
+    head dim 192 with four bounds per key and in head dim 64's causal two-bound 128-row step, whose
+    consumers spill with it. With the
     writer, at head dim 128 on the causal masks with one bound per key, short grids (the CTAs
     longest first) take two Q/dO stages (on an H100 at the training shape fwd+bwd +6.2-6.7% on
     causal documents, +10.8-10.9% share-question, +3.2% causal, -3.9% sliding window; at 8K, in
@@ -298,9 +299,9 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
     thread; read after the S GEMM, the width-4 build at 192 spills)."""
     queries_on_rows = head_dim > 128
+    rows_128 = head_dim == 64 and not deterministic and (mask_width == 2 or (causal and mask_width == 1))
     # Causal masks with two bounds per key keep their 128-row step in registers without the writer.
-    rows_128_no_writer = head_dim == 64 and causal and mask_width == 2 and not deterministic
-    rows_128 = rows_128_no_writer or (head_dim == 64 and mask_width == (1 if causal else 2) and not deterministic)
+    rows_128_no_writer = rows_128 and causal and mask_width == 2
     return BwdConfig(
         key_tile={192: 96, 256: 48}.get(head_dim, 128),
         query_tile=128 if rows_128 else 64,
@@ -312,7 +313,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
         diagonal_steps=causal,
         segment_steps=False,
-        dq_writer=not (head_dim == 192 and mask_width == 4 or rows_128_no_writer),  # their consumers spill with it
+        dq_writer=not ((head_dim == 192 and mask_width == 4) or rows_128_no_writer),  # their consumers spill with it
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
         do_release_after_dv=False,
     )

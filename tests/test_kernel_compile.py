@@ -356,14 +356,14 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         hot_loop_in_registers(compiled_sass(tmp_path, name, kernel, args), name)
 
 
-def forward_loop_with_one_change(tmp_path, field: str, value: bool, head_dim: int = 128) -> tuple[list[str], int, int]:
-    """The forward's key-tile loop (non-causal, width 2) with one `FwdConfig` field changed, checked
+def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[list[str], int, int]:
+    """The forward's key-tile loop (head dim 128, non-causal, width 2) with one `FwdConfig` field changed, checked
     free of local memory and of serialized WGMMAs: its instructions and the positions of the wait for
     S_j (`wait_group 1`) and then for the warpgroup's own PV GEMM (`wait_group 0`)."""
-    config = f"dataclasses.replace(fwd_config({head_dim}, False, 2), {field}={value})"
+    config = f"dataclasses.replace(fwd_config(128, False, 2), {field}={value})"
     setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    args = f"'bf16', {head_dim}, False, 2, {config}"
-    name = f"{field}_{value}_{head_dim}"
+    args = f"'bf16', 128, False, 2, {config}"
+    name = f"{field}_{value}"
     blocks, _ = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", args, setup), name)
     loop = [inst for _, block in blocks for inst in block]
     s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
