@@ -7,7 +7,9 @@
     python scripts/train_e2e.py preset=h200_quick data.mask=share_question 'backends=[fm3,flex_flash]'
 
 Hydra-configured (conf/train_e2e.yaml, presets in conf/preset/). Each backend in `backends` trains
-the same model (random init from `seed`) on the same batches, one after the other in this process:
+the same model (random init from `seed`) on the same batches in this process, one after the other
+or, with `train.take_turns=true` (the GPU presets), side by side, one step each in turn (each with
+its own model and optimizer), so that the machine's drifts fall on every backend alike:
 
 - `fm3`: flashmask3 through its HF integration (`attn_implementation="fm3"`, `fm3_backend` the
   kernel: cute on the H200, reference on the CPU), the mask a ColumnMask built from the packing
@@ -24,12 +26,13 @@ documents' lengths lognormal (`data.doc_len_median`, `data.doc_len_sigma`), each
 repeated pattern of Zipf-distributed token ids (the repeats are learnable only by attending within
 the document).
 
-Per backend a JSON record under `logging.out_dir` ($OUT where set, else runs/): tokens/s (wall clock
-over the timed steps), median step time and attention time (CUDA events; attention's forward,
-recomputation and backward stamped around every call), attention's share of the step, the time to
-build the backend's mask from the packing metadata, peak memory, model TFLOP/s and MFU (6 FLOPs per
-linear weight per token plus 3x the forward FLOPs of the attended pairs, over `peak_tflops`), and
-the loss of every step. Then a summary JSON (each run's numbers and its largest loss difference from
+Per backend a JSON record under `logging.out_dir` ($OUT where set, else runs/): tokens/s (over the
+wall clock of the timed steps, or their summed CUDA-event times when taking turns), median step
+time and attention time (CUDA events; attention's forward, recomputation and backward stamped
+around every call), attention's share of the step, the time to build the backend's mask from the
+packing metadata, peak memory (a step's peak over what other backends hold), model TFLOP/s and MFU
+(6 FLOPs per linear weight per token plus 3x the forward FLOPs of the attended pairs, over
+`peak_tflops`), and the loss of every step. Then a summary JSON (each run's numbers and its largest loss difference from
 the first) and the loss curves' plot, both named after the mask and length. `logging=wandb` adds an
 offline wandb run per backend. A backend that fails (out of memory, a missing package) leaves its
 error in its record and the others run; the exit code is then 2. A backend that cannot express the
@@ -426,10 +429,9 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def train_backend(cfg: DictConfig, name: str) -> dict:
-    """Train with backend `name`; its record (with "error" where it failed: the others still run)."""
-    device = torch.device(cfg.device)
-    record = {
+def _new_record(cfg: DictConfig, name: str) -> dict:
+    """A backend's record before it trains: what ran, where, with what."""
+    return {
         "benchmark": "train_e2e",
         "backend": name,
         "mask": cfg.data.mask,
@@ -442,77 +444,147 @@ def train_backend(cfg: DictConfig, name: str) -> dict:
         "versions": bench_peers.versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def train_backend(cfg: DictConfig, name: str) -> dict:
+    """Train with backend `name` alone; its record (with "error" where it failed: the others still run)."""
+    device = torch.device(cfg.device)
+    record = _new_record(cfg, name)
     gc.collect()  # the previous backend's model and optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     try:
-        record |= _train(cfg, BACKENDS[name], device)
+        trainer = Trainer(cfg, BACKENDS[name], device)
+        with timed_attention(trainer.backend.attn_implementation, trainer.timer):
+            for step in range(cfg.train.steps):
+                if step == cfg.train.warmup_steps:
+                    _synchronize(device)
+                    timed_start = time.perf_counter()
+                trainer.step(step)
+            _synchronize(device)
+        record |= trainer.results(wall_seconds=time.perf_counter() - timed_start)
     except Exception as exc:  # out of memory or a missing package is a result for this backend
         record["error"] = error_string(exc)
     return record
 
 
-def _train(cfg: DictConfig, backend: Backend, device: torch.device) -> dict:
-    model = build_model(cfg, backend.attn_implementation, device)
-    config = model.config
-    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.train.lr,
-        betas=(0.9, 0.95),
-        weight_decay=cfg.train.weight_decay,
-        fused=device.type == "cuda",
-    )
-    timer = AttentionTimer(device)
-    losses, densities, flops, step_stamps, attention_spans = [], [], [], [], []
-    with timed_attention(backend.attn_implementation, timer):
+def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
+    """Train the backends `names` side by side, one step each in turn (the order reversed every
+    step, so none always runs first), each with its own model and optimizer from the same start:
+    drifts of the machine (clocks, temperature, neighbours) fall on all alike. Step times are CUDA
+    events (the host's data work between steps is in none), tokens/s their sum over the timed
+    steps. A backend that fails keeps its error and leaves the turns; the others go on."""
+    device = torch.device(cfg.device)
+    records = {name: _new_record(cfg, name) for name in names}
+    trainers: dict[str, Trainer] = {}
+    for name in names:
+        try:
+            trainers[name] = Trainer(cfg, BACKENDS[name], device)
+        except Exception as exc:
+            records[name]["error"] = error_string(exc)
+    with contextlib.ExitStack() as stack:
+        for trainer in trainers.values():
+            stack.enter_context(timed_attention(trainer.backend.attn_implementation, trainer.timer))
         for step in range(cfg.train.steps):
-            if step == cfg.train.warmup_steps:
-                _synchronize(device)
-                timed_start = time.perf_counter()
-            # The data loader's work, outside the step: the batch and the mask density for the FLOPs.
-            host_batch = make_batch(cfg.data, config.vocab_size, cfg.seed, step)
-            densities.append(column_mask(cfg.data.mask, host_batch).density())
-            flops.append(model_flops(linear_weights, config, cfg.data.batch, cfg.data.seqlen, densities[-1]))
-            batch = host_batch.to(device)
-            start = timer.stamp()
-            inputs = backend.model_inputs(batch, cfg.data.mask, config)
-            inputs_built = timer.stamp()
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.train.lr * min(1.0, (step + 1) / max(1, cfg.train.lr_warmup_steps))
-            loss = model(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, **inputs).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-            step_stamps.append((start, inputs_built, timer.stamp()))
-            attention_spans.append(timer.take_spans())
+            order = list(trainers.items())
+            for name, trainer in order if step % 2 == 0 else reversed(order):
+                try:
+                    trainer.step(step)
+                except Exception as exc:
+                    records[name]["error"] = error_string(exc)
+                    del trainers[name]
         _synchronize(device)
-        timed_seconds = time.perf_counter() - timed_start
-    timed = slice(cfg.train.warmup_steps, None)
-    step_s = [seconds(start, end) for start, _, end in step_stamps[timed]]
-    attention_s = [sum(seconds(*span) for span in spans) for spans in attention_spans[timed]]
-    inputs_s = [seconds(start, built) for start, built, _ in step_stamps[timed]]
-    tflops = sum(flops[timed]) / timed_seconds / 1e12
-    return {
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "steps": cfg.train.steps,
-        "timed_steps": len(step_s),
-        "tokens_per_s": cfg.data.batch * cfg.data.seqlen * len(step_s) / timed_seconds,
-        "step_ms_median": statistics.median(step_s) * 1e3,
-        "attention_ms_median": statistics.median(attention_s) * 1e3,
-        "attention_share": sum(attention_s) / sum(step_s),
-        "mask_inputs_ms_median": statistics.median(inputs_s) * 1e3,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "model_tflops_per_s": tflops,
-        "mfu": tflops / cfg.peak_tflops if cfg.peak_tflops else None,
-        "peak_tflops": cfg.peak_tflops,
-        "mask_density_mean": statistics.mean(densities),
-        "step_ms": [s * 1e3 for s in step_s],
-        "losses": torch.stack(losses).tolist(),
-    }
+    for name, trainer in trainers.items():
+        records[name] |= trainer.results(wall_seconds=None)
+    return [records[name] for name in names]
+
+
+class Trainer:
+    """One backend's model (random init from `cfg.seed`: the same for every backend), its optimizer
+    and what its steps measured; `step` trains on step `step`'s batch."""
+
+    def __init__(self, cfg: DictConfig, backend: Backend, device: torch.device):
+        self.cfg, self.backend, self.device = cfg, backend, device
+        self.model = build_model(cfg, backend.attn_implementation, device)
+        self.linear_weights = sum(m.weight.numel() for m in self.model.modules() if isinstance(m, torch.nn.Linear))
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.train.lr,
+            betas=(0.9, 0.95),
+            weight_decay=cfg.train.weight_decay,
+            fused=device.type == "cuda",
+        )
+        self.timer = AttentionTimer(device)
+        self.losses: list[torch.Tensor] = []
+        self.densities: list[float] = []
+        self.flops: list[float] = []
+        self.step_stamps: list[tuple[Stamp, Stamp, Stamp]] = []
+        self.attention_spans: list[list[tuple[Stamp, Stamp]]] = []
+        self.peak_bytes = 0
+
+    def step(self, step: int) -> None:
+        cfg, config, model = self.cfg, self.model.config, self.model
+        # The data loader's work, outside the step: the batch and the mask density for the FLOPs.
+        host_batch = make_batch(cfg.data, config.vocab_size, cfg.seed, step)
+        self.densities.append(column_mask(cfg.data.mask, host_batch).density())
+        self.flops.append(model_flops(self.linear_weights, config, cfg.data.batch, cfg.data.seqlen, self.densities[-1]))
+        batch = host_batch.to(self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:  # the step's peak over what was allocated before it (other backends' models too)
+            before = torch.cuda.memory_allocated() - self.resident_bytes()
+            torch.cuda.reset_peak_memory_stats()
+        start = self.timer.stamp()
+        inputs = self.backend.model_inputs(batch, cfg.data.mask, config)
+        inputs_built = self.timer.stamp()
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.train.lr * min(1.0, (step + 1) / max(1, cfg.train.lr_warmup_steps))
+        loss = model(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, **inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(loss.detach())
+        self.step_stamps.append((start, inputs_built, self.timer.stamp()))
+        self.attention_spans.append(self.timer.take_spans())
+        if cuda:
+            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated() - before)
+
+    def resident_bytes(self) -> int:
+        """The bytes this backend keeps between steps: its weights and optimizer state (created in
+        its first step)."""
+        tensors = [*self.model.parameters()]
+        tensors += [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def results(self, wall_seconds: float | None) -> dict:
+        """The measurements over the timed steps (after `train.warmup_steps`), once the device has
+        finished them; tokens/s over `wall_seconds` where given, else over the steps' summed times."""
+        cfg = self.cfg
+        timed = slice(cfg.train.warmup_steps, None)
+        step_s = [seconds(start, end) for start, _, end in self.step_stamps[timed]]
+        attention_s = [sum(seconds(*span) for span in spans) for spans in self.attention_spans[timed]]
+        inputs_s = [seconds(start, built) for start, built, _ in self.step_stamps[timed]]
+        timed_seconds = sum(step_s) if wall_seconds is None else wall_seconds
+        tflops = sum(self.flops[timed]) / timed_seconds / 1e12
+        return {
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "steps": cfg.train.steps,
+            "timed_steps": len(step_s),
+            "took_turns": wall_seconds is None,
+            "tokens_per_s": cfg.data.batch * cfg.data.seqlen * len(step_s) / timed_seconds,
+            "step_ms_median": statistics.median(step_s) * 1e3,
+            "attention_ms_median": statistics.median(attention_s) * 1e3,
+            "attention_share": sum(attention_s) / sum(step_s),
+            "mask_inputs_ms_median": statistics.median(inputs_s) * 1e3,
+            "peak_memory_gib": self.peak_bytes / 2**30 if self.device.type == "cuda" else None,
+            "model_tflops_per_s": tflops,
+            "mfu": tflops / cfg.peak_tflops if cfg.peak_tflops else None,
+            "peak_tflops": cfg.peak_tflops,
+            "mask_density_mean": statistics.mean(self.densities),
+            "step_ms": [s * 1e3 for s in step_s],
+            "losses": torch.stack(self.losses).tolist(),
+        }
 
 
 # -- records, comparison, plot -------------------------------------------------------------------
@@ -673,21 +745,24 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> list[dict]:
-    """Train every backend of `cfg.backends` in turn; their records (written, with their "path"),
-    then the summary and the loss curves. A backend that cannot express `data.mask` is not trained:
-    its record (not written) and its summary row say "skipped"."""
+    """Train every backend of `cfg.backends`, one after the other or (`train.take_turns`) side by
+    side a step each in turn; their records (written, with their "path"), then the summary and the
+    loss curves. A backend that cannot express `data.mask` is not trained: its record (not
+    written) and its summary row say "skipped"."""
     check_config(cfg)
     register_backends(cfg.fm3_backend)
     out_dir = Path(cfg.logging.out_dir)
+    trainable = [name for name in cfg.backends if cfg.data.mask in BACKENDS[name].masks]
+    trained = iter(train_taking_turns(cfg, trainable)) if cfg.train.take_turns else None
     records = []
     for name in cfg.backends:
-        if cfg.data.mask not in BACKENDS[name].masks:
+        if name not in trainable:
             record = {"backend": name, "mask": cfg.data.mask, "seqlen": cfg.data.seqlen}
             record["skipped"] = cannot_express(name, cfg.data.mask)
             print(_line(record))
             records.append(record)
             continue
-        record = train_backend(cfg, name)
+        record = next(trained) if trained is not None else train_backend(cfg, name)
         record["path"] = str(_write(record, out_dir, f"train_e2e_{cfg.data.mask}_{name}_{cfg.data.seqlen}"))
         print(_line(record))
         print(f"record: {record['path']}")

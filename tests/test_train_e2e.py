@@ -139,6 +139,31 @@ def test_a_backend_that_fails_leaves_its_error_and_the_others_train(tmp_path, mo
     assert summary["runs"][1]["max_abs_loss_diff"] == 0.0
 
 
+def test_backends_taking_turns_train_the_curves_they_train_alone(tmp_path):
+    """`train.take_turns`: fm3 and sdpa side by side, one step each in turn, each with its own model,
+    train exactly the curves each trains alone; tokens/s over the timed steps' summed times."""
+    overrides = ["dtype=fp64", "train.steps=4", "train.warmup_steps=1"]
+    both = config([f"logging.out_dir={tmp_path}", "backends=[fm3,sdpa]", "train.take_turns=true", *overrides])
+    records = train_e2e.run(both)
+    assert [r["backend"] for r in records] == ["fm3", "sdpa"]
+    for record in records:
+        assert "error" not in record and record["took_turns"] and Path(record["path"]).is_file()
+        assert record["tokens_per_s"] == pytest.approx(2 * 256 * 3 / (sum(record["step_ms"]) / 1e3))
+        name = record["backend"]
+        (alone,) = train_e2e.run(config([f"logging.out_dir={tmp_path / name}", f"backends=[{name}]", *overrides]))
+        assert not alone["took_turns"] and record["losses"] == alone["losses"]
+
+
+def test_a_backend_that_fails_while_taking_turns_leaves_them(tmp_path, monkeypatch):
+    """FA4 missing: fa4_varlen fails in its first step and keeps the error; fm3 trains every step."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    overrides = ["train.steps=3", "train.warmup_steps=1", "train.take_turns=true"]
+    failed, ours = train_e2e.run(config([f"logging.out_dir={tmp_path}", "backends=[fa4_varlen,fm3]", *overrides]))
+    assert "flash_attn" in failed["error"] and "losses" not in failed
+    assert "error" not in ours and len(ours["losses"]) == 3 and ours["took_turns"]
+
+
 def test_a_backend_that_cannot_express_the_mask_is_skipped(tmp_path):
     """fa4_varlen on share_question: no training and no record file, a summary row saying why; the
     other backends train (one sweep over the masks takes every backend)."""
