@@ -106,13 +106,17 @@ def mask_fwd_config(head_dim: int, mask: ColumnMask | None) -> FwdConfig:
 
 
 def mask_configs(
-    head_dim: int, mask: ColumnMask | None, overrides: Mapping[str, bool | int] | None = None
+    head_dim: int,
+    mask: ColumnMask | None,
+    overrides: Mapping[str, bool | int] | None = None,
+    deterministic: bool = False,
 ) -> tuple[FwdConfig, BwdConfig]:
-    """Both directions' choices for this head dim and mask, with `overrides` (`apply_overrides`)."""
+    """Both directions' choices for this head dim and mask (the backward's for `deterministic`
+    mode), with `overrides` (`apply_overrides`)."""
     changes = overrides or {}
     return (
         apply_overrides(mask_fwd_config(head_dim, mask), changes),
-        apply_overrides(bwd_config(head_dim, *mask_variant(mask)), changes),
+        apply_overrides(bwd_config(head_dim, *mask_variant(mask), deterministic), changes),
     )
 
 

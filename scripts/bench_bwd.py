@@ -29,6 +29,7 @@ and prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 
@@ -197,15 +198,15 @@ def run_bench(
     return rows
 
 
-def backward_step(mask: ColumnMask, head_dim: int, overrides: dict):
+def backward_step(mask: ColumnMask, head_dim: int, overrides: dict, deterministic: bool = False):
     """The timed call of the backward ablation under a variant's changes: the cute forward, then its
-    backward -> (dq, dk, dv)."""
+    backward (`deterministic` mode's configuration and kernel where set) -> (dq, dk, dv)."""
     scale = head_dim**-0.5
-    fwd, bwd = mask_configs(head_dim, mask, overrides)
+    fwd, bwd = mask_configs(head_dim, mask, overrides, deterministic)
 
     def run(q, k, v, dout):
         out, lse = cute_forward(q, k, v, mask, scale, config=fwd)
-        return cute_backward(dout, q, k, v, out, lse, mask, scale, config=bwd)
+        return cute_backward(dout, q, k, v, out, lse, mask, scale, deterministic, config=bwd)
 
     return run
 
@@ -280,7 +281,7 @@ def main() -> None:
     parser.add_argument("what", choices=["check", "bench", "all", "profile", "ablate"])
     add_common_arguments(parser)
     add_peers_argument(parser)
-    parser.add_argument("--deterministic", action="store_true", help="bench the deterministic backward")
+    parser.add_argument("--deterministic", action="store_true", help="bench (or ablate) the deterministic backward")
     parser.add_argument(
         "--variants",
         nargs="*",
@@ -350,7 +351,7 @@ def main() -> None:
             args.head_dim,
             args.masks.split(","),
             args.variants,
-            backward_step,
+            functools.partial(backward_step, deterministic=args.deterministic),
             3.5,
             save=lambda rows: save({**result, "ablate": rows}),
             heads=args.heads,

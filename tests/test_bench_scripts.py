@@ -287,19 +287,25 @@ def test_unknown_config_field_names_the_accepted_ones():
 
 def test_backward_ablation_step_runs_both_configurations_with_the_changes(monkeypatch):
     """`bench_bwd.backward_step`: the forward and the backward each in the chosen configuration with
-    the variant's changes that are its fields."""
+    the variant's changes that are its fields; with `deterministic`, that mode's configuration and
+    kernel."""
     import bench_bwd
     from flashmask3.optimized import bwd_config, fwd_config
 
     seen = []
     monkeypatch.setattr(bench_bwd, "cute_forward", lambda *args, config: seen.append(config) or ("out", "lse"))
-    monkeypatch.setattr(bench_bwd, "cute_backward", lambda *args, config: seen.append(config) or ("dq", "dk", "dv"))
+    monkeypatch.setattr(
+        bench_bwd, "cute_backward", lambda *args, config: seen.append((args[-1], config)) or ("dq", "dk", "dv")
+    )
     step = bench_bwd.backward_step(FakeMask(1.0), 64, {"persistent": False, "lse_ahead": False})
     assert step(1, 2, 3, 4) == ("dq", "dk", "dv")
     assert seen == [
         dataclasses.replace(fwd_config(64, True, 1), persistent=False),
-        dataclasses.replace(bwd_config(64, True, 1), lse_ahead=False),
+        (False, dataclasses.replace(bwd_config(64, True, 1), lse_ahead=False)),
     ]
+    seen.clear()
+    bench_bwd.backward_step(FakeMask(1.0), 64, {}, deterministic=True)(1, 2, 3, 4)
+    assert seen[1] == (True, bwd_config(64, True, 1, deterministic=True))
 
 
 def test_record_is_saved_under_out(tmp_path, monkeypatch):

@@ -264,6 +264,7 @@ def test_a_masks_configs_take_the_overrides_in_both_directions():
     assert fwd == dataclasses.replace(mask_fwd_config(128, documents), persistent=False)
     assert bwd == dataclasses.replace(bwd_config(128, True, 1), q_stages=2, short_grid_q_stages=0)
     assert mask_configs(64, None) == (fwd_config(64, False, 2), bwd_config(64, False, 2))
+    assert mask_configs(64, None, deterministic=True)[1] == bwd_config(64, False, 2, deterministic=True)
 
 
 def test_128_row_steps_are_for_keys_on_rows_with_two_stages():
