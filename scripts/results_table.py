@@ -67,7 +67,7 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "Forward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 16 heads",
-        ("fwd_bench_hdim192_v128_8k_peers.json",),
+        ("fwd_bench_hdim192_v128_8k_peers.json", "fwd_bench_hdim192_v128_8k_draw_order.json"),
     ),
 )
 
