@@ -487,17 +487,29 @@ def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
         for trainer in trainers.values():
             stack.enter_context(timed_attention(trainer.backend.attn_implementation, trainer.timer))
         for step in range(cfg.train.steps):
-            order = list(trainers.items())
-            for name, trainer in order if step % 2 == 0 else reversed(order):
-                try:
-                    trainer.step(step)
-                except Exception as exc:
-                    records[name]["error"] = error_string(exc)
+            order = list(trainers)
+            for name in order if step % 2 == 0 else reversed(order):
+                error = _step_error(trainers[name], step)
+                if error is not None:
+                    records[name]["error"] = error
                     del trainers[name]
+                    gc.collect()  # its model and optimizer, for the others' steps
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
         _synchronize(device)
     for name, trainer in trainers.items():
         records[name] |= trainer.results(wall_seconds=None)
     return [records[name] for name in names]
+
+
+def _step_error(trainer: Trainer, step: int) -> str | None:
+    """The error of `trainer`'s step `step`, None if it trained (the exception and its frames are
+    gone on return, so the trainer's memory can be freed)."""
+    try:
+        trainer.step(step)
+    except Exception as exc:  # out of memory or a missing package is a result for this backend
+        return error_string(exc)
+    return None
 
 
 class Trainer:
