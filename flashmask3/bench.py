@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -106,12 +109,65 @@ def error_string(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
+class ClockSampler:
+    """The GPU's SM clock (MHz) and board power (W), read through NVML every `interval_s` in a
+    background thread and filed under the contender running at the time (`running`), so that two
+    kernels' times can be set beside the clocks they ran at (one that draws more power may run at
+    a lower clock). NVML's power is an average over its own window (about a second on Hopper), the
+    clock a momentary reading. Where NVML cannot be read (no GPU, no nvidia-ml-py), nothing is
+    sampled."""
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+        self.running: str | None = None
+        self.samples: dict[str, list[tuple[float, float]]] = {}
+        self._stop = threading.Event()
+
+    @staticmethod
+    def read() -> tuple[float, float] | None:
+        """(SM clock MHz, power W) now, or None where NVML cannot be read."""
+        try:
+            return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1e3
+        except Exception:  # no GPU, no pynvml, no permission: no clocks in the record
+            return None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            name, reading = self.running, self.read()
+            if name is not None and reading is not None:
+                self.samples.setdefault(name, []).append(reading)
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[ClockSampler]:
+        if not torch.cuda.is_available() or self.read() is None:
+            yield self
+            return
+        thread = threading.Thread(target=self._sample, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join()
+
+    def medians(self) -> dict[str, dict[str, float]]:
+        """Per contender its median SM clock and power over the samples taken while it ran."""
+        return {
+            name: {
+                "sm_mhz": statistics.median(mhz for mhz, _ in readings),
+                "power_w": statistics.median(watts for _, watts in readings),
+            }
+            for name, readings in self.samples.items()
+        }
+
+
 def interleaved_ms(
     contenders: dict[str, tuple[Callable, list[tuple]]],
     rounds: int = 5,
     warmup: int = 3,
     repeats: int = 2,
     errors: dict[str, str] | None = None,
+    clocks: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, float]:
     """Median GPU milliseconds per call of each contender (`name: (fn, argument tuples)`), the
     contenders taking turns: `warmup` untimed calls of each per argument tuple (compilation,
@@ -120,11 +176,15 @@ def interleaved_ms(
     of the GPU's clock over the run pass for a difference.
 
     With `errors`, a contender that raises (out of memory, say) leaves the turns with its
-    `error_string` there and the others go on; without it, the exception propagates."""
+    `error_string` there and the others go on; without it, the exception propagates. With `clocks`,
+    each contender's median SM clock and power over its timed rounds go there (`ClockSampler`;
+    none where NVML cannot be read)."""
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    sampler = ClockSampler()
 
     def run(name: str, warmup: int, repeats: int) -> None:
         fn, inputs = contenders[name]
+        sampler.running = name if repeats else None
         try:
             times[name] += gpu_times_ms(fn, inputs, warmup, repeats)
         except Exception as exc:
@@ -132,13 +192,18 @@ def interleaved_ms(
                 raise
             errors[name] = error_string(exc)
             del times[name]
+        finally:
+            sampler.running = None
 
     for name in contenders:
         run(name, warmup, repeats=0)
-    for turn in range(rounds):
-        order = [name for name in contenders if name in times]
-        for name in order if turn % 2 == 0 else order[::-1]:
-            run(name, warmup=1, repeats=repeats)
+    with sampler.sampling() if clocks is not None else contextlib.nullcontext(sampler):
+        for turn in range(rounds):
+            order = [name for name in contenders if name in times]
+            for name in order if turn % 2 == 0 else order[::-1]:
+                run(name, warmup=1, repeats=repeats)
+    if clocks is not None:
+        clocks.update({name: values for name, values in sampler.medians().items() if name in times})
     return {name: statistics.median(samples) for name, samples in times.items()}
 
 

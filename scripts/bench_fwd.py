@@ -178,13 +178,17 @@ def forward_flops(batch: int, heads: int, seqlen: int, head_dim: int, head_dim_v
     return attention_flops(batch, heads, seqlen, seqlen, (head_dim + head_dim_v) / 2, density)
 
 
-def record_times(row: dict, contenders: dict, **timing) -> None:
-    """Each contender's median time into `row` (`interleaved_ms` with `timing`), or the error that
-    took it out of the turns."""
-    errors: dict[str, str] = {}
-    for contender, ms in interleaved_ms(contenders, errors=errors, **timing).items():
+def record_times(row: dict, contenders: dict, keep_errors: bool = True, **timing) -> None:
+    """Each contender's median time into `row` (`interleaved_ms` with `timing`), and the median SM
+    clock and power it ran at where NVML reads them; with `keep_errors`, the error of a contender
+    that raised (it leaves the turns), else the exception propagates."""
+    errors: dict[str, str] | None = {} if keep_errors else None
+    clocks: dict[str, dict[str, float]] = {}
+    for contender, ms in interleaved_ms(contenders, errors=errors, clocks=clocks, **timing).items():
         row[f"{contender}_ms"] = ms
-    row.update({f"{contender}_error": error for contender, error in errors.items()})
+    row.update({f"{contender}_error": error for contender, error in (errors or {}).items()})
+    for contender, readings in clocks.items():
+        row.update({f"{contender}_{name}": value for name, value in readings.items()})
 
 
 def add_row(rows: list[dict], row: dict, flops: float, save) -> None:
@@ -323,8 +327,7 @@ def run_ablation(
                     float((a.float() - b.float()).abs().max()) for a, b in zip(timed(*inputs[0]), reference)
                 )
                 contenders[variant] = (timed, inputs)
-            for config, ms in interleaved_ms(contenders, rounds).items():
-                row[f"{config}_ms"] = ms
+            record_times(row, contenders, keep_errors=False, rounds=rounds)
             for config, (fn, config_inputs) in contenders.items():
                 row[f"{config}_host_us"] = host_us(fn, config_inputs)
             add_row(rows, row, flops, save)

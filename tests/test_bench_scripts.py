@@ -403,6 +403,38 @@ def test_interleaved_timing_takes_turns_so_a_drift_hits_every_contender(monkeypa
     assert times == {"a": 6.5, "b": 6.5}  # medians of [3, 6, 7, 10] and [4, 5, 8, 9]
 
 
+def test_interleaved_timing_records_the_clock_each_contender_ran_at(monkeypatch):
+    """With `clocks`: the SM clock and power NVML reads while each contender's timed rounds run,
+    as medians per contender (the warm-up unsampled); none where NVML cannot be read."""
+    import time
+
+    import torch
+
+    reading = {"mhz": 0}
+
+    def times(fn, inputs, warmup, repeats):
+        reading["mhz"] = fn()
+        time.sleep(0.03 if repeats else 0)
+        return [1.0] * repeats
+
+    monkeypatch.setattr(bench, "gpu_times_ms", times)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: reading["mhz"])
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: reading["mhz"] * 300)  # milliwatts
+    contenders = {"a": (lambda: 1980, [()]), "b": (lambda: 1755, [()])}
+    clocks = {}
+    assert bench.interleaved_ms(contenders, rounds=2, repeats=1, clocks=clocks) == {"a": 1.0, "b": 1.0}
+    assert clocks == {"a": {"sm_mhz": 1980.0, "power_w": 594.0}, "b": {"sm_mhz": 1755.0, "power_w": 526.5}}
+
+    def no_nvml():
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    clocks = {}
+    bench.interleaved_ms(contenders, rounds=2, repeats=1, clocks=clocks)
+    assert clocks == {}
+
+
 def test_interleaved_timing_drops_a_contender_that_raises_and_keeps_its_error(monkeypatch):
     """With `errors`, a contender raising in its second round leaves the turns with its error and
     the others are timed to the end; without `errors` the exception propagates."""
