@@ -453,7 +453,6 @@ def train_backend(cfg: DictConfig, name: str) -> dict:
     gc.collect()  # the previous backend's model and optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     try:
         trainer = Trainer(cfg, BACKENDS[name], device)
         with timed_attention(trainer.backend.attn_implementation, trainer.timer):
@@ -461,7 +460,7 @@ def train_backend(cfg: DictConfig, name: str) -> dict:
                 if step == cfg.train.warmup_steps:
                     _synchronize(device)
                     timed_start = time.perf_counter()
-                trainer.step(step)
+                trainer.step(step, make_batch(cfg.data, cfg.model.vocab_size, cfg.seed, step))
             _synchronize(device)
         record |= trainer.results(wall_seconds=time.perf_counter() - timed_start)
     except Exception as exc:  # out of memory or a missing package is a result for this backend
@@ -487,9 +486,10 @@ def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
         for trainer in trainers.values():
             stack.enter_context(timed_attention(trainer.backend.attn_implementation, trainer.timer))
         for step in range(cfg.train.steps):
+            host_batch = make_batch(cfg.data, cfg.model.vocab_size, cfg.seed, step)  # once for all of them
             order = list(trainers)
             for name in order if step % 2 == 0 else reversed(order):
-                error = _step_error(trainers[name], step)
+                error = _step_error(trainers[name], step, host_batch)
                 if error is not None:
                     records[name]["error"] = error
                     del trainers[name]
@@ -502,11 +502,11 @@ def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
     return [records[name] for name in names]
 
 
-def _step_error(trainer: Trainer, step: int) -> str | None:
-    """The error of `trainer`'s step `step`, None if it trained (the exception and its frames are
-    gone on return, so the trainer's memory can be freed)."""
+def _step_error(trainer: Trainer, step: int, host_batch: PackedBatch) -> str | None:
+    """The error of `trainer`'s step `step` on `host_batch`, None if it trained (the exception and
+    its frames are gone on return, so the trainer's memory can be freed)."""
     try:
-        trainer.step(step)
+        trainer.step(step, host_batch)
     except Exception as exc:  # out of memory or a missing package is a result for this backend
         return error_string(exc)
     return None
@@ -514,7 +514,7 @@ def _step_error(trainer: Trainer, step: int) -> str | None:
 
 class Trainer:
     """One backend's model (random init from `cfg.seed`: the same for every backend), its optimizer
-    and what its steps measured; `step` trains on step `step`'s batch."""
+    and what its steps measured; `step` trains on step `step`'s batch (`make_batch`, on the host)."""
 
     def __init__(self, cfg: DictConfig, backend: Backend, device: torch.device):
         self.cfg, self.backend, self.device = cfg, backend, device
@@ -535,10 +535,9 @@ class Trainer:
         self.attention_spans: list[list[tuple[Stamp, Stamp]]] = []
         self.peak_bytes = 0
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, host_batch: PackedBatch) -> None:
         cfg, config, model = self.cfg, self.model.config, self.model
-        # The data loader's work, outside the step: the batch and the mask density for the FLOPs.
-        host_batch = make_batch(cfg.data, config.vocab_size, cfg.seed, step)
+        # The data loader's work, outside the step: the mask density for the FLOPs, the copy.
         self.densities.append(column_mask(cfg.data.mask, host_batch).density())
         self.flops.append(model_flops(self.linear_weights, config, cfg.data.batch, cfg.data.seqlen, self.densities[-1]))
         batch = host_batch.to(self.device)

@@ -118,12 +118,12 @@ def _create_mask(
             "as attention_mask"
         )
     keep = None
-    if attention_mask is not None and attention_mask.dim() != 2:  # 4-D masks do not come here
-        raise ValueError(
-            f"attention_mask: takes a 2-D padding mask [B, Sk], a 4-D dense mask [B, 1 or H, Sq, Sk] or a "
-            f"ColumnMask, got shape {tuple(attention_mask.shape)}"
-        )
     if attention_mask is not None:  # HF's 2-D padding mask over the keys seen so far, True = token
+        if attention_mask.dim() != 2:  # 4-D masks do not come here
+            raise ValueError(
+                f"attention_mask: takes a 2-D padding mask [B, Sk], a 4-D dense mask [B, 1 or H, Sq, Sk] or a "
+                f"ColumnMask, got shape {tuple(attention_mask.shape)}"
+            )
         padding = F.pad(attention_mask, (0, max(0, kv_offset + kv_length - attention_mask.shape[-1])))
         keep = padding[:, kv_offset : kv_offset + kv_length].bool()
     if isinstance(q_offset, torch.Tensor):  # a static cache's length, which it advances in place
