@@ -749,6 +749,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(
             f"train.warmup_steps must be in [0, train.steps), got {cfg.train.warmup_steps} and {cfg.train.steps}"
         )
+    if not isinstance(cfg.train.take_turns, bool):
+        raise ValueError(f"train.take_turns must be true or false, got {cfg.train.take_turns!r}")
     if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device={cfg.device}, but torch {torch.__version__} sees no CUDA GPU (the CPU: preset=cpu)")
     if cfg.logging.wandb.enabled:

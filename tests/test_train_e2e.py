@@ -112,6 +112,7 @@ def test_batches_masks_and_targets(mask):
         (["backends=[fm3,flash]"], "backends must be a list of"),
         (["data.mask=causal"], "data.mask must be one of"),
         (["train.warmup_steps=20"], "train.warmup_steps must be in"),
+        (["train.take_turns=yes"], "train.take_turns must be true or false, got 'yes'"),
     ],
 )
 def test_settings_it_cannot_take_are_refused_before_training(overrides, match):
