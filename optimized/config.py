@@ -159,10 +159,6 @@ class BwdConfig:
     # from the start, and with the dQ writer two stages can beat three there. It overrides
     # `q_stages` in short grids: set it to 0 with a `q_stages` meant for every grid.
     short_grid_q_stages: int
-    # dO's stage released once the dV GEMM is done, before the dK GEMM is issued (FA4's order: dQ and
-    # dK do not read dO), not once dV and dQ are: the next dO load starts a GEMM earlier, which
-    # counts where dO has one stage (head dim 256). The dK issue then waits for dV.
-    do_release_after_dv: bool
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -315,7 +311,6 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
         segment_steps=False,
         dq_writer=not ((head_dim == 192 and mask_width == 4) or rows_128_no_writer),  # their consumers spill with it
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
-        do_release_after_dv=False,
     )
 
 

@@ -175,7 +175,6 @@ class FlashMaskBackwardSm90:
         self.diagonal_steps = config.diagonal_steps and causal
         self.segment_steps = config.segment_steps
         self.dq_writer = config.dq_writer
-        self.do_release_after_dv = config.do_release_after_dv
         self.deterministic = deterministic
 
     @classmethod
@@ -873,13 +872,9 @@ class FlashMaskBackwardSm90:
                 if const_expr(self.deterministic):
                     rank = mDqRanks[mask_batch, mask_head, n_block, m_block]
                 dq_target = (m_block, head, batch, rank)
-                if const_expr(self.do_release_after_dv):
-                    warpgroup.wait_group(1)  # dV done, dQ may still run
-                    pipe_do.consumer_release(do_state)
                 wgmma(tiled_mma_dkv, *dk_gemm, zero_init=False)
                 warpgroup.wait_group(1)  # dV and dQ done, dK may still run
-                if const_expr(not self.do_release_after_dv):
-                    pipe_do.consumer_release(do_state)
+                pipe_do.consumer_release(do_state)
                 clock = profile.mark(clock, BwdEvent.WAIT_DQ)
                 if const_expr(self.dq_writer):
                     self.hand_dq_to_writer(acc_dQ, sdQ_thread, dq_targets, dq_target, lane_in_wg, wg)

@@ -517,22 +517,6 @@ def test_128_row_steps_at_head_dim_64_match_the_reference(name):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-@pytest.mark.parametrize("name, head_dim", [("full", 256), ("causal_document", 256), ("share_question", 128)])
-def test_releasing_do_after_dv_gives_the_default_backwards_numbers(name, head_dim):
-    """`do_release_after_dv` moves only when dO's stage is freed and the dK GEMM issued: dK and dV
-    bit for bit, dQ within the fp32 add order's rounding, the deterministic backward bit for bit."""
-    from flashmask3.optimized import bwd_config
-    from flashmask3.optimized.interface import forward
-
-    seqlen, scale = 1531, 1 / math.sqrt(head_dim)
-    mask = masks.build(name, seqlen, batch=2, heads=4, seed=37, device="cuda")
-    q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=37)
-    default = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
-    early = dataclasses.replace(default, do_release_after_dv=True)
-    out, lse = forward(q, k, v, mask, scale)
-    assert_same_gradients((dout, q, k, v, out, lse, mask, scale), default, early)
-
-
 @pytest.mark.parametrize("kind", ["random", "plain"])
 @pytest.mark.parametrize("width", [1, 2])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1531), (1531, 1000)])

@@ -400,25 +400,6 @@ def test_diagonal_steps_keep_the_loop_in_registers(tmp_path, head_dim):
     assert sum("HGMMA" in inst for inst in diagonal) == sum("HGMMA" in inst for inst in default)
 
 
-@pytest.mark.slow  # compiles and disassembles two backwards, ~25 s
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_releasing_do_after_dv_keeps_the_step_in_registers(tmp_path, head_dim):
-    """`do_release_after_dv` waits for dV before issuing dK: no local memory, the WGMMAs in flight,
-    one more wait per step (the dV wait) than the default."""
-    setup = "import dataclasses; from flashmask3.optimized import bwd_config"
-
-    def waits(on: bool) -> int:
-        config = f"dataclasses.replace(bwd_config({head_dim}, False, 2), do_release_after_dv={on})"
-        name = f"do_release_{head_dim}_{on}"
-        sass = compiled_sass(
-            tmp_path, name, "FlashMaskBackward", f"'bf16', {head_dim}, False, 2, {config}, direction='bwd'", setup
-        )
-        blocks, _ = hot_loop_in_registers(sass, name)
-        return sum("WARPGROUP.DEPBAR" in inst for _, block in blocks for inst in block)
-
-    assert waits(True) == waits(False) + 1
-
-
 @pytest.mark.slow  # compiles and disassembles two backwards with their pre/post kernels, ~25 s
 @pytest.mark.parametrize("causal, width", [(False, 2), (True, 1), (True, 2)])
 def test_128_row_steps_at_head_dim_64_keep_the_step_in_registers(tmp_path, causal, width):

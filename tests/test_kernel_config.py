@@ -91,7 +91,6 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4_and_in_128_row_
             segment_steps=False,
             dq_writer=True,
             short_grid_q_stages=0,
-            do_release_after_dv=False,
         )
 
 
@@ -175,7 +174,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "segment_steps": bool,
         "dq_writer": bool,
         "short_grid_q_stages": int,
-        "do_release_after_dv": bool,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
