@@ -791,7 +791,7 @@ class FlashMaskForwardSm90:
                 cute.copy(
                     atom,
                     cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
-                    cute.make_tensor(sBounds[lane, None, position % 2].iterator, one_per_copy),
+                    cute.make_tensor(sBounds[lane, None, position & 1].iterator, one_per_copy),
                 )
         cute.arch.cp_async_commit_group()
 
@@ -819,7 +819,7 @@ class FlashMaskForwardSm90:
             sBounds, _, wg = bounds
             cute.arch.cp_async_wait_group(newer_groups)
             cute.arch.barrier(barrier_id=self.bounds_barrier + wg, number_of_threads=128)
-            tile_bounds = sBounds[None, None, position % 2]
+            tile_bounds = sBounds[None, None, position & 1]
             key_start = entry_tile(entry) * self.tile_n
             mask = (acc_S, s_coords, mRowIndices, mask_batch, mask_head, row_start, key_start, seqlen_k, causal_offset)
             if const_expr(self.off_diagonal_tiles):

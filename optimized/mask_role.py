@@ -51,6 +51,16 @@ class TileList:
     ring: cute.Tensor  # Int32 smem, (slots,)
     full: cute.Pointer  # Int64 smem, 2 * slots: the full barriers, then the empty ones
     slots = 64
+    slot_bits = 6  # log2(slots): positions never go negative, so slot and phase are masks and shifts
+
+    @classmethod
+    def slot(cls, position: Int32) -> Int32:
+        return position & (cls.slots - 1)
+
+    @classmethod
+    def phase(cls, position: Int32) -> Int32:
+        """The parity of the round of the ring that `position` falls in."""
+        return (position >> cls.slot_bits) & 1
 
     @property
     def empty(self) -> cute.Pointer:
@@ -69,7 +79,7 @@ class TileList:
     def wait_free(self, position: Int32) -> None:
         """Wait until every reader has read the entry `slots` before `position`, hence (readers go in
         order) every earlier one: the slots up to `position` may be written."""
-        cute.arch.mbarrier_wait(self.empty + position % self.slots, ((position // self.slots) % 2) ^ 1)
+        cute.arch.mbarrier_wait(self.empty + self.slot(position), self.phase(position) ^ 1)
 
     @cute.jit
     def wait_taken(self, position: Int32, next_position: Int32) -> None:
@@ -77,20 +87,20 @@ class TileList:
         Once the writer is more than `slots` past it, its own `wait_free` proved that already (and the
         slot's barrier has moved on, so waiting on its parity could block for good)."""
         if next_position <= position + self.slots:
-            cute.arch.mbarrier_wait(self.empty + position % self.slots, (position // self.slots) % 2)
+            cute.arch.mbarrier_wait(self.empty + self.slot(position), self.phase(position))
 
     @cute.jit
     def put(self, position: Int32, entry: Int32) -> None:
         """Write entry number `position` (one lane; after `wait_free` of it or a later position)."""
-        slot = position % self.slots
+        slot = self.slot(position)
         self.ring[slot] = entry
         cute.arch.mbarrier_arrive(self.full + slot)
 
     @cute.jit
     def read(self, position: Int32) -> Int32:
         """Entry number `position`, read by a whole warp (END_OF_LIST after the last tile)."""
-        slot = position % self.slots
-        cute.arch.mbarrier_wait(self.full + slot, (position // self.slots) % 2)
+        slot = self.slot(position)
+        cute.arch.mbarrier_wait(self.full + slot, self.phase(position))
         entry = self.ring[slot]
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
