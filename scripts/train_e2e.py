@@ -195,8 +195,9 @@ def _padded(rows: list[list], fill: object, dtype: torch.dtype) -> torch.Tensor:
 
 
 def column_mask(mask_name: str, batch: PackedBatch) -> ColumnMask:
-    """The batch's mask, built from its packing metadata by the ColumnMask constructors (on the
-    metadata's device, no host read: seqlen is given)."""
+    """The batch's mask, built from its packing metadata by the ColumnMask constructors, on the
+    metadata's device (no host read there: seqlen is given). The trainer builds it on the host,
+    as a data loader would, and moves it with the batch."""
     seqlen = batch.input_ids.shape[-1]
     if mask_name == "causal_document":
         return ColumnMask.causal_document(batch.cu_seqlens, seqlen=seqlen)
@@ -208,17 +209,16 @@ def column_mask(mask_name: str, batch: PackedBatch) -> ColumnMask:
 # -- backends ------------------------------------------------------------------------------------
 
 
-def _fm3_inputs(batch: PackedBatch, mask_name: str, config: LlamaConfig) -> dict:
-    return {"attention_mask": column_mask(mask_name, batch)}
+def _fm3_inputs(batch: PackedBatch, mask: ColumnMask, config: LlamaConfig) -> dict:
+    return {"attention_mask": mask}
 
 
-def _sdpa_inputs(batch: PackedBatch, mask_name: str, config: LlamaConfig) -> dict:
-    return {"attention_mask": column_mask(mask_name, batch).to_dense()}
+def _sdpa_inputs(batch: PackedBatch, mask: ColumnMask, config: LlamaConfig) -> dict:
+    return {"attention_mask": mask.to_dense()}
 
 
-def _flex_inputs(batch: PackedBatch, mask_name: str, config: LlamaConfig) -> dict:
+def _flex_inputs(batch: PackedBatch, mask: ColumnMask, config: LlamaConfig) -> dict:
     batch_size, seqlen = batch.input_ids.shape
-    mask = column_mask(mask_name, batch)
     # From the column vectors' tile classes, as the kernel benchmarks' Flex peers: O(S^2 / 128^2).
     block_mask = flex_block_mask(
         mask, batch_size, config.num_attention_heads, seqlen, seqlen, mask.device, from_tiles=True
@@ -226,7 +226,7 @@ def _flex_inputs(batch: PackedBatch, mask_name: str, config: LlamaConfig) -> dic
     return {"attention_mask": block_mask}
 
 
-def _varlen_inputs(batch: PackedBatch, mask_name: str, config: LlamaConfig) -> dict:
+def _varlen_inputs(batch: PackedBatch, mask: ColumnMask, config: LlamaConfig) -> dict:
     cu_seqlens, longest = batch.varlen_cu_seqlens, batch.max_document
     return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": longest, "max_length_k": longest}
 
@@ -297,7 +297,7 @@ class Backend:
     those as FlashAttention) and the model inputs each step builds for it from the batch."""
 
     attn_implementation: str
-    model_inputs: Callable[[PackedBatch, str, LlamaConfig], dict]
+    model_inputs: Callable[[PackedBatch, ColumnMask, LlamaConfig], dict]
     masks: tuple[str, ...] = MASKS
 
 
@@ -537,8 +537,10 @@ class Trainer:
 
     def step(self, step: int, host_batch: PackedBatch) -> None:
         cfg, config, model = self.cfg, self.model.config, self.model
-        # The data loader's work, outside the step: the mask density for the FLOPs, the copy.
-        self.densities.append(column_mask(cfg.data.mask, host_batch).density())
+        # The data loader's work, outside the step: the mask from the packing metadata and its
+        # density for the FLOPs, the copy.
+        host_mask = column_mask(cfg.data.mask, host_batch)
+        self.densities.append(host_mask.density())
         self.flops.append(model_flops(self.linear_weights, config, cfg.data.batch, cfg.data.seqlen, self.densities[-1]))
         batch = host_batch.to(self.device)
         cuda = self.device.type == "cuda"
@@ -546,7 +548,7 @@ class Trainer:
             before = torch.cuda.memory_allocated() - self.resident_bytes()
             torch.cuda.reset_peak_memory_stats()
         start = self.timer.stamp()
-        inputs = self.backend.model_inputs(batch, cfg.data.mask, config)
+        inputs = self.backend.model_inputs(batch, host_mask.to(self.device), config)
         inputs_built = self.timer.stamp()
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.train.lr * min(1.0, (step + 1) / max(1, cfg.train.lr_warmup_steps))
