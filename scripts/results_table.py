@@ -62,17 +62,34 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("fwd_bench_8k_fa4_cudnn_flex_flex.json",),
     ),
     (
-        "Forward + backward, head dim 256: S = 8K, 16 sequences, 16 heads (before the dQ writer)",
-        ("bwd_bench_hd256_8k_full_causal.json", "bwd_bench_hd256_8k_documents.json"),
+        "Forward + backward, head dim 256: S = 8K, 16 sequences, 16 heads (the current kernels, on an H100 80GB HBM3)",
+        ("bwd_bench_hd256_8k_fa4_h100.json",),
+    ),
+    (
+        "Forward, head dim 256: S = 8K, 16 sequences, 16 heads (the current kernels, on an H100 80GB HBM3)",
+        ("fwd_bench_hd256_8k_fa4_h100.json",),
+    ),
+    (
+        "Forward + backward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 32 heads "
+        "(the current kernels, on an H100 80GB HBM3)",
+        ("bwd_bench_mla_8k_fa4_h100.json",),
     ),
     (
         "Forward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 16 heads",
         ("fwd_bench_hdim192_v128_8k_peers.json", "fwd_bench_hdim192_v128_8k_draw_order.json"),
     ),
+    (
+        "Forward + backward, head dim 64: S = 8K, 16 sequences, 64 heads (the current kernels, on an H100 80GB HBM3)",
+        ("bwd_bench_hd64_8k_fa4_h100.json",),
+    ),
 )
 
 # docs/results.md's tables: the earlier runs, on the kernels before the README's.
 EARLIER_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "Forward + backward, head dim 256: S = 8K, 16 sequences, 16 heads (before the dQ writer)",
+        ("bwd_bench_hd256_8k_full_causal.json", "bwd_bench_hd256_8k_documents.json"),
+    ),
     (
         "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (before segment-aligned tiles)",
         ("fwd_bench_train_32k_fmax_peers.json",),
