@@ -405,7 +405,8 @@ def test_interleaved_timing_takes_turns_so_a_drift_hits_every_contender(monkeypa
 
 def test_interleaved_timing_records_the_clock_each_contender_ran_at(monkeypatch):
     """With `clocks`: the SM clock and power NVML reads while each contender's timed rounds run,
-    as medians per contender (the warm-up unsampled); none where NVML cannot be read."""
+    as medians per contender (the warm-up unsampled); none where NVML cannot be read, nor for a
+    contender timed for less than `clock_min_ms` in all (NVML then reads the idle card)."""
     import time
 
     import torch
@@ -415,7 +416,7 @@ def test_interleaved_timing_records_the_clock_each_contender_ran_at(monkeypatch)
     def times(fn, inputs, warmup, repeats):
         reading["mhz"] = fn()
         time.sleep(0.03 if repeats else 0)
-        return [1.0] * repeats
+        return [60.0] * repeats
 
     monkeypatch.setattr(bench, "gpu_times_ms", times)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -423,8 +424,11 @@ def test_interleaved_timing_records_the_clock_each_contender_ran_at(monkeypatch)
     monkeypatch.setattr(torch.cuda, "power_draw", lambda: reading["mhz"] * 300)  # milliwatts
     contenders = {"a": (lambda: 1980, [()]), "b": (lambda: 1755, [()])}
     clocks = {}
-    assert bench.interleaved_ms(contenders, rounds=2, repeats=1, clocks=clocks) == {"a": 1.0, "b": 1.0}
+    assert bench.interleaved_ms(contenders, rounds=2, repeats=1, clocks=clocks) == {"a": 60.0, "b": 60.0}
     assert clocks == {"a": {"sm_mhz": 1980.0, "power_w": 594.0}, "b": {"sm_mhz": 1755.0, "power_w": 526.5}}
+    clocks = {}
+    bench.interleaved_ms(contenders, rounds=2, repeats=1, clocks=clocks, clock_min_ms=121.0)
+    assert clocks == {}
 
     def no_nvml():
         raise ModuleNotFoundError("pynvml")
