@@ -76,6 +76,10 @@ class FwdConfig:
     # masked steps, are gone. 128-row query tiles and key tiles dividing 128 only (the plan's
     # granule: a key tile must not span two).
     segment_tiles: bool
+    # With one Q buffer: O stored from registers (quads swap column pairs, 8-byte stores) instead of
+    # staged in the Q buffer for a TMA store, and the buffer freed once both warpgroups' last S GEMM
+    # has read it, so the next work tile's Q loads under the last PV and the epilogue, not after.
+    o_from_registers: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -95,6 +99,10 @@ class FwdConfig:
             )
         if self.late_k_release and self.tile_m != 128:
             raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
+        if self.o_from_registers and self.q_buffers != 1:
+            raise ValueError(
+                f"o_from_registers needs q_buffers=1 (with two, Q already loads early), got {self.q_buffers}"
+            )
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -264,6 +272,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=head_dim == 128 and segmented,
+        o_from_registers=False,
     )
 
 

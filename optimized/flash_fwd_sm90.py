@@ -39,6 +39,7 @@ from .hopper import (
     check_smem_fits,
     select_modes,
     smem_layout,
+    store_from_registers,
     store_rows,
     tma_pipeline,
     tma_tiles,
@@ -109,6 +110,7 @@ class FlashMaskForwardSm90:
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
         self.segment_tiles = config.segment_tiles
+        self.o_from_registers = config.o_from_registers
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
@@ -218,7 +220,7 @@ class FlashMaskForwardSm90:
             tma_mK,
             tma_mV,
             tma_mO,
-            mO if const_expr(self.segment_tiles) else None,
+            mO if const_expr(self.segment_tiles or self.o_from_registers) else None,
             mLSE,
             mRowIndices,
             mBlockBounds,
@@ -296,8 +298,10 @@ class FlashMaskForwardSm90:
         storage = SmemAllocator().allocate(SharedStorage)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
         # A Q buffer is free once the TMA store of the O staged in it has read it: one thread knows.
+        # With O stored from registers, once each warpgroup's last S GEMM has read it: one thread each.
+        q_releasers = self.num_consumer_wgs if const_expr(self.o_from_registers) else 1
         pipe_q = tma_pipeline(
-            storage.mbar_q, self.q_buffers, q_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            storage.mbar_q, self.q_buffers, q_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, q_releasers)
         )
         pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, k_bytes, consumer_warps)
         pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, v_bytes, consumer_warps)
@@ -534,7 +538,8 @@ class FlashMaskForwardSm90:
         """Consumer warpgroups: per work tile, the masked online-softmax main loop and the epilogue.
         `sBounds`: the warpgroups' smem buffers of prefetched column bounds (`prefetch_bounds`).
         With segment_tiles the loop works on the virtual rows and the epilogue stores the tile's real
-        rows (`mTileRows`; `mO_rows`: O itself, for a tile of fewer than 128 real rows).
+        rows (`mTileRows`; `mO_rows`: O itself, for a tile of fewer than 128 real rows, and for
+        o_from_registers).
         `turn_profile`: the turn-profiled build's `SegmentProfile` (compiles to nothing otherwise)."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
@@ -594,6 +599,8 @@ class FlashMaskForwardSm90:
             # The other Q buffer holds the previous work tile's O until its store has read it (with
             # one buffer, the store was waited for before this Q could land).
             free_previous_q = (pipe_q, q_state, False)
+            # With O stored from registers, each warpgroup frees this Q once its last S GEMM is done.
+            own_q = (pipe_q, q_state, self.o_from_registers and tidx % 128 == 0)
             if const_expr(self.q_buffers == 2):
                 previous_q = pipeline.PipelineState(2, q_state.count, 1 - q_state.index, q_state.phase)
                 free_previous_q = (pipe_q, previous_q, tiles_done > 0 and tidx == 0)
@@ -609,6 +616,7 @@ class FlashMaskForwardSm90:
                 row_max,
                 row_sum,
                 free_previous_q,
+                own_q,
                 pipe_k,
                 pipe_v,
                 k_state,
@@ -641,7 +649,7 @@ class FlashMaskForwardSm90:
                 seqlen_q,
                 tidx,
             )
-            if const_expr(self.q_buffers == 1):  # the next Q needs this buffer
+            if const_expr(self.q_buffers == 1 and not self.o_from_registers):  # the next Q needs this buffer
                 self.free_q(pipe_q, q_state, tidx == 0)
             q_state.advance()
             if tidx == 0:
@@ -666,6 +674,7 @@ class FlashMaskForwardSm90:
         row_max,
         row_sum,
         free_previous_q,
+        own_q,
         pipe_k,
         pipe_v,
         k_state,
@@ -684,7 +693,8 @@ class FlashMaskForwardSm90:
         O once the PV is done; the next list entry is read and its bounds' cp.async started under the
         GEMMs. Entered inside the warpgroup's first turn; once its first S GEMM is in flight, frees the
         previous work tile's Q buffer (`free_previous_q`: the pipeline, that buffer's state, and whether
-        this thread does it). Returns the K and V pipeline states and the position after END_OF_LIST.
+        this thread does it); once its last S GEMM is done, frees this work tile's (`own_q`, likewise:
+        with O stored from registers). Returns the K and V pipeline states and the position after END_OF_LIST.
         `bounds`: the warpgroup's (smem buffers, lane, warpgroup) for `prefetch_bounds`; `turn_profile`
         marks the segments of the steady-state turns (`TurnEvent`)."""
         entry = tile_list.read(position)
@@ -698,6 +708,7 @@ class FlashMaskForwardSm90:
             position += 1
             entry = tile_list.read(position)
             self.prefetch_bounds(bounds, entry, position, mask_args)
+            self.release_q(own_q, entry == END_OF_LIST)  # a one-key-tile list: S_0 was the last
             clock = turn_profile.now()
             while entry != END_OF_LIST:
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
@@ -714,6 +725,7 @@ class FlashMaskForwardSm90:
                 self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 clock = turn_profile.mark(clock, TurnEvent.NEXT_ENTRY)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
+                self.release_q(own_q, next_entry == END_OF_LIST)
                 clock = turn_profile.mark(clock, TurnEvent.WAIT_S)
                 if const_expr(not self.late_k_release):
                     pipe_k.consumer_release(k_state)
@@ -745,6 +757,7 @@ class FlashMaskForwardSm90:
         else:
             self.end_turn(wg)  # no key tile: hand over the (empty) first turn
             self.free_q(*free_previous_q)
+            self.release_q(own_q, True)
         return k_state, v_state, position + 1
 
     @cute.jit
@@ -759,6 +772,15 @@ class FlashMaskForwardSm90:
         warpgroup.wait_group(0)
         pipe_k.consumer_release(state)
         return acc_S
+
+    @cute.jit
+    def release_q(self, own_q, last_s_done):
+        """With O stored from registers: free the work tile's Q buffer (`own_q`: the pipeline, its
+        state, whether this thread arrives for its warpgroup) once the warpgroup's last S GEMM is done."""
+        if const_expr(self.o_from_registers):
+            pipe_q, q_state, this_thread = own_q
+            if this_thread and last_s_done:
+                pipe_q.consumer_release(q_state)
 
     @cute.jit
     def free_q(self, pipe_q, q_state, this_thread):
@@ -881,11 +903,39 @@ class FlashMaskForwardSm90:
         tidx,
     ):
         """Epilogue: O into `sO` (the work tile's Q buffer) by stmatrix, then one TMA store of the tile,
-        which leaves out rows past seqlen_q and completes under the next work tile; the LSE by the
-        threads holding column 0. With segment_tiles the tile's real rows, from `tile_rows` (first
-        row, count): a tile of fewer than 128 (a segment's last) is stored row by row."""
+        which leaves out rows past seqlen_q and completes under the next work tile; or, with
+        o_from_registers, O straight from registers (`store_from_registers`). The LSE by the threads
+        holding column 0. With segment_tiles the tile's real rows, from `tile_rows` (first row,
+        count): a tile of fewer than 128 (a segment's last) is stored row by row."""
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
+        if const_expr(self.o_from_registers):
+            o_coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+            mO_head = mO_rows[None, None, head, batch]
+            if const_expr(self.segment_tiles):
+                first_row, real_rows = tile_rows
+                real_tile = cute.domain_offset((first_row, 0), mO_head)
+                gO = cute.local_tile(real_tile, (self.tile_m, self.head_dim_v), (0, 0))
+                store_from_registers(rO, o_coords, gO, real_rows)
+            else:
+                gO = cute.local_tile(mO_head, (self.tile_m, self.head_dim_v), (m_block, 0))
+                store_from_registers(rO, o_coords, gO, seqlen_q - m_block * self.tile_m)
+        else:
+            self.store_staged(rO, tiled_mma_pv, sO, tma_o, mO, mO_rows, tile_rows, m_block, head, batch, tidx)
+        coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        if coords[0, 0][1] == 0:  # the thread holding column 0 of its rows writes their LSE
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                if const_expr(self.segment_tiles):
+                    if coords[r, 0][0] < tile_rows[1]:
+                        mLSE[tile_rows[0] + coords[r, 0][0], head, batch] = lse[r]
+                else:
+                    row = m_block * self.tile_m + coords[r, 0][0]
+                    if row < seqlen_q:
+                        mLSE[row, head, batch] = lse[r]
+
+    @cute.jit
+    def store_staged(self, rO, tiled_mma_pv, sO, tma_o, mO, mO_rows, tile_rows, m_block, head, batch, tidx):
+        """O by stmatrix into `sO`, then the TMA store of the tile (`store`)."""
         # Every consumer warpgroup's last S GEMM (the readers of this Q buffer) is done.
         cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=128 * self.num_consumer_wgs)
         st_copy = cute.make_tiled_copy_C(
@@ -911,16 +961,6 @@ class FlashMaskForwardSm90:
                 cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=threads)
         elif tidx == 0:
             self.store_tile(tma_o, sO, mO[None, None, head, batch], m_block)
-        coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
-        if coords[0, 0][1] == 0:  # the thread holding column 0 of its rows writes their LSE
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                if const_expr(self.segment_tiles):
-                    if coords[r, 0][0] < tile_rows[1]:
-                        mLSE[tile_rows[0] + coords[r, 0][0], head, batch] = lse[r]
-                else:
-                    row = m_block * self.tile_m + coords[r, 0][0]
-                    if row < seqlen_q:
-                        mLSE[row, head, batch] = lse[r]
 
     @cute.jit
     def store_tile(self, tma_o, sO, mO_head, m_block):

@@ -92,6 +92,33 @@ def store_rows(smem: cute.Tensor, gmem: cute.Tensor, rows: Int32, tidx: Int32, t
             cute.copy(tiled_copy, values[None, m, None], t_g[None, m, None])
 
 
+@cute.jit
+def store_from_registers(rO: cute.Tensor, coords: cute.Tensor, gO: cute.Tensor, rows: Int32) -> None:
+    """A warpgroup MMA's 16-bit C fragment `rO` (shaped like the accumulator: ((2, 2, V), 1, 1)) into
+    the global tile `gO`, without smem. `coords`: the fragment's (row, column) in the tile, as
+    `acc_rows_view` of its identity partition gives them. Lane q of a quad holds, per row, columns
+    2q and 2q + 1 of every 8-column chunk; lanes q and q ^ 1 swap one such pair of every two chunks,
+    so each holds 4 consecutive columns of one chunk and a quad stores 32 contiguous bytes of a row
+    with four 8-byte stores. Rows at or past `rows` are left out."""
+    chunks = cute.size(rO, mode=[0]) // 4
+    words = cute.make_tensor(cute.recast_ptr(rO.iterator, dtype=Int32), cute.make_layout(2 * chunks))
+    quad_lane = coords[0, 0][1] // 2  # column 2q of chunk 0
+    odd = (quad_lane & 1) == 1
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), rO.element_type, num_bits_per_copy=64)
+    pair = cute.make_rmem_tensor((4,), rO.element_type)
+    pair_words = cute.make_tensor(cute.recast_ptr(pair.iterator, dtype=Int32), cute.make_layout(2))
+    for half in cutlass.range_constexpr(2):  # rows r and r + 8
+        row = coords[half, 0][0]
+        for p in cutlass.range_constexpr(chunks // 2):
+            even_chunk, odd_chunk = words[half + 4 * p], words[half + 4 * p + 2]
+            received = cute.arch.shuffle_sync_bfly(cutlass.select_(odd, even_chunk, odd_chunk), offset=1)
+            pair_words[0] = cutlass.select_(odd, received, even_chunk)
+            pair_words[1] = cutlass.select_(odd, odd_chunk, received)
+            first_col = 16 * p + 2 * quad_lane + cutlass.select_(odd, Int32(6), Int32(0))
+            if row < rows:
+                cute.copy(atom, pair, cute.local_tile(gO[row, None], (4,), (first_col // 4,)))
+
+
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, zero_init: bool) -> None:
     """Issue acc (+)= a @ b over the k-blocks of one warpgroup and commit the group."""
     warpgroup.fence()

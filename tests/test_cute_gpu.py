@@ -453,6 +453,44 @@ def assert_a_field_keeps_the_forwards_numbers(field: str, name: str, head_dim, h
     assert torch.equal(out, changed[0]) and torch.equal(lse, changed[1])
 
 
+@pytest.mark.parametrize(
+    "name, segments",
+    [
+        ("full", False),
+        ("causal", False),
+        ("causal_document", False),
+        ("causal_document", True),
+        ("document", True),
+        ("share_question", True),
+    ],
+)
+@pytest.mark.parametrize("head_dim, head_dim_v", [(256, 256), (192, 128)])
+def test_o_from_registers_gives_the_staged_stores_numbers(name, head_dim, head_dim_v, segments):
+    """`o_from_registers`: O stored from registers, the Q buffer freed after the last S GEMM, into
+    NaN-poisoned outputs: the staged TMA store's outputs and LSE bit for bit (a ragged length: the
+    last tile's rows past the end left out; with segment tiles, each segment's last tile's too),
+    GQA 4 on 2."""
+    from flashmask3.optimized import fwd_config
+    from flashmask3.optimized.interface import forward
+
+    seqlen, scale = 1531, 1 / math.sqrt(head_dim)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=43, device="cuda")
+    q, k, v, _ = random_inputs(
+        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=43, head_dim_v=head_dim_v
+    )
+    staged = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
+    staged = dataclasses.replace(staged, segment_tiles=segments)
+    results = []
+    for config in (staged, dataclasses.replace(staged, o_from_registers=True)):
+        out = torch.full((2, seqlen, 4, head_dim_v), math.nan, device="cuda").bfloat16()
+        lse = torch.full((2, 4, seqlen), math.nan, device="cuda")
+        forward(q, k, v, mask, scale, out=out, lse=lse, config=config)
+        results.append((out, lse))
+    (out, lse), (direct, direct_lse) = results
+    assert not direct.isnan().any()
+    assert torch.equal(out, direct) and torch.equal(lse, direct_lse)
+
+
 _HEAD_DIMS = [(128, 128, 1531), (64, 64, 4096), (192, 128, 1531)]  # (q/k, v, a ragged length)
 
 

@@ -481,6 +481,30 @@ def test_segment_tiles_keep_the_loop_in_registers(tmp_path, head_dim, causal, wi
     assert "STG.E.128" in sass and "UTMASTG" in sass
 
 
+@pytest.mark.slow  # compiles and disassembles three forwards, ~30 s
+@pytest.mark.parametrize(
+    "head_dim, causal, width, segments", [(256, True, 1, False), (256, False, 2, True), (192, False, 4, False)]
+)
+def test_o_from_registers_keeps_the_loop_and_stores_8_bytes(tmp_path, head_dim, causal, width, segments):
+    """`o_from_registers` (O stored from registers, the Q buffer freed after the last S GEMM): no
+    local memory, the loop's WGMMAs in flight, as many as the default's; no stmatrix and no TMA
+    store of O, but two rows of Dv / 16 8-byte stores per thread (quads of lanes 32 contiguous bytes
+    of a row each), one quad shuffle per store."""
+    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
+    config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), o_from_registers=True"
+    config += ", segment_tiles=True)" if segments else ")"
+    head_dim_v = 128 if head_dim == 192 else head_dim
+    args = f"'bf16', {head_dim}, {causal}, {width}, {config}, head_dim_v={head_dim_v}"
+    name = f"o_from_registers_{head_dim}_{causal}_{width}"
+    sass = compiled_sass(tmp_path, name, "FlashMaskForward", args, setup).splitlines()
+    _, summary = hot_loop_in_registers("\n".join(sass), name)
+    assert " 40 HGMMA" in summary, summary
+    assert not any("STSM" in line or "UTMASTG" in line for line in sass)
+    stores = sum("STG.E.64" in line for line in sass)
+    assert stores == 2 * head_dim_v // 16
+    assert sum("SHFL.BFLY" in line for line in sass) >= stores
+
+
 @pytest.mark.slow  # compiles and disassembles five backwards, ~40 s
 @pytest.mark.parametrize(
     "head_dim, causal, width", [(128, True, 1), (128, True, 2), (128, False, 2), (128, False, 4), (64, False, 4)]

@@ -21,6 +21,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         diagonal_tiles=False,
         off_diagonal_tiles=False,
         segment_tiles=False,
+        o_from_registers=False,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         diagonal, off_diagonal = causal and width == 1, causal and width == 2
@@ -162,6 +163,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "diagonal_tiles": bool,
         "off_diagonal_tiles": bool,
         "segment_tiles": bool,
+        "o_from_registers": bool,
         "key_tile": int,
         "query_tile": int,
         "keys_on_rows": bool,
@@ -189,6 +191,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         diagonal_tiles=False,
         off_diagonal_tiles=False,
         segment_tiles=False,
+        o_from_registers=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == dataclasses.replace(
         bwd_config(64, True, 1), lse_ahead=False
@@ -212,6 +215,12 @@ def test_segment_tiles_are_for_128_row_tiles_and_key_tiles_dividing_them():
         dataclasses.replace(fwd_config(128, True, 1), segment_tiles=True, tile_n=96)
     assert dataclasses.replace(fwd_config(256, True, 1), segment_tiles=True).tile_n == 64
     assert dataclasses.replace(fwd_config(128, True, 1), segment_tiles=True).segment_tiles
+
+
+def test_o_from_registers_is_for_one_q_buffer():
+    with pytest.raises(ValueError, match="o_from_registers needs q_buffers=1 .*got 2"):
+        dataclasses.replace(fwd_config(128, True, 1), o_from_registers=True)
+    assert dataclasses.replace(fwd_config(256, True, 1), o_from_registers=True).o_from_registers
 
 
 def test_segment_steps_are_for_128_key_tiles():
