@@ -12,8 +12,10 @@ CTA per SM drawing work tiles (a query tile of a head, one step per non-SKIP key
 it draws them (causal: a head's query tiles last-first). Prints the makespan over the ideal (every
 SM busy to the end) in the kernel's order and longest first (`BwdConfig.longest_ctas_first_waves`,
 `FwdConfig.longest_tiles_first_waves`). `--orders` (backward): grid order, length classes
-(`BwdConfig.longest_ctas_first_buckets`) and the exact sort, each with the mean number of (KV head,
-64-row query tile) pairs that the CTAs running at a time read, an L2 footprint proxy (each pair is
+(`BwdConfig.longest_ctas_first_buckets`), the exact sort, each KV head's CTAs sorted (the heads in
+grid order) and the SM count's or three times its longest CTAs first, then grid order (neither is a
+kernel option), each with the mean number of (KV head, 64-row query tile) pairs that the CTAs
+running at a time read, an L2 footprint proxy (each pair is
 256 KB of Q, dO and dQ accumulator at head dim 128 with four query heads per KV head). Default
 costs: the backward's profiled build at 8K (2.5 us per step, ~1 us until K/V land plus ~2.4 us of
 epilogue per CTA); the forward's per-tile fit (1.7 us per key tile, 2 us per work tile).
@@ -85,6 +87,15 @@ def backward_orders(
     orders = {"grid order": list(range(len(durations)))}
     orders |= {f"{c} length classes": longest_first(steps, c).tolist() for c in (2, 4, 8, 16)}
     orders["exact sort"] = longest_first(steps).tolist()
+    # Head-local: each KV head's CTAs longest first, the heads in grid order.
+    orders["per-head sort"] = [
+        head * tiles_n + i
+        for head in range(batch * kv_heads)
+        for i in longest_first(steps.view(-1, tiles_n)[head]).tolist()
+    ]
+    for k in (sms, 3 * sms):  # the k longest first, then the rest in grid order
+        first = orders["exact sort"][:k]
+        orders[f"{k} longest, grid"] = first + sorted(set(range(len(durations))) - set(first))
     for name, order in orders.items():
         spans = schedule([durations[i] for i in order], sms)
         pairs = footprint(spans, [reads[i] for i in order])
