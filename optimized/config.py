@@ -42,7 +42,8 @@ class FwdConfig:
     num_stages: int
     # Q buffers in smem, each holding a work tile's Q and then its O for the store: 2 (the next
     # tile's Q lands while this one's O is stored) or 1 (the next Q waits for the store to have
-    # read it), where two do not fit beside the K/V stages (head dim 192).
+    # read it, or with `o_from_registers` for the last S GEMM), where two do not fit beside the K/V
+    # stages (head dims 192 and 256).
     q_buffers: int
     # One CTA per SM, each drawing work tiles until none are left (off: one CTA per work tile; the
     # same kernel, only the grid differs).
@@ -76,9 +77,10 @@ class FwdConfig:
     # masked steps, are gone. 128-row query tiles and key tiles dividing 128 only (the plan's
     # granule: a key tile must not span two).
     segment_tiles: bool
-    # With one Q buffer: O stored from registers (quads swap column pairs, 8-byte stores) instead of
-    # staged in the Q buffer for a TMA store, and the buffer freed once both warpgroups' last S GEMM
-    # has read it, so the next work tile's Q loads under the last PV and the epilogue, not after.
+    # With one Q buffer and 128-row tiles: O stored from registers (quads swap column pairs, 8-byte
+    # stores) instead of staged in the Q buffer for a TMA store, and the buffer freed once every
+    # consumer warpgroup's last S GEMM has read it, so the next work tile's Q loads under the last
+    # PV and the epilogue, not after.
     o_from_registers: bool
 
     def __post_init__(self) -> None:
@@ -99,9 +101,10 @@ class FwdConfig:
             )
         if self.late_k_release and self.tile_m != 128:
             raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
-        if self.o_from_registers and self.q_buffers != 1:
+        if self.o_from_registers and (self.q_buffers != 1 or self.tile_m != 128):
             raise ValueError(
-                f"o_from_registers needs q_buffers=1 (with two, Q already loads early), got {self.q_buffers}"
+                "o_from_registers needs q_buffers=1 (with two, Q already loads early) and tile_m=128, "
+                f"got q_buffers={self.q_buffers}, tile_m={self.tile_m}"
             )
 
     @property

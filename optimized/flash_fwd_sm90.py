@@ -15,7 +15,8 @@ the tuning choices come as a `FwdConfig`, config.py):
     (RS-WGMMA, P stays in registers), then runs the softmax of S_j under its PV (FA3's intra-warpgroup
     overlap): the element mask only on tiles listed PARTIAL (their column bounds cp.async'd into smem
     a tile ahead), online softmax in fp32. O leaves by stmatrix into the work tile's Q buffer (its
-    last S GEMM is done) and one TMA store, which completes under the next work tile.
+    last S GEMM is done) and one TMA store, which completes under the next work tile; or, with one Q
+    buffer and `o_from_registers`, straight from registers, the Q buffer freed after the last S GEMM.
 Skipped tiles cost neither loads nor MMAs. setmaxnreg moves registers from warpgroup 0 to the
 consumers.
 """
@@ -708,7 +709,7 @@ class FlashMaskForwardSm90:
             position += 1
             entry = tile_list.read(position)
             self.prefetch_bounds(bounds, entry, position, mask_args)
-            self.release_q(own_q, entry == END_OF_LIST)  # a one-key-tile list: S_0 was the last
+            self.free_q_after_last_s(own_q, entry == END_OF_LIST)  # a one-key-tile list: S_0 was the last
             clock = turn_profile.now()
             while entry != END_OF_LIST:
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
@@ -725,7 +726,7 @@ class FlashMaskForwardSm90:
                 self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 clock = turn_profile.mark(clock, TurnEvent.NEXT_ENTRY)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
-                self.release_q(own_q, next_entry == END_OF_LIST)
+                self.free_q_after_last_s(own_q, next_entry == END_OF_LIST)
                 clock = turn_profile.mark(clock, TurnEvent.WAIT_S)
                 if const_expr(not self.late_k_release):
                     pipe_k.consumer_release(k_state)
@@ -757,7 +758,7 @@ class FlashMaskForwardSm90:
         else:
             self.end_turn(wg)  # no key tile: hand over the (empty) first turn
             self.free_q(*free_previous_q)
-            self.release_q(own_q, True)
+            self.free_q_after_last_s(own_q, True)
         return k_state, v_state, position + 1
 
     @cute.jit
@@ -774,7 +775,7 @@ class FlashMaskForwardSm90:
         return acc_S
 
     @cute.jit
-    def release_q(self, own_q, last_s_done):
+    def free_q_after_last_s(self, own_q, last_s_done):
         """With O stored from registers: free the work tile's Q buffer (`own_q`: the pipeline, its
         state, whether this thread arrives for its warpgroup) once the warpgroup's last S GEMM is done."""
         if const_expr(self.o_from_registers):

@@ -7,7 +7,7 @@ from typing import Type
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import Float32, Int32, pipeline
+from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -100,6 +100,8 @@ def store_from_registers(rO: cute.Tensor, coords: cute.Tensor, gO: cute.Tensor, 
     2q and 2q + 1 of every 8-column chunk; lanes q and q ^ 1 swap one such pair of every two chunks,
     so each holds 4 consecutive columns of one chunk and a quad stores 32 contiguous bytes of a row
     with four 8-byte stores. Rows at or past `rows` are left out."""
+    if const_expr(cute.size(rO, mode=[0]) % 8 or cute.size(rO) != cute.size(rO, mode=[0])):
+        raise ValueError(f"store_from_registers takes one MMA's fragment of whole chunk pairs, got {rO.layout}")
     chunks = cute.size(rO, mode=[0]) // 4
     words = cute.make_tensor(cute.recast_ptr(rO.iterator, dtype=Int32), cute.make_layout(2 * chunks))
     quad_lane = coords[0, 0][1] // 2  # column 2q of chunk 0

@@ -51,7 +51,7 @@ class TileList:
     ring: cute.Tensor  # Int32 smem, (slots,)
     full: cute.Pointer  # Int64 smem, 2 * slots: the full barriers, then the empty ones
     slots = 64
-    slot_bits = 6  # log2(slots): positions never go negative, so slot and phase are masks and shifts
+    slot_bits = slots.bit_length() - 1  # positions never go negative: slot and phase by mask and shift
 
     @classmethod
     def slot(cls, position: Int32) -> Int32:

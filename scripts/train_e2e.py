@@ -29,8 +29,9 @@ the document).
 Per backend a JSON record under `logging.out_dir` ($OUT where set, else runs/): tokens/s (over the
 wall clock of the timed steps, or their summed CUDA-event times when taking turns), median step
 time and attention time (CUDA events; attention's forward, recomputation and backward stamped
-around every call), attention's share of the step, the time to build the backend's mask from the
-packing metadata, peak memory (a step's peak over what other backends hold), model TFLOP/s and MFU
+around every call), attention's share of the step, the time to build the backend's attention
+inputs from the batch and its mask (the ColumnMask is built on the host and moved with the batch, as
+a data loader would), peak memory (a step's peak over what other backends hold), model TFLOP/s and MFU
 (6 FLOPs per linear weight per token plus 3x the forward FLOPs of the attended pairs, over
 `peak_tflops`), and the loss of every step. Then a summary JSON (each run's numbers and its largest loss difference from
 the first) and the loss curves' plot, both named after the mask and length. `logging=wandb` adds an
@@ -294,7 +295,8 @@ def fa4_varlen_attention(
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """A way to run the model's attention: the HF implementation (names without "flash": HF treats
-    those as FlashAttention) and the model inputs each step builds for it from the batch."""
+    those as FlashAttention) and the model inputs each step builds for it from the batch and its
+    mask (both on the device)."""
 
     attn_implementation: str
     model_inputs: Callable[[PackedBatch, ColumnMask, LlamaConfig], dict]
@@ -542,13 +544,13 @@ class Trainer:
         host_mask = column_mask(cfg.data.mask, host_batch)
         self.densities.append(host_mask.density())
         self.flops.append(model_flops(self.linear_weights, config, cfg.data.batch, cfg.data.seqlen, self.densities[-1]))
-        batch = host_batch.to(self.device)
+        batch, mask = host_batch.to(self.device), host_mask.to(self.device)
         cuda = self.device.type == "cuda"
         if cuda:  # the step's peak over what was allocated before it (other backends' models too)
             before = torch.cuda.memory_allocated() - self.resident_bytes()
             torch.cuda.reset_peak_memory_stats()
         start = self.timer.stamp()
-        inputs = self.backend.model_inputs(batch, host_mask.to(self.device), config)
+        inputs = self.backend.model_inputs(batch, mask, config)
         inputs_built = self.timer.stamp()
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.train.lr * min(1.0, (step + 1) / max(1, cfg.train.lr_warmup_steps))

@@ -491,6 +491,29 @@ def test_o_from_registers_gives_the_staged_stores_numbers(name, head_dim, head_d
     assert torch.equal(out, direct) and torch.equal(lse, direct_lse)
 
 
+@pytest.mark.parametrize("head_dim, head_dim_v", [(256, 256), (192, 128)])
+def test_o_from_registers_frees_q_of_a_work_tile_with_no_key_tile(head_dim, head_dim_v):
+    """`o_from_registers` where the first two query tiles see no key (non-causal [LTS, UTE] =
+    [Sq, 256]: rows 0-255 masked for every key), so their lists are empty and each warpgroup frees
+    the Q buffer without an S GEMM: the staged store's numbers bit for bit (zero rows, LSE -inf)."""
+    from flashmask3.optimized import fwd_config
+    from flashmask3.optimized.interface import forward
+    from flashmask3.reference import ColumnMask
+
+    seqlen, scale = 1531, 1 / math.sqrt(head_dim)
+    bounds = torch.tensor([seqlen, 256], dtype=torch.int32, device="cuda").expand(2, 1, seqlen, 2).contiguous()
+    mask = ColumnMask(bounds, False, seqlen)
+    q, k, v, _ = random_inputs(
+        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=47, head_dim_v=head_dim_v
+    )
+    staged = fwd_config(head_dim, False, 2)
+    out, lse = forward(q, k, v, mask, scale, config=staged)
+    direct, direct_lse = forward(q, k, v, mask, scale, config=dataclasses.replace(staged, o_from_registers=True))
+    assert torch.equal(out, direct) and torch.equal(lse, direct_lse)
+    assert not direct[:, :256].any() and direct_lse[:, :, :256].isneginf().all()
+    assert direct[:, 256:].abs().sum() > 0
+
+
 _HEAD_DIMS = [(128, 128, 1531), (64, 64, 4096), (192, 128, 1531)]  # (q/k, v, a ragged length)
 
 

@@ -481,7 +481,7 @@ def test_segment_tiles_keep_the_loop_in_registers(tmp_path, head_dim, causal, wi
     assert "STG.E.128" in sass and "UTMASTG" in sass
 
 
-@pytest.mark.slow  # compiles and disassembles three forwards, ~30 s
+@pytest.mark.slow  # compiles and disassembles six forwards, ~60 s
 @pytest.mark.parametrize(
     "head_dim, causal, width, segments", [(256, True, 1, False), (256, False, 2, True), (192, False, 4, False)]
 )
@@ -489,20 +489,25 @@ def test_o_from_registers_keeps_the_loop_and_stores_8_bytes(tmp_path, head_dim, 
     """`o_from_registers` (O stored from registers, the Q buffer freed after the last S GEMM): no
     local memory, the loop's WGMMAs in flight, as many as the default's; no stmatrix and no TMA
     store of O, but two rows of Dv / 16 8-byte stores per thread (quads of lanes 32 contiguous bytes
-    of a row each), one quad shuffle per store."""
+    of a row each), one quad shuffle more than the staged build per store."""
     setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), o_from_registers=True"
-    config += ", segment_tiles=True)" if segments else ")"
     head_dim_v = 128 if head_dim == 192 else head_dim
-    args = f"'bf16', {head_dim}, {causal}, {width}, {config}, head_dim_v={head_dim_v}"
-    name = f"o_from_registers_{head_dim}_{causal}_{width}"
-    sass = compiled_sass(tmp_path, name, "FlashMaskForward", args, setup).splitlines()
-    _, summary = hot_loop_in_registers("\n".join(sass), name)
+
+    def sass_of(on: bool) -> list[str]:
+        config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), o_from_registers={on}"
+        config += ", segment_tiles=True)" if segments else ")"
+        args = f"'bf16', {head_dim}, {causal}, {width}, {config}, head_dim_v={head_dim_v}"
+        name = f"o_from_registers_{head_dim}_{causal}_{width}_{on}"
+        return compiled_sass(tmp_path, name, "FlashMaskForward", args, setup).splitlines()
+
+    sass, staged = sass_of(True), sass_of(False)
+    _, summary = hot_loop_in_registers("\n".join(sass), "o_from_registers")
     assert " 40 HGMMA" in summary, summary
     assert not any("STSM" in line or "UTMASTG" in line for line in sass)
     stores = sum("STG.E.64" in line for line in sass)
     assert stores == 2 * head_dim_v // 16
-    assert sum("SHFL.BFLY" in line for line in sass) >= stores
+    shuffles = sum("SHFL.BFLY" in line for line in sass) - sum("SHFL.BFLY" in line for line in staged)
+    assert shuffles == stores
 
 
 @pytest.mark.slow  # compiles and disassembles five backwards, ~40 s

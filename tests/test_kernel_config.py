@@ -218,8 +218,10 @@ def test_segment_tiles_are_for_128_row_tiles_and_key_tiles_dividing_them():
 
 
 def test_o_from_registers_is_for_one_q_buffer():
-    with pytest.raises(ValueError, match="o_from_registers needs q_buffers=1 .*got 2"):
+    with pytest.raises(ValueError, match="o_from_registers needs q_buffers=1 .*got q_buffers=2, tile_m=128"):
         dataclasses.replace(fwd_config(128, True, 1), o_from_registers=True)
+    with pytest.raises(ValueError, match="and tile_m=128, got q_buffers=1, tile_m=192"):
+        dataclasses.replace(fwd_config(64, True, 1), q_buffers=1, o_from_registers=True)
     assert dataclasses.replace(fwd_config(256, True, 1), o_from_registers=True).o_from_registers
 
 
