@@ -211,3 +211,12 @@ def test_the_footprint_counts_what_the_units_running_together_read():
     assert side_by_side == [(0.0, 1.0), (0.0, 1.0)] and one_after_the_other == [(0.0, 1.0), (1.0, 2.0)]
     assert tail_model.footprint(side_by_side, reads) == 3
     assert tail_model.footprint(one_after_the_other, reads) == 2
+
+
+def test_the_model_splits_a_long_cta_over_its_query_range():
+    """tools/tail_model.py `split_long`: 3 steps stay one CTA, 5 become two (each the fixed and the
+    reduce cost plus half the steps), 9 become four, in grid order."""
+    import tail_model
+
+    units = tail_model.split_long([3, 5, 9], over=4, fixed_us=1.0, step_us=2.0, reduce_us=0.5)
+    assert units == [(0, 7.0), (1, 6.5), (1, 6.5), (2, 6.0), (2, 6.0), (2, 6.0), (2, 6.0)]

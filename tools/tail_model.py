@@ -13,8 +13,9 @@ it draws them (causal: a head's query tiles last-first). Prints the makespan ove
 SM busy to the end) in the kernel's order and longest first (`BwdConfig.longest_ctas_first_waves`,
 `FwdConfig.longest_tiles_first_waves`). `--orders` (backward): grid order, length classes
 (`BwdConfig.longest_ctas_first_buckets`), the exact sort, each KV head's CTAs sorted (the heads in
-grid order) and the SM count's or three times its longest CTAs first, then grid order (neither is a
-kernel option), each with the mean number of (KV head, 64-row query tile) pairs that the CTAs
+grid order), the SM count's or three times its longest CTAs first, then grid order, and grid order
+with the long CTAs split over parts of their query range (none of these three is a kernel option),
+each with the mean number of (KV head, 64-row query tile) pairs that the CTAs
 running at a time read, an L2 footprint proxy (each pair is
 256 KB of Q, dO and dQ accumulator at head dim 128 with four query heads per KV head). Default
 costs: the backward's profiled build at 8K (2.5 us per step, ~1 us until K/V land plus ~2.4 us of
@@ -100,6 +101,24 @@ def backward_orders(
         spans = schedule([durations[i] for i in order], sms)
         pairs = footprint(spans, [reads[i] for i in order])
         print(f"{name:18s} makespan / ideal {max(stop for _, stop in spans) / ideal:.3f}, footprint {pairs:.0f}")
+    for over in (128, 64):  # not a kernel option: long CTAs split by query range, in grid order
+        units = split_long(steps.tolist(), over, fixed_us, step_us)
+        spans = schedule([duration for _, duration in units], sms)
+        pairs = footprint(spans, [reads[i] for i, _ in units])
+        name = f"split > {over} steps"
+        print(f"{name:18s} makespan / ideal {max(stop for _, stop in spans) / ideal:.3f}, footprint {pairs:.0f}")
+
+
+def split_long(steps: list[int], over: int, fixed_us: float, step_us: float, reduce_us: float = 1.0):
+    """(CTA, duration) units in grid order, a CTA of more than `over` steps split into 2 (more than
+    2 `over`: 4) CTAs over parts of its query range, each paying `fixed_us` plus `reduce_us` for
+    adding its partial dK and dV into fp32 accumulators."""
+    units = []
+    for cta, count in enumerate(steps):
+        parts = 4 if count > 2 * over else 2 if count > over else 1
+        duration = fixed_us + (reduce_us if parts > 1 else 0.0) + step_us * count / parts
+        units += [(cta, duration)] * parts
+    return units
 
 
 def wasted(steps: torch.Tensor, sms: int, fixed_us: float, step_us: float) -> tuple[float, float]:
