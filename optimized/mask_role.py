@@ -55,6 +55,7 @@ class TileList:
 
     @classmethod
     def slot(cls, position: Int32) -> Int32:
+        """The ring slot of entry number `position`."""
         return position & (cls.slots - 1)
 
     @classmethod
