@@ -39,12 +39,11 @@ PEER_NAMES = {
 # (oldest first) in bench/results/.
 README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
-        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (the current kernels)",
+        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads",
         ("bwd_bench_train_32k_peers_h200.json",),
     ),
     (
-        "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (the current kernels, "
-        "on an H100 80GB HBM3)",
+        "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (on an H100 80GB HBM3)",
         ("fwd_bench_train_32k_peers_segment_tiles_h100.json",),
     ),
     (
@@ -62,16 +61,15 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("fwd_bench_8k_fa4_cudnn_flex_flex.json",),
     ),
     (
-        "Forward + backward, head dim 256: S = 8K, 16 sequences, 16 heads (the current kernels, on an H100 80GB HBM3)",
+        "Forward + backward, head dim 256: S = 8K, 16 sequences, 16 heads (on an H100 80GB HBM3)",
         ("bwd_bench_hd256_8k_fa4_h100.json",),
     ),
     (
-        "Forward, head dim 256: S = 8K, 16 sequences, 16 heads (the current kernels, on an H100 80GB HBM3)",
+        "Forward, head dim 256: S = 8K, 16 sequences, 16 heads (on an H100 80GB HBM3)",
         ("fwd_bench_hd256_8k_fa4_h100.json",),
     ),
     (
-        "Forward + backward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 32 heads "
-        "(the current kernels, on an H100 80GB HBM3)",
+        "Forward + backward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 32 heads (on an H100 80GB HBM3)",
         ("bwd_bench_mla_8k_fa4_h100.json",),
     ),
     (
@@ -79,7 +77,7 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("fwd_bench_hdim192_v128_8k_peers.json", "fwd_bench_hdim192_v128_8k_draw_order.json"),
     ),
     (
-        "Forward + backward, head dim 64: S = 8K, 16 sequences, 64 heads (the current kernels, on an H100 80GB HBM3)",
+        "Forward + backward, head dim 64: S = 8K, 16 sequences, 64 heads (on an H100 80GB HBM3)",
         ("bwd_bench_hd64_8k_fa4_h100.json",),
     ),
 )
@@ -176,7 +174,8 @@ def provenance(names: list[str], rows: list[dict], with_commits: bool = True) ->
     files = ", ".join(f"`{n}`" for n in names)
     when = ("measured " + " to ".join(dict.fromkeys([dates[0], dates[-1]]))) if dates else ""
     if with_commits:
-        return f"({files}; commits {', '.join(commits)}" + (f", {when}" if when else "") + ")"
+        label = "commit" if len(commits) == 1 else "commits"
+        return f"({files}; {label} {', '.join(commits)}" + (f", {when}" if when else "") + ")"
     return f"({files}" + (f"; {when}" if when else "") + ")"
 
 
@@ -185,7 +184,7 @@ def document_tables(document: str, results: Path = RESULTS) -> str:
     blocks = []
     for title, names in DOCUMENTS[document]:
         rows = merged_rows([json.loads((results / n).read_text()) for n in names])
-        blocks.append(f"**{title}** {provenance(list(names), rows, with_commits=False)}:\n\n{table(rows)}")
+        blocks.append(f"**{title}** {provenance(list(names), rows)}:\n\n{table(rows)}")
     return "\n\n".join(blocks)
 
 
