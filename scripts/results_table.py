@@ -184,7 +184,7 @@ def document_tables(document: str, results: Path = RESULTS) -> str:
     blocks = []
     for title, names in DOCUMENTS[document]:
         rows = merged_rows([json.loads((results / n).read_text()) for n in names])
-        blocks.append(f"**{title}** {provenance(list(names), rows)}:\n\n{table(rows)}")
+        blocks.append(f"**{title}** {provenance(list(names), rows, with_commits=False)}:\n\n{table(rows)}")
     return "\n\n".join(blocks)
 
 
