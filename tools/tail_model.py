@@ -15,11 +15,11 @@ SM busy to the end) in the kernel's order and longest first (`BwdConfig.longest_
 (`BwdConfig.longest_ctas_first_buckets`), the exact sort, each KV head's CTAs sorted (the heads in
 grid order), the SM count's or three times its longest CTAs first, then grid order, and grid order
 with the long CTAs split over parts of their query range (none of these three is a kernel option),
-each with the mean number of (KV head, 64-row query tile) pairs that the CTAs
-running at a time read, an L2 footprint proxy (each pair is
-256 KB of Q, dO and dQ accumulator at head dim 128 with four query heads per KV head). Default
-costs: the backward's profiled build at 8K (2.5 us per step, ~1 us until K/V land plus ~2.4 us of
-epilogue per CTA); the forward's per-tile fit (1.7 us per key tile, 2 us per work tile).
+each with the mean number of (KV head, 64-row query tile) pairs that the CTAs running at a time
+read, an L2 footprint proxy (each pair is 256 KB of Q, dO and dQ accumulator at head dim 128 with
+four query heads per KV head). Default costs: the backward's profiled build at 8K (2.5 us per
+step, ~1 us until K/V land plus ~2.4 us of epilogue per CTA); the forward's per-tile fit (1.7 us per
+key tile, 2 us per work tile).
 """
 
 from __future__ import annotations
@@ -97,15 +97,12 @@ def backward_orders(
     for k in (sms, 3 * sms):  # the k longest first, then the rest in grid order
         first = orders["exact sort"][:k]
         orders[f"{k} longest, grid"] = first + sorted(set(range(len(durations))) - set(first))
-    for name, order in orders.items():
-        spans = schedule([durations[i] for i in order], sms)
-        pairs = footprint(spans, [reads[i] for i in order])
-        print(f"{name:18s} makespan / ideal {max(stop for _, stop in spans) / ideal:.3f}, footprint {pairs:.0f}")
+    runs = {name: [(i, durations[i]) for i in order] for name, order in orders.items()}
     for over in (128, 64):  # not a kernel option: long CTAs split by query range, in grid order
-        units = split_long(steps.tolist(), over, fixed_us, step_us)
+        runs[f"split > {over} steps"] = split_long(steps.tolist(), over, fixed_us, step_us)
+    for name, units in runs.items():
         spans = schedule([duration for _, duration in units], sms)
         pairs = footprint(spans, [reads[i] for i, _ in units])
-        name = f"split > {over} steps"
         print(f"{name:18s} makespan / ideal {max(stop for _, stop in spans) / ideal:.3f}, footprint {pairs:.0f}")
 
 
