@@ -910,20 +910,19 @@ class FlashMaskForwardSm90:
         count): a tile of fewer than 128 (a segment's last) is stored row by row."""
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
+        coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         if const_expr(self.o_from_registers):
-            o_coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
             mO_head = mO_rows[None, None, head, batch]
             if const_expr(self.segment_tiles):
                 first_row, real_rows = tile_rows
                 real_tile = cute.domain_offset((first_row, 0), mO_head)
                 gO = cute.local_tile(real_tile, (self.tile_m, self.head_dim_v), (0, 0))
-                store_from_registers(rO, o_coords, gO, real_rows)
+                store_from_registers(rO, coords, gO, real_rows)
             else:
                 gO = cute.local_tile(mO_head, (self.tile_m, self.head_dim_v), (m_block, 0))
-                store_from_registers(rO, o_coords, gO, seqlen_q - m_block * self.tile_m)
+                store_from_registers(rO, coords, gO, seqlen_q - m_block * self.tile_m)
         else:
             self.store_staged(rO, tiled_mma_pv, sO, tma_o, mO, mO_rows, tile_rows, m_block, head, batch, tidx)
-        coords = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         if coords[0, 0][1] == 0:  # the thread holding column 0 of its rows writes their LSE
             for r in cutlass.range_constexpr(cute.size(lse)):
                 if const_expr(self.segment_tiles):
