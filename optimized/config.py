@@ -170,6 +170,15 @@ class BwdConfig:
     # from the start, and with the dQ writer two stages can beat three there. It overrides
     # `q_stages` in short grids: set it to 0 with a `q_stages` meant for every grid.
     short_grid_q_stages: int
+    # Short grids in grid order, a CTA that would end past the grid's ideal makespan split into this
+    # many CTAs (2 or 4; 0: never, the longest-first order instead), each walking a part of the
+    # key tile's query tiles: grid order keeps one KV head's CTAs running together (their Q, dO and
+    # dQ accumulator in L2), the parts shorten the tail. The parts' dK and dV meet in a global fp32
+    # workspace; the last one to finish adds them up and stores (`tile_plan.backward_split_plan`).
+    # Not in deterministic mode.
+    split_ctas_max_parts: int
+    # The deadline of that split: the ideal makespan plus this percentage (-100 splits every CTA).
+    split_ctas_slack_pct: int
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -207,6 +216,10 @@ class BwdConfig:
             raise ValueError(f"short_grid_q_stages must be 0 (as q_stages), 2 or 3, got {self.short_grid_q_stages}")
         if self.longest_ctas_first_buckets < 0:
             raise ValueError(f"longest_ctas_first_buckets must be >= 0, got {self.longest_ctas_first_buckets}")
+        if self.split_ctas_max_parts not in (0, 2, 4):
+            raise ValueError(f"split_ctas_max_parts must be 0 (off), 2 or 4, got {self.split_ctas_max_parts}")
+        if self.split_ctas_slack_pct < -100:
+            raise ValueError(f"split_ctas_slack_pct must be >= -100, got {self.split_ctas_slack_pct}")
 
     @property
     def do_depth(self) -> int:
@@ -227,6 +240,9 @@ first; at 31 per SM longest first still wins on documents (+4-6%). Head dim 256 
 (its work tiles read 2x head dim 128's K/V; not yet measured there)."""
 LONGEST_CTAS_FIRST_WAVES = 16
 """The backward's CTAs go longest first in grids of at most this many waves."""
+SPLIT_CTA_SLOTS_PER_SM = 4
+"""Workspace slots for split CTAs' parts (`BwdConfig.split_ctas_max_parts`) per SM: the split rule
+used at most 3.3 per SM over the shapes modelled (`tools/tail_model.py`); past them CTAs stay whole."""
 LONGEST_CTAS_FIRST_BUCKETS = 8
 """The backward's longest-first order sorts by this many length classes. Fewer, wider classes keep
 more of a KV head's CTAs running together (their Q, dO and dQ accumulator shared in L2), which
@@ -323,6 +339,8 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
         segment_steps=False,
         dq_writer=not ((head_dim == 192 and mask_width == 4) or rows_128_no_writer),  # their consumers spill with it
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
+        split_ctas_max_parts=0,
+        split_ctas_slack_pct=2,
     )
 
 

@@ -221,6 +221,9 @@ class FlashMaskBackwardSm90:
         mStepRows: cute.Tensor | None,  # [B, Hq, Tm, 2] int32 with segment_steps (the virtual rows' query
         # tiles: each one's real first row and real row count), else None
         mTimeline: cute.Tensor | None,  # [CTAs, len(BwdEvent)] int64 in a profiled build, else None
+        mWork: cute.Tensor | None,  # [launched CTAs, 4] int32 with split CTAs (`tile_plan.backward_split_plan`)
+        mSplitPartials: cute.Tensor | None,  # [slots, tile_n * (D + Dv)] fp32 with split CTAs: parts' dK, dV
+        mSplitCounters: cute.Tensor | None,  # [slots] int32, zeroed, with split CTAs: the parts done
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
         qheads_per_maskhead: Int32,
@@ -327,6 +330,8 @@ class FlashMaskBackwardSm90:
         grid = (cute.ceil_div(cute.size(seqlen_k), self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         if const_expr(mCtaOrder is not None):
             grid = (cute.size(mCtaOrder.shape[0]), 1, 1)
+        if const_expr(mWork is not None):
+            grid = (cute.size(mWork.shape[0]), 1, 1)
         self.kernel(
             tma_mQ,
             tma_mK,
@@ -346,6 +351,9 @@ class FlashMaskBackwardSm90:
             mCtaOrder,
             mStepRows,
             mTimeline,
+            mWork,
+            mSplitPartials,
+            mSplitCounters,
             tma_q,
             tma_k,
             tma_v,
@@ -397,6 +405,9 @@ class FlashMaskBackwardSm90:
         mCtaOrder: cute.Tensor | None,
         mStepRows: cute.Tensor | None,
         mTimeline: cute.Tensor | None,
+        mWork: cute.Tensor | None,
+        mSplitPartials: cute.Tensor | None,
+        mSplitCounters: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -429,9 +440,16 @@ class FlashMaskBackwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
-        if const_expr(mCtaOrder is not None):  # a 1-D grid launching the CTAs with the most steps first
+        # With split CTAs: the part's query tiles [first, end) and whether the launched row holds a
+        # part at all (rows past the used ones are idle).
+        tile_range, active = None, True
+        if const_expr(mCtaOrder is not None or mWork is not None):  # a 1-D grid
             tiles_n = cute.ceil_div(self.rows(mK, mStepRows), self.tile_n)
-            work = mCtaOrder[n_block]
+            if const_expr(mWork is not None):  # the parts in grid order
+                work = mWork[n_block, 0]
+                tile_range, active = (mWork[n_block, 1], mWork[n_block, 2]), work >= 0
+            else:  # the CTAs with the most steps first
+                work = mCtaOrder[n_block]
             n_block, head_kv, batch = work % tiles_n, (work // tiles_n) % mK.shape[2], work // tiles_n // mK.shape[2]
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv):
@@ -463,104 +481,107 @@ class FlashMaskBackwardSm90:
             dq_targets = storage.dq_targets.get_tensor(cute.make_layout((4, self.num_consumer_wgs)))
         mask_batch = batch * mask_batch_stride
 
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                self.load(
-                    mQ,
-                    mK,
-                    mV,
-                    mdO,
-                    mLSE,
-                    mDelta,
+        if active:  # an idle row (split CTAs) only initialises its barriers
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.load(
+                        mQ,
+                        mK,
+                        mV,
+                        mdO,
+                        mLSE,
+                        mDelta,
+                        sQ,
+                        sK,
+                        sV,
+                        sdO,
+                        sLSE,
+                        sDelta,
+                        tma_q,
+                        tma_k,
+                        tma_v,
+                        tma_do,
+                        tma_lse,
+                        tma_delta,
+                        pipe_kv,
+                        pipe_q,
+                        pipe_do,
+                        n_block,
+                        head_kv,
+                        batch,
+                        tile_list,
+                        stage_entries,
+                        qheads_per_kvhead,
+                        mStepRows,
+                    )
+                if warp_idx == 1:
+                    position = Int32(0)
+                    for g in cutlass.range(qheads_per_kvhead, unroll=1):
+                        mask_head = (head_kv * qheads_per_kvhead + g) // qheads_per_maskhead
+                        position = list_query_tiles(
+                            tile_list,
+                            position,
+                            mBlockBounds[mask_batch, mask_head, n_block, None],
+                            n_block * self.tile_n,
+                            self.rows(mQ, mStepRows),
+                            self.rows(mK, mStepRows),
+                            self.rows(mK, mStepRows) - self.rows(mQ, mStepRows),
+                            self.tile_m,
+                            self.tile_n,
+                            self.causal,
+                            self.mask_width,
+                            self.diagonal_steps,
+                            tile_range,
+                        )
+                if const_expr(self.dq_writer):
+                    if warp_idx == 2:
+                        self.write_dq(sdQ, dq_targets, mdQaccum, mSemaphore)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                cycles = None
+                if const_expr(mTimeline is not None):
+                    cycles = storage.step_cycles.get_tensor(cute.make_layout(len(STEP_SEGMENTS)))
+                self.consume(
+                    sLSE,
+                    sDelta,
+                    mdQaccum,
+                    mdK,
+                    mdV,
+                    (mdK_rows, mdV_rows, mStepRows),
+                    mRowIndices,
+                    stage_entries,
+                    mDqRanks,
+                    mSemaphore,
                     sQ,
                     sK,
                     sV,
                     sdO,
-                    sLSE,
-                    sDelta,
-                    tma_q,
-                    tma_k,
-                    tma_v,
-                    tma_do,
-                    tma_lse,
-                    tma_delta,
+                    sdS,
+                    sdQ,
+                    dq_targets,
+                    tma_dk,
+                    tma_dv,
+                    tiled_mma_sdp,
+                    tiled_mma_dkv,
+                    tiled_mma_dq,
                     pipe_kv,
                     pipe_q,
                     pipe_do,
+                    tidx - 128,
+                    scale_log2,
+                    softmax_scale,
                     n_block,
                     head_kv,
                     batch,
-                    tile_list,
-                    stage_entries,
+                    mask_batch,
                     qheads_per_kvhead,
-                    mStepRows,
+                    qheads_per_maskhead,
+                    self.rows(mQ, mStepRows),
+                    self.rows(mK, mStepRows),
+                    SegmentProfile(mTimeline, cycles, tidx == 128, BwdEvent.WAIT_Q, len(STEP_SEGMENTS)),
+                    None if const_expr(mWork is None) else (mWork, mSplitPartials, mSplitCounters),
                 )
-            if warp_idx == 1:
-                position = Int32(0)
-                for g in cutlass.range(qheads_per_kvhead, unroll=1):
-                    mask_head = (head_kv * qheads_per_kvhead + g) // qheads_per_maskhead
-                    position = list_query_tiles(
-                        tile_list,
-                        position,
-                        mBlockBounds[mask_batch, mask_head, n_block, None],
-                        n_block * self.tile_n,
-                        self.rows(mQ, mStepRows),
-                        self.rows(mK, mStepRows),
-                        self.rows(mK, mStepRows) - self.rows(mQ, mStepRows),
-                        self.tile_m,
-                        self.tile_n,
-                        self.causal,
-                        self.mask_width,
-                        self.diagonal_steps,
-                    )
-            if const_expr(self.dq_writer):
-                if warp_idx == 2:
-                    self.write_dq(sdQ, dq_targets, mdQaccum, mSemaphore)
-        else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            cycles = None
-            if const_expr(mTimeline is not None):
-                cycles = storage.step_cycles.get_tensor(cute.make_layout(len(STEP_SEGMENTS)))
-            self.consume(
-                sLSE,
-                sDelta,
-                mdQaccum,
-                mdK,
-                mdV,
-                (mdK_rows, mdV_rows, mStepRows),
-                mRowIndices,
-                stage_entries,
-                mDqRanks,
-                mSemaphore,
-                sQ,
-                sK,
-                sV,
-                sdO,
-                sdS,
-                sdQ,
-                dq_targets,
-                tma_dk,
-                tma_dv,
-                tiled_mma_sdp,
-                tiled_mma_dkv,
-                tiled_mma_dq,
-                pipe_kv,
-                pipe_q,
-                pipe_do,
-                tidx - 128,
-                scale_log2,
-                softmax_scale,
-                n_block,
-                head_kv,
-                batch,
-                mask_batch,
-                qheads_per_kvhead,
-                qheads_per_maskhead,
-                self.rows(mQ, mStepRows),
-                self.rows(mK, mStepRows),
-                SegmentProfile(mTimeline, cycles, tidx == 128, BwdEvent.WAIT_Q, len(STEP_SEGMENTS)),
-            )
 
     @cute.jit
     def load(
@@ -711,11 +732,13 @@ class FlashMaskBackwardSm90:
         seqlen_q,
         seqlen_k,
         profile,
+        split_part,
     ):
         """Consumer warpgroups: per query tile S^T, dP^T, P^T, dS^T (or, queries on rows, S, dP,
         P, dS), the dV/dK/dQ products. `profile`: the profiled build's `SegmentProfile` (compiles to
         nothing otherwise). `segments`: with segment_steps, dK and dV themselves and the query
-        tiles' real rows (`store_dkv`); the steps work on the virtual rows."""
+        tiles' real rows (`store_dkv`); the steps work on the virtual rows. `split_part`: with split
+        CTAs, (work table, partials, counters) for `gather_split_parts`, else None."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -899,24 +922,28 @@ class FlashMaskBackwardSm90:
             self.hand_dq_to_writer(None, sdQ_thread, dq_targets, (Int32(-1), head_kv, batch, Int32(0)), lane_in_wg, wg)
         elif lane_in_wg == 0:  # the last dQ reduce-add must have read sdQ before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        self.store_dkv(
-            acc_dK,
-            acc_dV,
-            tiled_mma_dkv,
-            sK,
-            sV,
-            tma_dk,
-            tma_dv,
-            mdK,
-            mdV,
-            segments,
-            softmax_scale,
-            n_block,
-            head_kv,
-            batch,
-            qheads_per_kvhead,
-            tidx,
-        )
+        stores = True
+        if const_expr(split_part is not None):
+            stores = self.gather_split_parts(acc_dK, acc_dV, *split_part, stage_entries, tidx)
+        if stores:
+            self.store_dkv(
+                acc_dK,
+                acc_dV,
+                tiled_mma_dkv,
+                sK,
+                sV,
+                tma_dk,
+                tma_dv,
+                mdK,
+                mdV,
+                segments,
+                softmax_scale,
+                n_block,
+                head_kv,
+                batch,
+                qheads_per_kvhead,
+                tidx,
+            )
         profile.stamp(cta, BwdEvent.STORED)
 
     def rows(self, mQK: cute.Tensor, mStepRows: cute.Tensor | None):
@@ -1016,6 +1043,56 @@ class FlashMaskBackwardSm90:
                 cute.arch.sync_warp()
                 for wg in cutlass.range_constexpr(self.num_consumer_wgs):
                     cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY) + wg, number_of_threads=pair)
+
+    @cute.jit
+    def gather_split_parts(self, acc_dK, acc_dV, mWork, mPartials, mCounters, arrivals, tidx):
+        """Whether this CTA stores dK and dV (an unsplit one, split word -1, does). A part of a split
+        CTA (its row's split word, read here rather than kept live through the steps: first slot << 4
+        | part << 2 | parts - 1) writes its fp32 dK and dV into its slot of
+        `mPartials` and counts itself on the CTA's counter (the first slot's); the last part to count
+        adds the other parts' slots into its registers and stores. Its count (an acq_rel atomic
+        behind every thread's gpu fence) orders the other parts' writes before its reads, so nothing
+        waits. `arrivals`: one free Int32 of smem for the count."""
+        split = mWork[cute.arch.block_idx()[0], 3]
+        stores = split < 0
+        if split >= 0:
+            first_slot, part, parts = split >> 4, (split >> 2) & 3, (split & 3) + 1
+            accs = (acc_dK, acc_dV)
+            for which in cutlass.range_constexpr(2):
+                slot = self.split_slot(mPartials, first_slot + part, tidx, which)
+                cute.autovec_copy(cute.make_tensor(accs[which].iterator, cute.make_layout(slot.shape)), slot)
+            cute.arch.fence_acq_rel_gpu()
+            consumers = 128 * self.num_consumer_wgs
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=consumers)
+            if tidx == 0:
+                counter = mCounters.iterator + first_slot
+                arrivals[0] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=consumers)
+            stores = arrivals[0] == parts - 1
+            if stores:
+                cute.arch.fence_acq_rel_gpu()
+                for other in cutlass.range(parts, unroll=1):
+                    if other != part:
+                        for which in cutlass.range_constexpr(2):
+                            slot = self.split_slot(mPartials, first_slot + other, tidx, which)
+                            acc = cute.make_tensor(accs[which].iterator, cute.make_layout(slot.shape))
+                            for chunk in cutlass.range_constexpr(cute.size(slot, mode=[1])):  # 16 bytes each
+                                values = cute.make_rmem_tensor(4, Float32)
+                                cute.autovec_copy(slot[None, chunk], values)
+                                for i in cutlass.range_constexpr(4):
+                                    acc[i, chunk] += values[i]
+        return stores
+
+    def split_slot(self, mPartials: cute.Tensor, slot: Int32, tidx: Int32, which: int) -> cute.Tensor:
+        """The thread's values of dK (`which` 0) or dV (1) in workspace slot `slot`, in fragment order
+        (`dq_slot_layout` of the key tile: 16-byte stores, threads side by side), shaped like the
+        thread's accumulator."""
+        d, dv, tn = self.head_dim, self.head_dim_v, self.tile_n
+        one = self.dq_slot_layout(dv if which else d, tn)
+        # The slots as a static-stride mode, so the compiler sees 16-byte aligned addresses.
+        slots = cute.make_layout((*one.shape, mPartials.shape[0]), stride=(*one.stride, tn * (d + dv)))
+        lane, wg = tidx % 128, tidx // 128
+        return cute.make_tensor(mPartials.iterator + which * tn * d, slots)[None, lane, None, wg, slot]
 
     @cute.jit
     def store_dkv(

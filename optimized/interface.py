@@ -24,10 +24,20 @@ from collections.abc import Mapping
 import torch
 
 from ..reference import ColumnMask
-from .config import BACKWARD_HEAD_DIMS, FORWARD_HEAD_DIMS, BwdConfig, FwdConfig, apply_overrides, bwd_config, fwd_config
+from .config import (
+    BACKWARD_HEAD_DIMS,
+    FORWARD_HEAD_DIMS,
+    SPLIT_CTA_SLOTS_PER_SM,
+    BwdConfig,
+    FwdConfig,
+    apply_overrides,
+    bwd_config,
+    fwd_config,
+)
 from .segments import cached_segment_plan, forward_virtual_length, query_tile_rows
 from .tile_plan import (
     backward_cta_steps,
+    backward_split_plan,
     block_minmax,
     cached_longest_first,
     dq_ranks,
@@ -186,6 +196,8 @@ def _device_part(config: FwdConfig | BwdConfig | None) -> FwdConfig | BwdConfig 
             longest_ctas_first_waves=0,
             longest_ctas_first_buckets=0,
             short_grid_q_stages=0,
+            split_ctas_max_parts=0,
+            split_ctas_slack_pct=0,
             do_stages=config.do_depth,
         )
     return config
@@ -431,21 +443,36 @@ def backward(
     _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [], head_dim_v=dims_v, query_tile=tile_m)
     dk = k.new_empty(k.shape) if dk is None else dk  # contiguous, whatever the inputs' strides
     dv = v.new_empty(v.shape) if dv is None else dv
-    semaphore = torch.zeros(b, hq, tiles_m, dtype=torch.int32, device=q.device)
-    order = None
+    order, split = None, [None, None, None]
+    sms = _sm_count(q.device)
     # Deterministic mode keeps the grid order: its key tiles wait for the ones before them.
-    short_grid = backward_ctas(k, config, mask.seqlen_k) <= config.longest_ctas_first_waves * _sm_count(q.device)
+    short_grid = backward_ctas(k, config, mask.seqlen_k) <= config.longest_ctas_first_waves * sms
+    split_ctas = config.split_ctas_max_parts > 0 and not config.segment_steps and timeline is None
+    slots = SPLIT_CTA_SLOTS_PER_SM * sms if split_ctas else 0
+    # One memset: the dQ semaphores, then the split CTAs' counters.
+    counters = torch.zeros(b * hq * tiles_m + slots, dtype=torch.int32, device=q.device)
+    semaphore = counters[: b * hq * tiles_m].view(b, hq, tiles_m)
     if not (deterministic or uniform_work) and short_grid:
-        key = ("bwd", b, hq, hkv, tile_m, tile_n)
-        order = cached_longest_first(
-            mask,
-            key,
-            lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, tile_n),
-            config.longest_ctas_first_buckets,
-        )
+        if split_ctas:  # grid order, the long CTAs split
+            parts, slack = config.split_ctas_max_parts, config.split_ctas_slack_pct
+            split[0] = kept_per_mask(
+                mask,
+                ("bwd_split", b, hq, hkv, tile_m, tile_n, sms, parts, slack, slots),
+                lambda: backward_split_plan(mask, b, hq, hkv, tile_m, tile_n, sms, parts, slack, slots),
+            )
+            split[1] = torch.empty(slots, tile_n * (d + head_dim_v), dtype=torch.float32, device=q.device)
+            split[2] = counters[b * hq * tiles_m :]
+        else:
+            key = ("bwd", b, hq, hkv, tile_m, tile_n)
+            order = cached_longest_first(
+                mask,
+                key,
+                lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, tile_n),
+                config.longest_ctas_first_buckets,
+            )
         config = config.for_short_grid()
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, step_rows]
-    tensors.append(timeline)
+    tensors += [timeline, *split]
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic, dims_v)
     dq = q.new_empty(q.shape)
@@ -525,6 +552,8 @@ def compile_check(
         from .flash_bwd_pre_post import prepost_compile_args
 
         config = config or bwd_config(head_dim, causal, width, deterministic)
+        split = config.split_ctas_max_parts > 0 and not (deterministic or config.segment_steps or timeline)
+        ordered = config.longest_ctas_first_waves > 0 and not (deterministic or split)
         tensors = [
             q_like,
             kv_like,
@@ -539,9 +568,14 @@ def compile_check(
             fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
             fake(cutlass.Int32, (bm, hm, tn, tm)),
             fake(cutlass.Int32, (b, hq, tm)),
-            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_ctas_first_waves and not deterministic else None,
+            fake(cutlass.Int32, (cute.sym_int32(),)) if ordered else None,
             fake(cutlass.Int32, (b, hq, tm, 2)) if config.segment_steps else None,
             fake(cutlass.Int64, (cute.sym_int32(), len(BwdEvent))) if timeline else None,
+        ]
+        tensors += [
+            fake(cutlass.Int32, (cute.sym_int32(), 4)) if split else None,
+            fake(cutlass.Float32, (cute.sym_int32(), config.key_tile * (head_dim + dv))) if split else None,
+            fake(cutlass.Int32, (cute.sym_int32(),)) if split else None,
         ]
     else:
         config = config or fwd_config(head_dim, causal, width, segmented)

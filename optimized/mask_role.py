@@ -339,10 +339,12 @@ def list_query_tiles(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     flag_diagonal: cutlass.Constexpr[bool] = False,
+    tile_range: tuple[Int32, Int32] | None = None,
 ) -> Int32:
     """Backward mask warp: the query tiles that see the keys [key_start, key_start + tile_n), in
     query order, published from entry `position` on (DIAGONAL_ONLY instead of PARTIAL where they
-    are, if `flag_diagonal`); returns the position after END_OF_LIST."""
+    are, if `flag_diagonal`); returns the position after END_OF_LIST. `tile_range`: only the query
+    tiles in [first, end) (a split CTA's part)."""
     lane = cute.arch.lane_idx()
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
     for w in cutlass.range_constexpr(2 * width):
@@ -352,6 +354,9 @@ def list_query_tiles(
     if const_expr(causal):
         # Query tiles that end before the key tile's diagonal are SKIP.
         first = cutlass.max(key_start - causal_offset, 0) // tile_m
+    if const_expr(tile_range is not None):
+        first = cutlass.max(first, tile_range[0])
+        num_tiles = cutlass.min(num_tiles, tile_range[1])
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
         tile = base + lane
         row_start = tile * tile_m

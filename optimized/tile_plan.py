@@ -10,6 +10,9 @@
   tiles and of the backward's CTAs, and either ordered by them, most first; `cached_longest_first`
   computes such an order once per mask (the layers of a training step share their mask), through
   `kept_per_mask`, which keeps any such per-mask result.
+- `split_parts` / `backward_split_plan`: the backward CTAs whose grid-order finish would pass the
+  ideal makespan, split into 2 or 4 parts over their query tiles, and the work table (one row per
+  launched CTA: its CTA, query-tile range and dK/dV slot) the split kernel reads.
 """
 
 from __future__ import annotations
@@ -109,6 +112,93 @@ def longest_first(steps: torch.Tensor, buckets: int = 0) -> torch.Tensor:
     shorter_class = buckets - 1 - steps * buckets // (steps.max() + 1)  # on the device: no host sync
     position = torch.arange(steps.numel(), device=steps.device)
     return torch.argsort(shorter_class * steps.numel() + position).to(torch.int32)
+
+
+def split_parts(steps: torch.Tensor, sms: int, max_parts: int, slack_pct: int, slots: int) -> torch.Tensor:
+    """int32 [C]: how many parts (1, 2 or 4, at most `max_parts`) each backward CTA of `steps` (grid
+    order) is split into. A CTA costs its steps + 2 (its fixed and part costs) and starts, in a
+    fluid grid-order schedule on `sms` SMs, when the CTAs before it have used (their cost) / sms; it
+    splits in 2 if it would end past the deadline, (1 + `slack_pct` / 100) x the ideal makespan, and
+    in 4 if half of it would too. Only a prefix of the split CTAs, up to `slots` parts in all, keeps
+    its split: the CTAs near the front, which delay the most. Integer math (x 100 sms), no host
+    sync; `slack_pct` -100 makes the deadline 0 (every CTA splits)."""
+    if max_parts not in (2, 4):
+        raise ValueError(f"max_parts must be 2 or 4, got {max_parts!r}")
+    cost = steps.to(torch.int64) + 2
+    start = torch.cumsum(cost, 0) - cost  # x sms
+    deadline = (100 + slack_pct) * cost.sum()  # x 100 sms
+    parts = torch.where(100 * (start + cost * sms) > deadline, 2, 1)
+    if max_parts == 4:
+        parts = torch.where(100 * (2 * start + cost * sms) > 2 * deadline, 4, parts)
+    split = torch.where(parts > 1, parts, 0)
+    return torch.where(torch.cumsum(split, 0) <= slots, parts, 1).to(torch.int32)
+
+
+def balanced_bounds(cum: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """int64 [C, 5]: per CTA, the query-tile bounds of its parts (part p takes [bounds[p],
+    bounds[p + 1]); the bounds past its `parts` are Tm), from `cum` (int32 [C, Tm], each CTA's
+    inclusive prefix sums of steps over its query tiles). Each inner bound is the last tile
+    boundary at or before p / parts of the CTA's steps, or the next one; of these 8 choices, the
+    one whose parts' steps spread least. Rounding every bound down (or to the nearest) can leave
+    parts up to 2 G - 1 steps apart when the G query heads of a KV group see different tiles; the
+    best choice kept them within G in a brute-force check (G <= 8, up to 20 tiles; not proven)."""
+    ctas, tiles = cum.shape
+    parts = parts.to(torch.int64)[:, None]
+    p = torch.arange(1, 4, device=cum.device)
+    target = torch.minimum(p, parts) * cum[:, -1:] // parts
+    below = torch.searchsorted(cum, target.to(cum.dtype), right=True)  # [C, 3]
+    choice = (torch.arange(8, device=cum.device)[:, None] >> torch.arange(3, device=cum.device)) & 1  # [8, 3]
+    inner = torch.where(choice.bool(), (below + 1).clamp(max=tiles)[:, None], below[:, None])  # [C, 8, 3]
+    edges = torch.zeros(ctas, 8, 1, dtype=torch.int64, device=cum.device)
+    bounds = torch.cat([edges, inner, edges + tiles], dim=-1)  # [C, 8, 5]
+    prefix = torch.cat([torch.zeros_like(cum[:, :1]), cum], dim=1)
+    sizes = prefix.gather(1, bounds.view(ctas, -1)).view(ctas, 8, 5).diff(dim=-1).to(torch.int64)
+    used = torch.arange(4, device=cum.device) < parts[:, :, None]
+    most = torch.iinfo(torch.int64).max
+    spread = torch.where(used, sizes, 0).amax(-1) - torch.where(used, sizes, most).amin(-1)
+    best = torch.where((bounds.diff(dim=-1) >= 0).all(-1), spread, most).argmin(-1)
+    return bounds[torch.arange(ctas, device=cum.device), best]
+
+
+def backward_split_plan(
+    mask: ColumnMask,
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    tile_m: int,
+    tile_n: int,
+    sms: int,
+    max_parts: int,
+    slack_pct: int,
+    slots: int,
+) -> torch.Tensor:
+    """int32 [C + `slots`, 4]: the split backward's work table, one row per launched CTA in launch
+    order, `(cta, tile_lo, tile_hi, split)`. `cta` is the grid index (key tile + Tn * (KV head +
+    kv_heads * batch)), non-decreasing; the CTA walks its query tiles in [tile_lo, tile_hi) for each
+    query head of its KV group. An unsplit CTA is one row (cta, 0, Tm, -1); one split by
+    `split_parts` into P parts is P rows, part p with split = first_slot * 16 + p * 4 + P - 1, its
+    dK/dV slots [first_slot, first_slot + P) below `slots`. The parts cut the CTA's query tiles into
+    runs of about equal steps (`balanced_bounds`). The rows past the used ones are idle, (-1, 0, 0,
+    -1), launched last. No host sync; C x Tm x q_heads // kv_heads elements at most."""
+    seen = ~mask.block_skip(tile_m, tile_n)  # [Bm, Hm, Tm, Tn]
+    bm, _, tiles_m, tiles_n = seen.shape
+    seen = seen.transpose(2, 3).repeat_interleave(q_heads // mask.heads, dim=1)  # [Bm, Hq, Tn, Tm]
+    count = seen.reshape(bm, kv_heads, q_heads // kv_heads, tiles_n, tiles_m).sum(dim=2, dtype=torch.int32)
+    cum = torch.cumsum(count, dim=-1, dtype=torch.int32).expand(batch, -1, -1, -1).reshape(-1, tiles_m)
+    ctas = cum.shape[0]
+    parts = split_parts(cum[:, -1], sms, max_parts, slack_pct, slots).to(torch.int64)
+    bounds = balanced_bounds(cum, parts)
+    end = torch.cumsum(parts, 0)
+    row = torch.arange(ctas + slots, device=cum.device)
+    cta = torch.searchsorted(end, row, right=True)
+    live = cta < ctas
+    cta = cta.clamp(max=ctas - 1)
+    part = (row - end[cta] + parts[cta]).clamp(max=3)  # idle rows: any part, masked below
+    split = torch.where(parts > 1, parts, 0)
+    first_slot = torch.cumsum(split, 0) - split
+    code = torch.where(parts[cta] > 1, first_slot[cta] * 16 + part * 4 + parts[cta] - 1, -1)
+    columns = (cta, bounds[cta, part], bounds[cta, part + 1], code)
+    return torch.stack([torch.where(live, c, idle) for c, idle in zip(columns, (-1, 0, 0, -1))], dim=1).to(torch.int32)
 
 
 # Per live boundaries tensor, by identity: the custom ops rebuild the ColumnMask around the same

@@ -272,6 +272,53 @@ def test_segment_steps_match_the_reference(name, num_docs, mask_heads, head_dim)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+_BWD_DIMS = [(128, 128), (64, 64), (192, 128), (256, 256)]
+
+
+@pytest.mark.parametrize(
+    "name, head_dim, head_dim_v, slack_pct",
+    [(name, *dims, -100) for name in ("causal_document", "share_question", "random_eviction") for dims in _BWD_DIMS]
+    + [("causal_document", 128, 128, 2), ("causal", 64, 64, 2)],
+)
+def test_split_ctas_match_the_reference(name, head_dim, head_dim_v, slack_pct):
+    """`split_ctas_max_parts`: a key tile's query tiles split between up to four CTAs, whose fp32
+    dK and dV meet in the workspace (the last part adds them up and stores). With the slack at
+    -100 every CTA splits: dQ, dK and dV within twice the bf16 reference's own error of the fp64
+    one, into NaN-poisoned dK and dV (every row written), GQA 4 on 2, per-head masks, a ragged
+    length, three runs (the parts finish in any order); the plan queues no host sync; deterministic
+    mode does not split (bit for bit the whole CTAs' gradients)."""
+    from flashmask3.optimized import bwd_config
+    from flashmask3.optimized.interface import backward
+    from flashmask3.reference import ColumnMask
+    from flashmask3.reference import attention as reference
+
+    seqlen, scale = 1531, 1 / math.sqrt(head_dim)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=41, device="cuda")
+    q, k, v, dout = random_inputs(
+        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=41, head_dim_v=head_dim_v
+    )
+    whole = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
+    split = dataclasses.replace(whole, split_ctas_max_parts=4, split_ctas_slack_pct=slack_pct)
+    out, lse = reference.forward(q, k, v, mask, scale, torch.float64)
+    exact = reference.backward(dout, q, k, v, out, lse, mask, scale, torch.float64)
+    in_bf16 = reference.backward(dout, q, k, v, out.bfloat16(), lse.float(), mask, scale, torch.bfloat16)
+    args = (dout, q, k, v, out.bfloat16(), lse.float())
+    for run in range(3):
+        fresh = ColumnMask(mask.startend_row_indices.clone(), mask.causal, mask.seqlen_q)  # a new plan
+        poisoned = [torch.full_like(x, math.nan) for x in (k, v)]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = backward(*args, fresh, scale, dk=poisoned[0], dv=poisoned[1], config=split)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for grad, want, rounded in zip(got, exact, in_bf16):
+            assert not grad.isnan().any(), run
+            tolerance = 2 * (rounded.double() - want).abs().max().item() + 1e-3
+            assert (grad.double() - want).abs().max().item() <= tolerance, run
+    deterministic = [backward(*args, mask, scale, True, config=c) for c in (whole, split)]
+    assert all(torch.equal(a, b) for a, b in zip(*deterministic))
+
+
 @pytest.mark.parametrize("name", ["causal_document", "share_question"])
 def test_a_steady_state_training_call_never_waits_on_the_gpu(name):
     """After a first call (compilation, the mask's cached tile order), a forward + backward through

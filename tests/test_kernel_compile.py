@@ -154,6 +154,71 @@ def test_the_backward_with_queries_on_rows_builds_deterministic_and_profiled(tmp
         assert ("SR_CLOCKLO" in sass) == (name == "profiled")
 
 
+@pytest.mark.slow  # compiles and disassembles eight backwards, ~60 s
+@pytest.mark.parametrize(
+    "head_dim, head_dim_v, causal, width",
+    [(128, 128, True, 1), (64, 64, True, 1), (64, 64, False, 4), (256, 256, False, 2)],
+)
+def test_split_ctas_keep_the_step_and_add_the_parts_in_16_byte_accesses(tmp_path, head_dim, head_dim_v, causal, width):
+    """`split_ctas_max_parts`: the step loop keeps the whole CTAs' WGMMAs in flight, in registers;
+    the epilogue writes the part's dK and dV in 16-byte stores (one per 4 of the thread's values),
+    counts itself with one gpu-scope atomic and reads the other parts in 16-byte loads. (Head dim
+    192/128 keeps one register in local memory across that epilogue, outside the loop.)"""
+    config = f"bwd_config({head_dim}, {causal}, {width})"
+    args = f"'bf16', {head_dim}, {causal}, {width}, direction='bwd', head_dim_v={head_dim_v}, config=%s"
+    setup = "import dataclasses\nfrom flashmask3.optimized import bwd_config"
+    summaries = {}
+    for name, cfg in (("whole", config), ("split", f"dataclasses.replace({config}, split_ctas_max_parts=4)")):
+        sass = compiled_sass(tmp_path, name, "FlashMaskBackward", args % cfg, setup)
+        _, summaries[name] = hot_loop_in_registers(sass, name)
+        if name == "split":
+            values = 2 * 128 * head_dim // 256  # dK and dV, a key tile of 128 keys (48 at 256)
+            values = values * 48 // 128 if head_dim == 256 else values
+            assert sass.count("STG.E.128") == values // 4
+            assert sass.count("LDG.E.128") >= values // 4
+            assert sass.count("ATOMG.E.ADD.STRONG.GPU") == 1
+    # The same WGMMAs in flight; ptxas schedules the loop a little differently (-2 to +2% instructions).
+    assert summaries["split"].split(", ", 1)[1] == summaries["whole"].split(", ", 1)[1]
+    counts = [int(summaries[name].split()[2]) for name in ("split", "whole")]
+    assert abs(counts[0] - counts[1]) <= 0.02 * counts[1]
+
+
+def test_split_ctas_are_launched_in_short_grids_only(monkeypatch):
+    """The work table and the workspace go to the kernel (in place of the longest-first order) only
+    with `split_ctas_max_parts`, in a short grid, not in deterministic mode and not in a profiled
+    build; the table is built once per mask and the part counters share the dQ semaphores' memset."""
+    import torch
+    from flashmask3.optimized import bwd_config, interface
+    from flashmask3.reference import masks
+
+    launched = {}
+    monkeypatch.setattr(
+        interface, "_launch", lambda direction, *args, **kw: launched.setdefault(direction, []).append(args)
+    )
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 2)  # 8 CTAs: 4 waves, 8 slots
+    q = torch.randn(1, 512, 4, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, 512, 2, 64, dtype=torch.bfloat16)
+    mask = masks.build("causal_document", 512, batch=1, heads=1, seed=0)
+    split = dataclasses.replace(bwd_config(64, True, 1), longest_ctas_first_waves=4, split_ctas_max_parts=4)
+    runs = [
+        (split, False),
+        (split, False),
+        (split, True),
+        (dataclasses.replace(split, longest_ctas_first_waves=3), False),
+    ]
+    for config, deterministic in runs:
+        interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
+    tensors = [args[5] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
+    work, partials, counters = tensors[0][16:]
+    assert work.shape == (8 + 2 * 4, 4) and tensors[0][13] is None and tensors[1][16] is work
+    assert partials.shape == (8, 128 * (64 + 64)) and partials.dtype == torch.float32
+    assert counters.shape == (8,) and counters.untyped_storage() is not None
+    assert counters.data_ptr() == tensors[0][12].data_ptr() + 4 * tensors[0][12].numel()
+    assert torch.all(counters == 0)
+    for later in tensors[2:]:  # deterministic mode; a long grid
+        assert later[16:] == [None, None, None]
+
+
 def test_deterministic_backward_compiles_for_sm90a():
     from flashmask3.optimized import compile_check
 
@@ -292,6 +357,9 @@ def test_the_host_only_choices_compile_no_new_kernel():
     assert _device_part(fwd) == _device_part(dataclasses.replace(fwd, longest_tiles_first_waves=1))
     assert _device_part(bwd) == _device_part(dataclasses.replace(bwd, longest_ctas_first_waves=1))
     assert _device_part(bwd) == _device_part(dataclasses.replace(bwd, longest_ctas_first_buckets=16))
+    assert _device_part(bwd) == _device_part(
+        dataclasses.replace(bwd, split_ctas_max_parts=4, split_ctas_slack_pct=-100)
+    )
     assert _device_part(fwd) != _device_part(dataclasses.replace(fwd, late_k_release=False))
 
 

@@ -92,6 +92,8 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4_and_in_128_row_
             segment_steps=False,
             dq_writer=True,
             short_grid_q_stages=0,
+            split_ctas_max_parts=0,
+            split_ctas_slack_pct=2,
         )
 
 
@@ -176,6 +178,8 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "segment_steps": bool,
         "dq_writer": bool,
         "short_grid_q_stages": int,
+        "split_ctas_max_parts": int,
+        "split_ctas_slack_pct": int,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(

@@ -1,6 +1,6 @@
 """What the kernels take of the mask: key-block min/max (the mask role's input), the tile classes
-the mask role computes, the deterministic backward's dQ ranks and the backward's longest-first
-launch order (CPU check)."""
+the mask role computes, the deterministic backward's dQ ranks, the backward's longest-first
+launch order and its split CTAs' work table (CPU check)."""
 
 import pytest
 import torch
@@ -8,12 +8,14 @@ from flashmask3.optimized import tile_plan
 from flashmask3.optimized.segments import segment_plan
 from flashmask3.optimized.tile_plan import (
     backward_cta_steps,
+    backward_split_plan,
     block_minmax,
     cached_longest_first,
     dq_ranks,
     forward_tile_steps,
     full_mask,
     longest_first,
+    split_parts,
     tile_classes,
 )
 from flashmask3.reference import PARTIAL, SKIP, UNMASKED, ColumnMask, masks
@@ -220,3 +222,134 @@ def test_the_model_splits_a_long_cta_over_its_query_range():
 
     units = tail_model.split_long([3, 5, 9], over=4, fixed_us=1.0, step_us=2.0, reduce_us=0.5)
     assert units == [(0, 7.0), (1, 6.5), (1, 6.5), (2, 6.0), (2, 6.0), (2, 6.0), (2, 6.0)]
+
+
+def test_the_ctas_that_would_end_past_the_deadline_split():
+    """`split_parts` on 3 SMs, six 1-step CTAs then a 10-step one: costs 3 x 6 then 12, ideal 30 / 3
+    = 10. The last starts at 18 / 3 = 6 and would end at 18 (half of it at 12), the others by 8:
+    only it splits, in 4 with no slack, in 2 with 20% (deadline 12), not with 100% (deadline 20)."""
+    steps = torch.tensor([1] * 6 + [10], dtype=torch.int32)
+    assert split_parts(steps, 3, 4, 0, 28).tolist() == [1] * 6 + [4]
+    assert split_parts(steps, 3, 2, 0, 28).tolist() == [1] * 6 + [2]
+    assert split_parts(steps, 3, 4, 20, 28).tolist() == [1] * 6 + [2]
+    assert split_parts(steps, 3, 4, 100, 28).tolist() == [1] * 7
+    assert split_parts(steps, 3, 4, 0, 3).tolist() == [1] * 7  # its 4 parts pass the 3 slots
+    # Slack -100: a deadline of 0, every CTA splits up to the slots, the front first.
+    assert split_parts(steps, 3, 4, -100, 9).tolist() == [4, 4] + [1] * 5
+    assert split_parts(steps, 3, 2, -100, 5).tolist() == [2, 2] + [1] * 5
+    # 2 SMs, the long CTA first: ideal 27 / 2 = 13.5, it ends at 12; the last 1-step one, starting
+    # at 24 / 2 = 12, would end at 15 (half of it at 13.5, not past): it splits in 2.
+    steps = torch.tensor([10] + [1] * 5, dtype=torch.int32)
+    parts = split_parts(steps, 2, 4, 0, 8)
+    assert parts.dtype == torch.int32 and parts.tolist() == [1] * 5 + [2]
+    with pytest.raises(ValueError, match="max_parts"):
+        split_parts(steps, 2, 3, 0, 8)
+
+
+def per_head_causal_documents(seqlen: int, heads: int) -> ColumnMask:
+    """A causal-document mask with its own documents per head (seeds 0..heads-1)."""
+    built = [masks.build("causal_document", seqlen, seed=seed) for seed in range(heads)]
+    return ColumnMask(torch.cat([m.startend_row_indices for m in built], dim=1), True, seqlen)
+
+
+def check_split_plan(mask, batch, q_heads, kv_heads, sms, max_parts, slack_pct, slots) -> list[int]:
+    """Check `backward_split_plan` (tiles 64 x 128) against the tile classes read head by head; each
+    CTA's parts, in grid order."""
+    group, per_mask_head = q_heads // kv_heads, q_heads // mask.heads
+    seen = tile_classes(mask, 64, 128) != SKIP  # [Bm, Hm, Tm, Tn]
+    tiles_m = seen.shape[2]
+    lists = [  # per CTA in grid order, per query head of its group: its non-SKIP query tiles
+        [
+            seen[b % mask.batch, (h * group + g) // per_mask_head, :, n].nonzero().flatten().tolist()
+            for g in range(group)
+        ]
+        for b in range(batch)
+        for h in range(kv_heads)
+        for n in range(seen.shape[3])
+    ]
+    steps = backward_cta_steps(mask, batch, q_heads, kv_heads, 64, 128)
+    assert steps.tolist() == [sum(map(len, heads)) for heads in lists]
+    table = backward_split_plan(mask, batch, q_heads, kv_heads, 64, 128, sms, max_parts, slack_pct, slots)
+    assert table.dtype == torch.int32 and table.is_contiguous() and table.shape == (len(lists) + slots, 4)
+    rows = table.tolist()
+    live = sum(row[0] >= 0 for row in rows)
+    assert rows[live:] == [[-1, 0, 0, -1]] * (len(rows) - live)  # idle rows, only at the end
+    ctas = [row[0] for row in rows[:live]]
+    assert ctas == sorted(ctas) and set(ctas) == set(range(len(lists)))
+    parts = [ctas.count(cta) for cta in range(len(lists))]
+    assert parts == split_parts(steps, sms, max_parts, slack_pct, slots).tolist()
+    first_slot = 0
+    for cta, heads in enumerate(lists):
+        own = rows[ctas.index(cta) : ctas.index(cta) + parts[cta]]
+        bounds = [lo for _, lo, _, _ in own] + [own[-1][2]]
+        assert parts[cta] in (1, 2, 4) and parts[cta] <= max_parts
+        assert bounds[0] == 0 and bounds[-1] == tiles_m and bounds == sorted(bounds)
+        assert [hi for _, _, hi, _ in own[:-1]] == bounds[1:-1]  # contiguous: no gap, no overlap
+        for tiles in heads:  # the parts rebuild each head's list, in order
+            assert [m for _, lo, hi, _ in own for m in tiles if lo <= m < hi] == tiles
+        totals = [sum(lo <= m < hi for tiles in heads for m in tiles) for _, lo, hi, _ in own]
+        assert sum(totals) == steps[cta] and max(totals) - min(totals) <= group
+        if parts[cta] == 1:
+            assert own[0][3] == -1
+        else:  # one counter and consecutive slots per split CTA, after the earlier ones'
+            assert [split for *_, split in own] == [first_slot * 16 + p * 4 + parts[cta] - 1 for p in range(parts[cta])]
+            first_slot += parts[cta]
+    assert first_slot <= slots
+    return parts
+
+
+SPLIT_CASES = {  # mask, batch, q heads, KV heads; CTAs of 4 or 2 parts at 16 SMs and 2% slack
+    "gqa": (lambda: masks.build("causal_document", 2048, seed=1), 1, 16, 4, (10, 6)),
+    "mha": (lambda: masks.build("document", 2048, seed=2), 1, 8, 8, (6, 5)),
+    "gqa per-head": (lambda: per_head_causal_documents(2048, 16), 1, 16, 4, (12, 5)),
+    "mha per-head, ragged": (lambda: per_head_causal_documents(1000, 8), 1, 8, 8, (8, 5)),
+    "batch 2, batch-1 mask": (lambda: masks.build("share_question", 1000, seed=4), 2, 8, 2, (7, 9)),
+}
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_the_split_plan_cuts_the_long_ctas_into_balanced_parts(case):
+    """Per case, 16 SMs, 64 slots: with 4 parts at most and 2% slack, some CTAs split (in 4 or in
+    2); with 2 parts at most none has more; with slack -100 every CTA splits in `max_parts` until
+    the slots run out."""
+    build, batch, q_heads, kv_heads, (fours, twos) = SPLIT_CASES[case]
+    mask = build()
+    parts = check_split_plan(mask, batch, q_heads, kv_heads, 16, 4, 2, 64)
+    assert (parts.count(4), parts.count(2)) == (fours, twos)
+    assert max(check_split_plan(mask, batch, q_heads, kv_heads, 16, 2, 2, 64)) == 2
+    for max_parts in (4, 2):
+        parts = check_split_plan(mask, batch, q_heads, kv_heads, 16, max_parts, -100, 64)
+        assert parts == [max_parts] * (64 // max_parts) + [1] * (len(parts) - 64 // max_parts)
+
+
+@pytest.mark.parametrize("name, slots_used", [("causal_document", 366), ("causal", 438), ("full", 312)])
+def test_the_split_plan_at_32k_tokens_stays_within_its_slots(name, slots_used):
+    """32K tokens, 16 query heads on 4 KV heads, tiles 64 x 128, 132 SMs, 4 parts at most, 2% slack,
+    528 slots: the slots used, and each CTA's parts summing to its steps."""
+    mask = full_mask(1, 32768, 32768, "cpu") if name == "full" else masks.build(name, 32768, seed=0)
+    table = backward_split_plan(mask, 1, 16, 4, 64, 128, 132, 4, 2, 528)
+    cta, lo, hi, split = table.unbind(1)
+    assert int((split >= 0).sum()) == slots_used <= 528
+    seen = (~mask.block_skip(64, 128)).transpose(2, 3)[0, 0].int() * 4  # [Tn, Tm], 4 heads per KV head
+    prefix = torch.nn.functional.pad(seen.cumsum(1), (1, 0)).repeat(4, 1)  # [C, Tm + 1]
+    live = cta >= 0
+    totals = torch.zeros(4 * 256, dtype=torch.int64).index_add_(
+        0, cta[live].long(), prefix[cta[live].long(), hi[live].long()] - prefix[cta[live].long(), lo[live].long()]
+    )
+    assert torch.equal(totals, backward_cta_steps(mask, 1, 16, 4, 64, 128).long())
+
+
+def test_the_model_splits_the_ctas_that_the_plan_splits():
+    """tools/tail_model.py `split_fluid`: on 3 SMs the 10-step CTA after six 1-step ones splits in 4
+    (`split_parts`), each part paying the fixed and the reduce cost and a quarter of the steps. At
+    32K causal documents (16 query heads on 4 KV heads, 132 SMs, default costs) the makespan over
+    the ideal falls from grid order's 1.153 to 1.012."""
+    import tail_model
+
+    units = tail_model.split_fluid(torch.tensor([1] * 6 + [10]), 3, fixed_us=1.0, step_us=2.0)
+    assert units == [(cta, 3.0) for cta in range(6)] + [(6, 7.0)] * 4
+    steps = backward_cta_steps(masks.build("causal_document", 32768, seed=0), 1, 16, 4, 64, 128)
+    ideal = (3.4 + 2.5 * steps.double()).sum().item() / 132
+    grid = tail_model.makespan((3.4 + 2.5 * steps.double()).tolist(), 132)
+    split = tail_model.makespan([duration for _, duration in tail_model.split_fluid(steps, 132, 3.4, 2.5)], 132)
+    assert (round(grid / ideal, 3), round(split / ideal, 3)) == (1.153, 1.012)

@@ -14,10 +14,11 @@ SM busy to the end) in the kernel's order and longest first (`BwdConfig.longest_
 `FwdConfig.longest_tiles_first_waves`). `--orders` (backward): grid order, length classes
 (`BwdConfig.longest_ctas_first_buckets`), the exact sort, each KV head's CTAs sorted (the heads in
 grid order), the SM count's or three times its longest CTAs first, then grid order, and grid order
-with the long CTAs split over parts of their query range (none of these three is a kernel option),
-each with the mean number of (KV head, 64-row query tile) pairs that the CTAs running at a time
-read, an L2 footprint proxy (each pair is 256 KB of Q, dO and dQ accumulator at head dim 128 with
-four query heads per KV head). Default costs: the backward's profiled build at 8K (2.5 us per
+with the long CTAs split over parts of their query range, past a fixed step count or, as the split
+backward plans (`tile_plan.split_parts`), past the ideal makespan (none of these four is a kernel
+option), each with the mean number of (KV head, 64-row query tile) pairs that the CTAs running at a
+time read, an L2 footprint proxy (each pair is 256 KB of Q, dO and dQ accumulator at head dim 128
+with four query heads per KV head). Default costs: the backward's profiled build at 8K (2.5 us per
 step, ~1 us until K/V land plus ~2.4 us of epilogue per CTA); the forward's per-tile fit (1.7 us per
 key tile, 2 us per work tile).
 """
@@ -100,22 +101,37 @@ def backward_orders(
     runs = {name: [(i, durations[i]) for i in order] for name, order in orders.items()}
     for over in (128, 64):  # not a kernel option: long CTAs split by query range, in grid order
         runs[f"split > {over} steps"] = split_long(steps.tolist(), over, fixed_us, step_us)
+    runs["split fluid"] = split_fluid(steps, sms, fixed_us, step_us)
     for name, units in runs.items():
         spans = schedule([duration for _, duration in units], sms)
         pairs = footprint(spans, [reads[i] for i, _ in units])
         print(f"{name:18s} makespan / ideal {max(stop for _, stop in spans) / ideal:.3f}, footprint {pairs:.0f}")
 
 
-def split_long(steps: list[int], over: int, fixed_us: float, step_us: float, reduce_us: float = 1.0):
-    """(CTA, duration) units in grid order, a CTA of more than `over` steps split into 2 (more than
-    2 `over`: 4) CTAs over parts of its query range, each paying `fixed_us` plus `reduce_us` for
-    adding its partial dK and dV into fp32 accumulators."""
+def split_units(steps: list[int], parts: list[int], fixed_us: float, step_us: float, reduce_us: float = 1.0):
+    """(CTA, duration) units in grid order, a CTA split into its `parts` CTAs over parts of its
+    query range, each of a split CTA paying `fixed_us` plus `reduce_us` for adding its partial dK
+    and dV into fp32 accumulators."""
     units = []
-    for cta, count in enumerate(steps):
-        parts = 4 if count > 2 * over else 2 if count > over else 1
-        duration = fixed_us + (reduce_us if parts > 1 else 0.0) + step_us * count / parts
-        units += [(cta, duration)] * parts
+    for cta, (count, split) in enumerate(zip(steps, parts)):
+        duration = fixed_us + (reduce_us if split > 1 else 0.0) + step_us * count / split
+        units += [(cta, duration)] * split
     return units
+
+
+def split_long(steps: list[int], over: int, fixed_us: float, step_us: float, reduce_us: float = 1.0):
+    """`split_units` with a CTA of more than `over` steps split into 2 (more than 2 `over`: 4)."""
+    parts = [4 if count > 2 * over else 2 if count > over else 1 for count in steps]
+    return split_units(steps, parts, fixed_us, step_us, reduce_us)
+
+
+def split_fluid(steps: torch.Tensor, sms: int, fixed_us: float, step_us: float, slack_pct: int = 2):
+    """`split_units` with the parts the split backward's plan takes (`tile_plan.split_parts`, up to
+    4 parts and 4 dK/dV slots per SM): the CTAs that would end past the ideal makespan split."""
+    from flashmask3.optimized.tile_plan import split_parts
+
+    parts = split_parts(steps, sms, 4, slack_pct, 4 * sms)
+    return split_units(steps.tolist(), parts.tolist(), fixed_us, step_us)
 
 
 def wasted(steps: torch.Tensor, sms: int, fixed_us: float, step_us: float) -> tuple[float, float]:
