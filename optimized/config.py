@@ -274,7 +274,9 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%); at
     head dim 128 on segmented masks, the tiles aligned to the segments (`segments.py`, planned
     without a host sync; on an H100 +1.5-8.0% on the four document masks at 8K and 32K, but -1 to
-    -3.4% on masks without segments, hence only on the hint)."""
+    -3.4% on masks without segments, hence only on the hint); at head dims 192 and 256, O stored
+    from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.9-6.0% at 256,
+    +1.0-4.6% at 192/128 on full, causal, causal documents and documents)."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
@@ -291,7 +293,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=head_dim == 128 and segmented,
-        o_from_registers=False,
+        o_from_registers=head_dim > 128,
     )
 
 

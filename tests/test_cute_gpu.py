@@ -526,7 +526,7 @@ def test_o_from_registers_gives_the_staged_stores_numbers(name, head_dim, head_d
         2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=43, head_dim_v=head_dim_v
     )
     staged = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
-    staged = dataclasses.replace(staged, segment_tiles=segments)
+    staged = dataclasses.replace(staged, segment_tiles=segments, o_from_registers=False)
     results = []
     for config in (staged, dataclasses.replace(staged, o_from_registers=True)):
         out = torch.full((2, seqlen, 4, head_dim_v), math.nan, device="cuda").bfloat16()
@@ -553,7 +553,7 @@ def test_o_from_registers_frees_q_of_a_work_tile_with_no_key_tile(head_dim, head
     q, k, v, _ = random_inputs(
         2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=47, head_dim_v=head_dim_v
     )
-    staged = fwd_config(head_dim, False, 2)
+    staged = dataclasses.replace(fwd_config(head_dim, False, 2), o_from_registers=False)
     out, lse = forward(q, k, v, mask, scale, config=staged)
     direct, direct_lse = forward(q, k, v, mask, scale, config=dataclasses.replace(staged, o_from_registers=True))
     assert torch.equal(out, direct) and torch.equal(lse, direct_lse)
