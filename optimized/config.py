@@ -320,7 +320,10 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     writer, at head dim 128 on the causal masks with one bound per key, short grids (the CTAs
     longest first) take two Q/dO stages (on an H100 at the training shape fwd+bwd +6.2-6.7% on
     causal documents, +10.8-10.9% share-question, +3.2% causal, -3.9% sliding window; at 8K, in
-    grid order, two and three within 1.6%).
+    grid order, two and three within 1.6%). At head dim 128, short grids keep grid order and split
+    their long CTAs in up to four parts (on an H100 at the training shape fwd+bwd +6.5% on causal
+    documents and share-question, +2.2% documents, +2.9% full, -0.6 to -0.8% on prefix-LM documents
+    and causal, against the length classes; two parts at most: -8.6 to +3.9%).
     Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
     thread; read after the S GEMM, the width-4 build at 192 spills)."""
@@ -341,7 +344,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
         segment_steps=False,
         dq_writer=not ((head_dim == 192 and mask_width == 4) or rows_128_no_writer),  # their consumers spill with it
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
-        split_ctas_max_parts=0,
+        split_ctas_max_parts=4 if head_dim == 128 and not deterministic else 0,
         split_ctas_slack_pct=2,
     )
 
