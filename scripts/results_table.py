@@ -39,7 +39,13 @@ PEER_NAMES = {
 # (oldest first) in bench/results/.
 README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
-        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads",
+        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads, against FA4 "
+        "(on an H100 80GB HBM3)",
+        ("bwd_bench_train_32k_split_ctas_fa4_h100.json",),
+    ),
+    (
+        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads "
+        "(before the split CTAs)",
         ("bwd_bench_train_32k_peers_h200.json",),
     ),
     (
