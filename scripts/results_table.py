@@ -44,8 +44,7 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("bwd_bench_train_32k_split_ctas_fa4_h100.json",),
     ),
     (
-        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads "
-        "(before the split CTAs)",
+        "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (before the split CTAs)",
         ("bwd_bench_train_32k_peers_h200.json",),
     ),
     (
