@@ -34,7 +34,9 @@ inputs from the batch and its mask (the ColumnMask is built on the host and move
 a data loader would), peak memory (a step's peak over what other backends hold), model TFLOP/s and MFU
 (6 FLOPs per linear weight per token plus 3x the forward FLOPs of the attended pairs, over
 `peak_tflops`), and the loss of every step. Then a summary JSON (each run's numbers and its largest loss difference from
-the first) and the loss curves' plot, both named after the mask and length. `logging=wandb` adds an
+the first) and the loss curves' plot, both named after the mask and length. With
+`train.profile_steps=N` each backend trains N more steps under torch's profiler, untimed, and its
+record lists the kernels by device time per step ("profile"; on the CPU, ops by host time). `logging=wandb` adds an
 offline wandb run per backend. A backend that fails (out of memory, a missing package) leaves its
 error in its record and the others run; the exit code is then 2. A backend that cannot express the
 mask (fa4_varlen on share_question or prefix_lm_document) is skipped, with a line and a summary row
@@ -465,6 +467,9 @@ def train_backend(cfg: DictConfig, name: str) -> dict:
                 trainer.step(step, make_batch(cfg.data, cfg.model.vocab_size, cfg.seed, step))
             _synchronize(device)
         record |= trainer.results(wall_seconds=time.perf_counter() - timed_start)
+        if cfg.train.profile_steps:
+            with timed_attention(trainer.backend.attn_implementation, trainer.timer):
+                record["profile"] = trainer.profile(cfg.train.profile_steps)
     except Exception as exc:  # out of memory or a missing package is a result for this backend
         record["error"] = error_string(exc)
     return record
@@ -499,8 +504,10 @@ def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
         _synchronize(device)
-    for name, trainer in trainers.items():
-        records[name] |= trainer.results(wall_seconds=None)
+        for name, trainer in trainers.items():
+            records[name] |= trainer.results(wall_seconds=None)
+            if cfg.train.profile_steps:
+                records[name]["profile"] = trainer.profile(cfg.train.profile_steps)
     return [records[name] for name in names]
 
 
@@ -564,6 +571,33 @@ class Trainer:
         self.attention_spans.append(self.timer.take_spans())
         if cuda:
             self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated() - before)
+
+    def profile(self, steps: int, top: int = 40) -> list[dict]:
+        """`steps` more steps (after the timed ones, so their results leave them out) under torch's
+        profiler: the `top` kernels by device time (on the CPU, ops by their own host time), most
+        first, each with its calls and milliseconds per step, and "(all)" first: where a step's
+        time goes, the attention kernels beside the rest and beside another backend's."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        first = len(self.losses)
+        batches = [make_batch(self.cfg.data, self.cfg.model.vocab_size, self.cfg.seed, first + i) for i in range(steps)]
+        _synchronize(self.device)
+        with profile(activities=activities) as profiler:
+            for i, batch in enumerate(batches):
+                self.step(first + i, batch)
+            _synchronize(self.device)
+        rows = []
+        for event in profiler.key_averages():
+            if cuda and event.device_type != DeviceType.CUDA:
+                continue
+            micros = event.self_device_time_total if cuda else event.self_cpu_time_total
+            rows.append({"name": event.key[:160], "calls": event.count // steps, "ms": micros / 1e3 / steps})
+        rows.sort(key=lambda row: -row["ms"])
+        total = {"name": "(all)", "calls": sum(r["calls"] for r in rows), "ms": sum(r["ms"] for r in rows)}
+        return [total, *rows[:top]]
 
     def resident_bytes(self) -> int:
         """The bytes this backend keeps between steps: its weights and optimizer state (created in
@@ -755,6 +789,8 @@ def check_config(cfg: DictConfig) -> None:
         )
     if not isinstance(cfg.train.take_turns, bool):
         raise ValueError(f"train.take_turns must be true or false, got {cfg.train.take_turns!r}")
+    if not isinstance(cfg.train.profile_steps, int) or cfg.train.profile_steps < 0:
+        raise ValueError(f"train.profile_steps must be an integer >= 0, got {cfg.train.profile_steps!r}")
     if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device={cfg.device}, but torch {torch.__version__} sees no CUDA GPU (the CPU: preset=cpu)")
     if cfg.logging.wandb.enabled:

@@ -113,6 +113,7 @@ def test_batches_masks_and_targets(mask):
         (["data.mask=causal"], "data.mask must be one of"),
         (["train.warmup_steps=20"], "train.warmup_steps must be in"),
         (["train.take_turns=yes"], "train.take_turns must be true or false, got 'yes'"),
+        (["train.profile_steps=-1"], "train.profile_steps must be an integer >= 0, got -1"),
     ],
 )
 def test_settings_it_cannot_take_are_refused_before_training(overrides, match):
@@ -153,6 +154,21 @@ def test_backends_taking_turns_train_the_curves_they_train_alone(tmp_path):
         name = record["backend"]
         (alone,) = train_e2e.run(config([f"logging.out_dir={tmp_path / name}", f"backends=[{name}]", *overrides]))
         assert not alone["took_turns"] and record["losses"] == alone["losses"]
+
+
+@pytest.mark.parametrize("take_turns", [True, False])
+def test_profile_steps_list_each_backends_ops_after_the_timed_steps(tmp_path, take_turns):
+    """`train.profile_steps`: that many more steps per backend under torch's profiler, after the
+    timed ones (the record's steps and losses are the timed run's): the ops by time per step, the
+    total first, the matrix products among them."""
+    overrides = ["train.steps=3", "train.warmup_steps=1", "train.profile_steps=2", f"train.take_turns={take_turns}"]
+    records = train_e2e.run(config([f"logging.out_dir={tmp_path}", "backends=[fm3,sdpa]", *overrides]))
+    for record in records:
+        total, *rows = record["profile"]
+        assert total["name"] == "(all)" and total["ms"] >= sum(r["ms"] for r in rows) > 0
+        assert [r["ms"] for r in rows] == sorted((r["ms"] for r in rows), reverse=True)
+        assert any(r["name"] == "aten::mm" and r["calls"] > 0 for r in rows)
+        assert len(record["losses"]) == 3 and len(record["step_ms"]) == 2
 
 
 def test_a_backend_that_fails_while_taking_turns_leaves_them(tmp_path, monkeypatch):
