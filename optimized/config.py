@@ -321,9 +321,10 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     longest first) take two Q/dO stages (on an H100 at the training shape fwd+bwd +6.2-6.7% on
     causal documents, +10.8-10.9% share-question, +3.2% causal, -3.9% sliding window; at 8K, in
     grid order, two and three within 1.6%). At head dim 128, short grids keep grid order and split
-    their long CTAs in up to four parts (on an H100 at the training shape fwd+bwd +6.5% on causal
-    documents and share-question, +2.2% documents, +2.9% full, -0.6 to -0.8% on prefix-LM documents
-    and causal, against the length classes; two parts at most: -8.6 to +3.9%).
+    their long CTAs in up to four parts (on an H100 at the training shape fwd+bwd, three runs against
+    the length classes: +5.1 to +6.5% on causal documents and share-question, about -1% on average
+    on documents and prefix-LM documents, +0.3 to +2.9% full, -0.8 to +1.9% causal; two parts at
+    most: -8.6 to +3.9%; at head dim 64, -3 to -5% on the document masks).
     Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
     thread; read after the S GEMM, the width-4 build at 192 spills)."""
