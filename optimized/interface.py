@@ -38,7 +38,7 @@ from .segments import cached_segment_plan, forward_virtual_length, query_tile_ro
 from .tile_plan import (
     backward_cta_steps,
     backward_split_plan,
-    block_minmax,
+    cached_block_minmax,
     cached_longest_first,
     dq_ranks,
     forward_tile_steps,
@@ -290,7 +290,7 @@ def forward(
             plan = cached_segment_plan(mask, synced=False)
             mask, tile_rows = plan.mask, plan.tile_rows
     row_indices = mask.startend_row_indices.contiguous()
-    bounds = block_minmax(mask, config.tile_n)
+    bounds = cached_block_minmax(mask, config.tile_n)
     q, k, v = (tma_operand(x) for x in (q, k, v))
     dv = v.shape[-1]
     out = q.new_empty(b, sq, hq, dv) if out is None else out
@@ -431,7 +431,7 @@ def backward(
             mask = plan.mask
     row_indices = mask.startend_row_indices.contiguous()
     tiles_m = -(-mask.seqlen_q // tile_m)
-    bounds = block_minmax(mask, tile_n)
+    bounds = cached_block_minmax(mask, tile_n)
     # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
     ranks = dq_ranks(mask, tile_m, tile_n) if deterministic else bounds[:1, :1, :1]
     q, k, v, dout = (tma_operand(x) for x in (q, k, v, dout))

@@ -1,7 +1,8 @@
 """What the kernels need of the mask beyond `startend_row_indices`, computed on the mask's device.
 
 - `block_minmax`: per key tile, the min and max of each boundary column (one reduction, O(Sk)):
-  the input of the kernels' mask role (mask_role.py), which classifies the tiles in-kernel.
+  the input of the kernels' mask role (mask_role.py), which classifies the tiles in-kernel;
+  `cached_block_minmax` keeps it per mask.
 - `tile_classes`: the classes the mask role computes, in torch (FlashMask's rule as
   `ColumnMask.block_classes` defines it, plus the ragged last key tile), O(B * Hm * Tm * Tn).
 - `dq_ranks`: for the deterministic backward, each key tile's place among the key tiles a query
@@ -226,6 +227,12 @@ def kept_per_mask(mask: ColumnMask, key: Hashable, compute: Callable[[], T], kee
     if entry is None or entry[0] != state:
         entry = kept[key] = (state, compute())
     return entry[1]
+
+
+def cached_block_minmax(mask: ColumnMask, tile_n: int) -> torch.Tensor:
+    """`block_minmax(mask, tile_n)`, kept per mask by `kept_per_mask`: computed once for the layers
+    of a training step (their calls share the mask), not at every call, forward and backward."""
+    return kept_per_mask(mask, ("block_minmax", tile_n), lambda: block_minmax(mask, tile_n), keep_unversioned=False)
 
 
 def cached_longest_first(

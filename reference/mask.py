@@ -162,9 +162,16 @@ class ColumnMask(MaskConstructors):
         """The device of `startend_row_indices`."""
         return self.startend_row_indices.device
 
-    def to(self, device: torch.device | str) -> ColumnMask:
-        """The same mask with its boundaries on `device` (unchecked: they are already valid)."""
-        return ColumnMask._unchecked(self.startend_row_indices.to(device), self.causal, self.seqlen_q, self.segmented)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ColumnMask:
+        """The same mask with its boundaries on `device` (unchecked: they are already valid);
+        `non_blocking` as `torch.Tensor.to`: from pinned memory (`pin_memory`) the copy does not
+        wait for the GPU, so a data loader's host stays ahead of the training step."""
+        idx = self.startend_row_indices.to(device, non_blocking=non_blocking)
+        return ColumnMask._unchecked(idx, self.causal, self.seqlen_q, self.segmented)
+
+    def pin_memory(self) -> ColumnMask:
+        """The same mask with its boundaries in page-locked host memory (for `to(..., non_blocking=True)`)."""
+        return ColumnMask._unchecked(self.startend_row_indices.pin_memory(), self.causal, self.seqlen_q, self.segmented)
 
     def check_compatible(self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int) -> None:
         """Raise a ValueError naming the mismatch if this mask cannot apply to q/k of these sizes."""

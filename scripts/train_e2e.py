@@ -101,14 +101,22 @@ class PackedBatch:
     max_document: int  # the longest document (varlen's max_seqlen)
 
     def to(self, device: torch.device) -> PackedBatch:
+        """On `device`; to a GPU from pinned memory without waiting for it, as a data loader with
+        `pin_memory=True` copies (the host stays ahead of the steps it queues)."""
         return dataclasses.replace(
             self,
             **{
-                field.name: getattr(self, field.name).to(device)
+                field.name: _to_device(getattr(self, field.name), device)
                 for field in dataclasses.fields(self)
                 if isinstance(getattr(self, field.name), torch.Tensor)
             },
         )
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class _Row:
@@ -551,8 +559,9 @@ class Trainer:
         host_mask = column_mask(cfg.data.mask, host_batch)
         self.densities.append(host_mask.density())
         self.flops.append(model_flops(self.linear_weights, config, cfg.data.batch, cfg.data.seqlen, self.densities[-1]))
-        batch, mask = host_batch.to(self.device), host_mask.to(self.device)
+        batch = host_batch.to(self.device)
         cuda = self.device.type == "cuda"
+        mask = host_mask.pin_memory().to(self.device, non_blocking=True) if cuda else host_mask.to(self.device)
         if cuda:  # the step's peak over what was allocated before it (other backends' models too)
             before = torch.cuda.memory_allocated() - self.resident_bytes()
             torch.cuda.reset_peak_memory_stats()

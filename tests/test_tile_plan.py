@@ -10,6 +10,7 @@ from flashmask3.optimized.tile_plan import (
     backward_cta_steps,
     backward_split_plan,
     block_minmax,
+    cached_block_minmax,
     cached_longest_first,
     dq_ranks,
     forward_tile_steps,
@@ -33,6 +34,22 @@ def test_block_minmax_is_the_min_then_max_of_each_column_per_key_tile(name, seql
         keys = idx[:, :, n * 128 : (n + 1) * 128]
         assert torch.equal(bounds[:, :, n, :width], keys.amin(2))
         assert torch.equal(bounds[:, :, n, width:], keys.amax(2))
+
+
+def test_the_block_minmax_is_kept_per_mask_and_recomputed_after_an_in_place_change():
+    """`cached_block_minmax`: the layers' calls with one mask get the same tensor; an in-place
+    change of the boundaries (a new version) gives the new min/max; an inference tensor (no
+    version) is computed at every call."""
+    mask = masks.build("causal_document", 1000, batch=1, heads=1, seed=3)
+    first = cached_block_minmax(mask, 128)
+    assert torch.equal(first, block_minmax(mask, 128)) and cached_block_minmax(mask, 128) is first
+    assert torch.equal(cached_block_minmax(mask, 64), block_minmax(mask, 64))  # kept per tile size
+    mask.startend_row_indices[..., 5, 0] = 999
+    changed = cached_block_minmax(mask, 128)
+    assert changed is not first and torch.equal(changed, block_minmax(mask, 128))
+    with torch.inference_mode():
+        frozen = ColumnMask(mask.startend_row_indices.clone(), True, 1000)
+        assert cached_block_minmax(frozen, 128) is not cached_block_minmax(frozen, 128)
 
 
 @pytest.mark.parametrize("seqlen", [1024, 1000])
