@@ -66,8 +66,10 @@ def attention(
         softmax_scale: scale of q.k, a finite float; default 1/sqrt(D), D being q's (and k's)
             head dim.
         return_lse: also return the log-sum-exp of the scaled scores, fp32 [B, Hq, Sq].
-        deterministic: the cute backward adds dQ in a fixed order, so gradients are bitwise
-            identical run to run (slightly slower); the reference is deterministic anyway; sdpa
+        deterministic: the cute backward adds dQ in a fixed order (and keeps its key tiles'
+            dK and dV whole, never split over several CTAs), so gradients are bitwise identical
+            run to run (slightly slower; without it dQ's adds, and where a long key tile is split
+            its dK and dV, sum in the order the GPU runs them); the reference is deterministic anyway; sdpa
             and flex run their own backward as it is (also where "auto" falls back to flex).
         sinks: learnable attention sinks (gpt-oss): a floating-point tensor [Hq] on q's device,
             one logit per query head (GQA: per query head, not per kv head), any float dtype; it

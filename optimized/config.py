@@ -320,11 +320,13 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     writer, at head dim 128 on the causal masks with one bound per key, short grids (the CTAs
     longest first) take two Q/dO stages (on an H100 at the training shape fwd+bwd +6.2-6.7% on
     causal documents, +10.8-10.9% share-question, +3.2% causal, -3.9% sliding window; at 8K, in
-    grid order, two and three within 1.6%). At head dim 128, short grids keep grid order and split
-    their long CTAs in up to four parts (on an H100 at the training shape fwd+bwd, three runs against
-    the length classes: +5.1 to +6.5% on causal documents and share-question, about -1% on average
-    on documents and prefix-LM documents, +0.3 to +2.9% full, -0.8 to +1.9% causal; two parts at
-    most: -8.6 to +3.9%; at head dim 64, -3 to -5% on the document masks).
+    grid order, two and three within 1.6%). At head dim 128 on the causal masks with one bound per
+    key, short grids keep grid order and split their long CTAs in up to four parts (on an H100 at
+    the training shape fwd+bwd, three runs against the length classes: +5.1 to +6.5% on causal
+    documents and share-question, +5.6% sliding window, -0.8 to +1.9% causal; two parts at most:
+    -8.6 to +3.9%); not on the non-causal masks (documents and prefix-LM documents about -1% on
+    average, full +0.3 to +2.9%), nor where its build spills (two bounds per key, causal), nor at
+    head dim 64 (-3 to -5% on the document masks).
     Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
     thread; read after the S GEMM, the width-4 build at 192 spills)."""
@@ -345,7 +347,8 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
         segment_steps=False,
         dq_writer=not ((head_dim == 192 and mask_width == 4) or rows_128_no_writer),  # their consumers spill with it
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
-        split_ctas_max_parts=4 if head_dim == 128 and not deterministic else 0,
+        # Its non-causal and two-bound builds hold more registers than their loops have (spills).
+        split_ctas_max_parts=4 if head_dim == 128 and causal and mask_width == 1 and not deterministic else 0,
         split_ctas_slack_pct=2,
     )
 

@@ -21,9 +21,12 @@ def _hopper_only():
 def assert_same_gradients(inputs: tuple, first, second) -> tuple[torch.Tensor, ...]:
     """The backward under configs `first` and `second` on `inputs` (dout, q, k, v, out, lse, mask,
     scale) for configurations that change only when or where the work runs: dK and dV bit for bit,
-    dQ within the fp32 add order's rounding, deterministic mode bit for bit. Returns `second`'s."""
+    dQ within the fp32 add order's rounding, deterministic mode bit for bit. Returns `second`'s.
+    Both run with whole CTAs: split ones add dK and dV in the order their parts finish
+    (`test_split_ctas_match_the_reference` checks them)."""
     from flashmask3.optimized.interface import backward
 
+    first, second = (dataclasses.replace(config, split_ctas_max_parts=0) for config in (first, second))
     dq, dk, dv = backward(*inputs, config=first)
     dq2, dk2, dv2 = backward(*inputs, config=second)
     assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
@@ -71,7 +74,11 @@ def test_longest_first_orders_give_the_default_orders_numbers(name, mask_batch):
     mask = masks.build(name, seqlen, batch=mask_batch, heads=4, seed=11, device="cuda")
     q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, "cuda", seed=11)
     variant = (mask.causal, mask.startend_row_indices.shape[-1])
-    fwd_default, bwd_default = fwd_config(128, *variant), bwd_config(128, *variant)
+    # Whole CTAs: split ones add dK and dV in the order their parts finish.
+    fwd_default, bwd_default = (
+        fwd_config(128, *variant),
+        dataclasses.replace(bwd_config(128, *variant), split_ctas_max_parts=0),
+    )
     fwd_grid = dataclasses.replace(fwd_default, longest_tiles_first_waves=0)
     bwd_grid = dataclasses.replace(bwd_default, longest_ctas_first_waves=0)
     out, lse = forward(q, k, v, mask, scale, config=fwd_grid)
@@ -297,7 +304,9 @@ def test_split_ctas_match_the_reference(name, head_dim, head_dim_v, slack_pct):
     q, k, v, dout = random_inputs(
         2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=41, head_dim_v=head_dim_v
     )
-    whole = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
+    whole = dataclasses.replace(
+        bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]), split_ctas_max_parts=0
+    )
     split = dataclasses.replace(whole, split_ctas_max_parts=4, split_ctas_slack_pct=slack_pct)
     out, lse = reference.forward(q, k, v, mask, scale, torch.float64)
     exact = reference.backward(dout, q, k, v, out, lse, mask, scale, torch.float64)

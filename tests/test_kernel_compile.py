@@ -538,7 +538,8 @@ def test_only_the_mask_role_reads_the_longest_first_order(tmp_path):
 def test_segment_tiles_keep_the_loop_in_registers(tmp_path, head_dim, causal, width):
     """`segment_tiles` (loads from each tile's real first row, a segment's last tile stored row by
     row): no local memory, the loop's WGMMAs in flight, as many as the sequence tiles' loop, and
-    the row-by-row store's 16-byte global stores (STG.E.128) beside the TMA store."""
+    the row-by-row store's 16-byte global stores (STG.E.128) beside the TMA store; at 256, whose O
+    leaves from registers (8-byte stores, a segment's rows predicated), neither."""
     setup = "import dataclasses; from flashmask3.optimized import fwd_config"
     config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), segment_tiles=True)"
     name = f"segments_{head_dim}_{causal}_{width}"
@@ -546,7 +547,10 @@ def test_segment_tiles_keep_the_loop_in_registers(tmp_path, head_dim, causal, wi
     _, summary = hot_loop_in_registers(sass, name)
     hgmma = {128: 32, 256: 40}[head_dim]
     assert f" {hgmma} HGMMA" in summary, summary
-    assert "STG.E.128" in sass and "UTMASTG" in sass
+    if head_dim == 256:
+        assert "STG.E.64" in sass and "UTMASTG" not in sass
+    else:
+        assert "STG.E.128" in sass and "UTMASTG" in sass
 
 
 @pytest.mark.slow  # compiles and disassembles six forwards, ~60 s
@@ -680,12 +684,14 @@ def test_forward_timeline_build_compiles():
 def test_the_turn_profile_marks_each_segment_with_the_loop_in_registers(tmp_path, head_dim, causal, width, segmented):
     """The turn-profiled build (`forward(..., turn_profile=...)`) reads the SM clock once per segment
     of a steady-state turn (9) and once before the loop, with no local memory and its WGMMAs in
-    flight (the default build has none of it: the fingerprints test); on segment tiles too."""
+    flight (the default build has none of it: the fingerprints test); on segment tiles too. At 256,
+    where O leaves from registers and Q's buffer is freed after the last S GEMM, ptxas copies two
+    of the turn's reads into the branch that frees it (12 in all)."""
     name = f"turn_profile_{head_dim}_{causal}_{width}_{segmented}"
     args = f"'bf16', {head_dim}, {causal}, {width}, turn_profile=True, segmented={segmented}"
     sass = compiled_sass(tmp_path, name, "FlashMaskForward", args)
     hot_loop_in_registers(sass, name)
-    assert sass.count("SR_CLOCKLO") == 10
+    assert sass.count("SR_CLOCKLO") == (12 if head_dim == 256 else 10)
 
 
 def test_the_turn_profile_is_refused_at_192_row_tiles_and_needs_a_row_per_cta(monkeypatch):
