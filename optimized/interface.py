@@ -444,15 +444,17 @@ def backward(
     dk = k.new_empty(k.shape) if dk is None else dk  # contiguous, whatever the inputs' strides
     dv = v.new_empty(v.shape) if dv is None else dv
     order, split = None, [None, None, None]
-    sms = _sm_count(q.device)
+    sms, ctas = _sm_count(q.device), backward_ctas(k, config, mask.seqlen_k)
     # Deterministic mode keeps the grid order: its key tiles wait for the ones before them.
-    short_grid = backward_ctas(k, config, mask.seqlen_k) <= config.longest_ctas_first_waves * sms
-    split_ctas = config.split_ctas_max_parts > 0 and not config.segment_steps and timeline is None
-    slots = SPLIT_CTA_SLOTS_PER_SM * sms if split_ctas else 0
-    # One memset: the dQ semaphores, then the split CTAs' counters.
-    counters = torch.zeros(b * hq * tiles_m + slots, dtype=torch.int32, device=q.device)
-    semaphore = counters[: b * hq * tiles_m].view(b, hq, tiles_m)
-    if not (deterministic or uniform_work) and short_grid:
+    short_grid = ctas <= config.longest_ctas_first_waves * sms and not (deterministic or uniform_work)
+    split_ctas = short_grid and config.split_ctas_max_parts > 0 and not config.segment_steps and timeline is None
+    # The parts' slots: at most four per SM, and never more than every CTA's parts.
+    slots = min(SPLIT_CTA_SLOTS_PER_SM * sms, config.split_ctas_max_parts * ctas) if split_ctas else 0
+    # One memset: the dQ semaphores, then (16-byte aligned, as every kernel tensor) the split CTAs' counters.
+    semaphores = b * hq * tiles_m
+    counters = torch.zeros(-(-semaphores // 4) * 4 + slots, dtype=torch.int32, device=q.device)
+    semaphore = counters[:semaphores].view(b, hq, tiles_m)
+    if short_grid:
         if split_ctas:  # grid order, the long CTAs split
             parts, slack = config.split_ctas_max_parts, config.split_ctas_slack_pct
             split[0] = kept_per_mask(
@@ -461,7 +463,7 @@ def backward(
                 lambda: backward_split_plan(mask, b, hq, hkv, tile_m, tile_n, sms, parts, slack, slots),
             )
             split[1] = torch.empty(slots, tile_n * (d + head_dim_v), dtype=torch.float32, device=q.device)
-            split[2] = counters[b * hq * tiles_m :]
+            split[2] = counters[-slots:]
         else:
             key = ("bwd", b, hq, hkv, tile_m, tile_n)
             order = cached_longest_first(

@@ -186,7 +186,9 @@ def test_split_ctas_keep_the_step_and_add_the_parts_in_16_byte_accesses(tmp_path
 def test_split_ctas_are_launched_in_short_grids_only(monkeypatch):
     """The work table and the workspace go to the kernel (in place of the longest-first order) only
     with `split_ctas_max_parts`, in a short grid, not in deterministic mode and not in a profiled
-    build; the table is built once per mask and the part counters share the dQ semaphores' memset."""
+    build; the table is built once per mask and the part counters share the dQ semaphores' memset,
+    16-byte aligned behind them (as the kernels take every tensor), and there are at most as many
+    slots as the CTAs' parts."""
     import torch
     from flashmask3.optimized import bwd_config, interface
     from flashmask3.reference import masks
@@ -212,11 +214,18 @@ def test_split_ctas_are_launched_in_short_grids_only(monkeypatch):
     work, partials, counters = tensors[0][16:]
     assert work.shape == (8 + 2 * 4, 4) and tensors[0][13] is None and tensors[1][16] is work
     assert partials.shape == (8, 128 * (64 + 64)) and partials.dtype == torch.float32
-    assert counters.shape == (8,) and counters.untyped_storage() is not None
+    assert counters.shape == (8,) and torch.all(counters == 0)
     assert counters.data_ptr() == tensors[0][12].data_ptr() + 4 * tensors[0][12].numel()
-    assert torch.all(counters == 0)
     for later in tensors[2:]:  # deterministic mode; a long grid
         assert later[16:] == [None, None, None]
+    # 2 query heads of 3 query tiles (128 rows): 6 semaphores, the counters from the 8th int; 6 CTAs.
+    q, k, v = torch.randn(3, 1, 320, 2, 64, dtype=torch.bfloat16)
+    mask = masks.build("causal_document", 320, batch=1, heads=1, seed=0)
+    interface.backward(q, q, k, v, q, torch.zeros(1, 2, 320), mask, 0.125, config=split)
+    tensors = launched["bwd"][-1][5]
+    semaphore, (work, _, counters) = tensors[12], tensors[16:]
+    assert semaphore.numel() == 6 and counters.data_ptr() == semaphore.data_ptr() + 4 * 8
+    assert counters.data_ptr() % 16 == 0 and counters.shape == (8,) and work.shape == (6 + 8, 4)
 
 
 def test_deterministic_backward_compiles_for_sm90a():
