@@ -59,6 +59,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import hydra
 import numpy as np
@@ -75,6 +76,8 @@ from flashmask3.bench import attention_flops, error_string, git_commit
 from flashmask3.experiment import environment
 from flashmask3.integrations import hf
 from flashmask3.peers import flex_block_mask
+
+TensorOrMask = TypeVar("TensorOrMask", torch.Tensor, ColumnMask)
 
 MASKS = ("causal_document", "share_question", "prefix_lm_document")
 IGNORE_INDEX = -100  # HF's label for tokens without a loss
@@ -113,10 +116,11 @@ class PackedBatch:
         )
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _to_device(host: TensorOrMask, device: torch.device) -> TensorOrMask:
+    """`host` (a tensor or a ColumnMask) on `device`; to a GPU through pinned memory, not waiting."""
     if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class _Row:
@@ -515,7 +519,10 @@ def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
         for name, trainer in trainers.items():
             records[name] |= trainer.results(wall_seconds=None)
             if cfg.train.profile_steps:
-                records[name]["profile"] = trainer.profile(cfg.train.profile_steps)
+                try:
+                    records[name]["profile"] = trainer.profile(cfg.train.profile_steps)
+                except Exception as exc:  # its timed results stand; the others still profile
+                    records[name]["profile_error"] = error_string(exc)
     return [records[name] for name in names]
 
 
@@ -559,9 +566,8 @@ class Trainer:
         host_mask = column_mask(cfg.data.mask, host_batch)
         self.densities.append(host_mask.density())
         self.flops.append(model_flops(self.linear_weights, config, cfg.data.batch, cfg.data.seqlen, self.densities[-1]))
-        batch = host_batch.to(self.device)
+        batch, mask = host_batch.to(self.device), _to_device(host_mask, self.device)
         cuda = self.device.type == "cuda"
-        mask = host_mask.pin_memory().to(self.device, non_blocking=True) if cuda else host_mask.to(self.device)
         if cuda:  # the step's peak over what was allocated before it (other backends' models too)
             before = torch.cuda.memory_allocated() - self.resident_bytes()
             torch.cuda.reset_peak_memory_stats()
