@@ -126,11 +126,14 @@ def split_long(steps: list[int], over: int, fixed_us: float, step_us: float, red
 
 
 def split_fluid(steps: torch.Tensor, sms: int, fixed_us: float, step_us: float, slack_pct: int = 2):
-    """`split_units` with the parts the split backward's plan takes (`tile_plan.split_parts`, up to
-    4 parts and 4 dK/dV slots per SM): the CTAs that would end past the ideal makespan split."""
+    """`split_units` with the parts the split backward's plan takes (`tile_plan.split_parts`, with
+    `bwd_config`'s parts at head dim 128 and `SPLIT_CTA_SLOTS_PER_SM`): the CTAs that would end
+    past the ideal makespan split."""
+    from flashmask3.optimized.config import SPLIT_CTA_SLOTS_PER_SM, bwd_config
     from flashmask3.optimized.tile_plan import split_parts
 
-    parts = split_parts(steps, sms, 4, slack_pct, 4 * sms)
+    max_parts = bwd_config(128, True, 1).split_ctas_max_parts
+    parts = split_parts(steps, sms, max_parts, slack_pct, SPLIT_CTA_SLOTS_PER_SM * sms)
     return split_units(steps.tolist(), parts.tolist(), fixed_us, step_us)
 
 
