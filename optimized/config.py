@@ -165,13 +165,14 @@ class BwdConfig:
     # its lane 0 to issue the add and, before the next step's dS barrier, for the add to have
     # read smem (the wait that grows when the adds queue in L2).
     dq_writer: bool
-    # Q/dO stages where the CTAs go longest first (a grid of at most `longest_ctas_first_waves`
-    # waves, `for_short_grid`), 0 for `q_stages` there too: a short grid's CTAs run together
+    # Q/dO stages in short grids (at most `longest_ctas_first_waves` waves: the CTAs longest first
+    # or split, `for_short_grid`), 0 for `q_stages` there too: a short grid's CTAs run together
     # from the start, and with the dQ writer two stages can beat three there. It overrides
     # `q_stages` in short grids: set it to 0 with a `q_stages` meant for every grid.
     short_grid_q_stages: int
-    # Short grids in grid order, a CTA that would end past the grid's ideal makespan split into this
-    # many CTAs (2 or 4; 0: never, the longest-first order instead), each walking a part of the
+    # Short grids (at most `longest_ctas_first_waves` waves) in grid order, a CTA that would end past
+    # the grid's ideal makespan split into 2 or up to this many CTAs (2 or 4; 0: never, the
+    # longest-first order instead), each walking a part of the
     # key tile's query tiles: grid order keeps one KV head's CTAs running together (their Q, dO and
     # dQ accumulator in L2), the parts shorten the tail. The parts' dK and dV meet in a global fp32
     # workspace; the last one to finish adds them up and stores (`tile_plan.backward_split_plan`).
@@ -227,7 +228,7 @@ class BwdConfig:
         return self.do_stages or self.q_stages
 
     def for_short_grid(self) -> BwdConfig:
-        """The configuration a short grid (the CTAs longest first) runs: `short_grid_q_stages`."""
+        """The configuration a short grid (the CTAs longest first, or split) runs: `short_grid_q_stages`."""
         return dataclasses.replace(self, q_stages=self.short_grid_q_stages or self.q_stages)
 
 
@@ -275,7 +276,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     head dim 128 on segmented masks, the tiles aligned to the segments (`segments.py`, planned
     without a host sync; on an H100 +1.5-8.0% on the four document masks at 8K and 32K, but -1 to
     -3.4% on masks without segments, hence only on the hint); at head dims 192 and 256, O stored
-    from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.9-6.0% at 256,
+    from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.1-6.0% at 256,
     +1.0-4.6% at 192/128 on full, causal, causal documents and documents)."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
@@ -324,7 +325,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     key, short grids keep grid order and split their long CTAs in up to four parts (on an H100 at
     the training shape fwd+bwd, three runs against the length classes: +5.1 to +6.5% on causal
     documents and share-question, +5.6% sliding window, -0.8 to +1.9% causal; two parts at most:
-    -8.6 to +3.9%); not on the non-causal masks (documents and prefix-LM documents about -1% on
+    -8.6 to +3.7%); not on the non-causal masks (documents and prefix-LM documents about -1% on
     average, full +0.3 to +2.9%), nor where its build spills (two bounds per key, causal), nor at
     head dim 64 (-3 to -5% on the document masks).
     Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
