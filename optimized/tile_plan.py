@@ -94,8 +94,17 @@ def backward_cta_steps(
     query tiles, summed over its KV head's query heads), in grid order: key tile + Tn * (KV head +
     kv_heads * batch)."""
     steps = (~mask.block_skip(tile_m, tile_n)).sum(dim=2, dtype=torch.int32)  # [Bm, Hm, Tn]
-    steps = steps.expand(batch, -1, -1).repeat_interleave(q_heads // mask.heads, dim=1)  # [B, Hq, Tn]
-    return steps.reshape(batch, kv_heads, q_heads // kv_heads, -1).sum(dim=2, dtype=torch.int32).flatten()
+    return _summed_per_cta(steps, batch, q_heads, kv_heads)
+
+
+def _summed_per_cta(per_mask_head: torch.Tensor, batch: int, q_heads: int, kv_heads: int) -> torch.Tensor:
+    """int32 [batch * kv_heads * Tn, ...]: `per_mask_head` ([Bm, Hm, Tn, ...], per mask batch row,
+    mask head and key tile) summed over each backward CTA's query heads (its KV head's group), the
+    CTAs in grid order."""
+    _, heads, tiles_n, *rest = per_mask_head.shape
+    per_q_head = per_mask_head.expand(batch, *per_mask_head.shape[1:]).repeat_interleave(q_heads // heads, dim=1)
+    grouped = per_q_head.reshape(batch, kv_heads, q_heads // kv_heads, tiles_n, *rest)
+    return grouped.sum(dim=2, dtype=torch.int32).reshape(-1, *rest)
 
 
 def longest_first(steps: torch.Tensor, buckets: int = 0) -> torch.Tensor:
@@ -181,11 +190,8 @@ def backward_split_plan(
     dK/dV slots [first_slot, first_slot + P) below `slots`. The parts cut the CTA's query tiles into
     runs of about equal steps (`balanced_bounds`). The rows past the used ones are idle, (-1, 0, 0,
     -1), launched last. No host sync; C x Tm x q_heads // kv_heads elements at most."""
-    seen = ~mask.block_skip(tile_m, tile_n)  # [Bm, Hm, Tm, Tn]
-    bm, _, tiles_m, tiles_n = seen.shape
-    seen = seen.transpose(2, 3).repeat_interleave(q_heads // mask.heads, dim=1)  # [Bm, Hq, Tn, Tm]
-    count = seen.reshape(bm, kv_heads, q_heads // kv_heads, tiles_n, tiles_m).sum(dim=2, dtype=torch.int32)
-    cum = torch.cumsum(count, dim=-1, dtype=torch.int32).expand(batch, -1, -1, -1).reshape(-1, tiles_m)
+    seen = (~mask.block_skip(tile_m, tile_n)).transpose(2, 3)  # [Bm, Hm, Tn, Tm]
+    cum = torch.cumsum(_summed_per_cta(seen, batch, q_heads, kv_heads), dim=-1, dtype=torch.int32)  # [C, Tm]
     ctas = cum.shape[0]
     parts = split_parts(cum[:, -1], sms, max_parts, slack_pct, slots).to(torch.int64)
     bounds = balanced_bounds(cum, parts)
