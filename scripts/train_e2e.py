@@ -481,7 +481,7 @@ def train_backend(cfg: DictConfig, name: str) -> dict:
         record |= trainer.results(wall_seconds=time.perf_counter() - timed_start)
         if cfg.train.profile_steps:
             with timed_attention(trainer.backend.attn_implementation, trainer.timer):
-                record["profile"] = trainer.profile(cfg.train.profile_steps)
+                _add_profile(record, trainer, cfg.train.profile_steps)
     except Exception as exc:  # out of memory or a missing package is a result for this backend
         record["error"] = error_string(exc)
     return record
@@ -519,11 +519,17 @@ def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
         for name, trainer in trainers.items():
             records[name] |= trainer.results(wall_seconds=None)
             if cfg.train.profile_steps:
-                try:
-                    records[name]["profile"] = trainer.profile(cfg.train.profile_steps)
-                except Exception as exc:  # its timed results stand; the others still profile
-                    records[name]["profile_error"] = error_string(exc)
+                _add_profile(records[name], trainer, cfg.train.profile_steps)
     return [records[name] for name in names]
+
+
+def _add_profile(record: dict, trainer: Trainer, steps: int) -> None:
+    """`trainer.profile(steps)` into `record`, or where it fails its error ("profile_error"): the
+    timed results stand and the other backends still profile."""
+    try:
+        record["profile"] = trainer.profile(steps)
+    except Exception as exc:  # out of memory under the profiler is a result for this backend
+        record["profile_error"] = error_string(exc)
 
 
 def _step_error(trainer: Trainer, step: int, host_batch: PackedBatch) -> str | None:
