@@ -440,14 +440,14 @@ class FlashMaskBackwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
-        # With split CTAs: the part's query tiles [first, end) and whether the launched row holds a
-        # part at all (rows past the used ones are idle).
-        tile_range, active = None, True
+        # With split CTAs: whether the launched row holds a part at all (rows past the used ones are
+        # idle); the mask-role warp reads the part's query tiles itself, where they are used.
+        active = True
         if const_expr(mCtaOrder is not None or mWork is not None):  # a 1-D grid
             tiles_n = cute.ceil_div(self.rows(mK, mStepRows), self.tile_n)
             if const_expr(mWork is not None):  # the parts in grid order
                 work = mWork[n_block, 0]
-                tile_range, active = (mWork[n_block, 1], mWork[n_block, 2]), work >= 0
+                active = work >= 0
             else:  # the CTAs with the most steps first
                 work = mCtaOrder[n_block]
             n_block, head_kv, batch = work % tiles_n, (work // tiles_n) % mK.shape[2], work // tiles_n // mK.shape[2]
@@ -518,6 +518,10 @@ class FlashMaskBackwardSm90:
                 if warp_idx == 1:
                     position = Int32(0)
                     for g in cutlass.range(qheads_per_kvhead, unroll=1):
+                        tile_range = None
+                        if const_expr(mWork is not None):  # the part's query tiles [first, end)
+                            row = cute.arch.block_idx()[0]
+                            tile_range = (mWork[row, 1], mWork[row, 2])
                         mask_head = (head_kv * qheads_per_kvhead + g) // qheads_per_maskhead
                         position = list_query_tiles(
                             tile_list,
@@ -1071,10 +1075,15 @@ class FlashMaskBackwardSm90:
             stores = arrivals[0] == parts - 1
             if stores:
                 cute.arch.fence_acq_rel_gpu()
-                for other in cutlass.range(parts, unroll=1):
-                    if other != part:
+                # The split word read again for each other part (a relaxed load the compiler keeps
+                # in place): at 192/128 the accumulators and the loads in flight leave no register
+                # to hold it decoded across the adds.
+                word_at = mWork.iterator + cute.crd2idx((cute.arch.block_idx()[0], 3), mWork.layout)
+                for other in cutlass.range_constexpr(4):
+                    word = cute.arch.load(word_at, Int32, sem="relaxed", scope="gpu")
+                    if other <= (word & 3) and other != (word >> 2) & 3:
                         for which in cutlass.range_constexpr(2):
-                            slot = self.split_slot(mPartials, first_slot + other, tidx, which)
+                            slot = self.split_slot(mPartials, (word >> 4) + other, tidx, which)
                             acc = cute.make_tensor(accs[which].iterator, cute.make_layout(slot.shape))
                             for chunk in cutlass.range_constexpr(cute.size(slot, mode=[1])):  # 16 bytes each
                                 values = cute.make_rmem_tensor(4, Float32)

@@ -285,6 +285,7 @@ _BWD_DIMS = [(128, 128), (64, 64), (192, 128), (256, 256)]
 @pytest.mark.parametrize(
     "name, head_dim, head_dim_v, slack_pct",
     [(name, *dims, -100) for name in ("causal_document", "share_question", "random_eviction") for dims in _BWD_DIMS]
+    + [(name, *dims, -100) for name in ("document", "global_sliding_window") for dims in _BWD_DIMS[::2]]
     + [("causal_document", 128, 128, 2), ("causal", 64, 64, 2)],
 )
 def test_split_ctas_match_the_reference(name, head_dim, head_dim_v, slack_pct):
