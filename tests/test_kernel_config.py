@@ -98,6 +98,10 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4_and_in_128_row_
     splits = {(c, w): bwd_config(128, c, w).split_ctas_max_parts for c, w in ((True, 1), (True, 2), (False, 2))}
     assert splits == {(True, 1): 4, (True, 2): 0, (False, 2): 0}
     assert bwd_config(128, True, 1, deterministic=True).split_ctas_max_parts == 0  # it does not split
+    variants = ((True, 1), (True, 2), (False, 2), (False, 4))
+    assert [bwd_config(192, c, w).split_ctas_max_parts for c, w in variants] == [4, 4, 4, 0]
+    assert bwd_config(192, True, 1, deterministic=True).split_ctas_max_parts == 0
+    assert {bwd_config(d, c, w).split_ctas_max_parts for d in (64, 256) for c, w in variants} == {0}
 
 
 def test_the_backward_turns_to_queries_on_rows_above_head_dim_128():
