@@ -155,9 +155,18 @@ def document_cu_seqlens(mask: ColumnMask, batch: int) -> tuple[torch.Tensor, int
     return cu_seqlens, int(cu_seqlens.diff().max())
 
 
-def fa4_block_sparse_tensors(mask: ColumnMask, heads: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """FA4's block-sparse lists of `mask` (128 x 128 blocks from `ColumnMask.block_classes`), each
-    (partial counts, partial indices, full counts, full indices), for the forward and the backward.
+def fa4_key_block(head_dim: int) -> int:
+    """The key block of FA4's block-sparse lists at `head_dim`: its SM90 backward's key tile with
+    block sparsity (`_tile_size_bwd_sm90`: 96 at head dims up to 192, 64 above), which the lists
+    must match; its forward narrows its own key tile to the block (128 up to head dim 128)."""
+    return 128 if head_dim <= 128 else 96 if head_dim <= 192 else 64
+
+
+def fa4_block_sparse_tensors(
+    mask: ColumnMask, heads: int, key_block: int = 128
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """FA4's block-sparse lists of `mask` (128 x `key_block` blocks from `ColumnMask.block_classes`),
+    each (partial counts, partial indices, full counts, full indices), for the forward and the backward.
 
     The forward walks query blocks: per query block its key blocks ([Bm, H, Tm] counts, [Bm, H, Tm,
     Tn] indices). The backward walks key blocks: per key block its query blocks ([Bm, H, Tn] and
@@ -166,11 +175,11 @@ def fa4_block_sparse_tensors(mask: ColumnMask, heads: int) -> tuple[tuple[torch.
     x tile_n). On SM90 with a mask_mod (not causal, not local) `_tile_size_bwd_sm90` gives tile_n
     128 and tile_m 128 at head dim 64, 64 at head dim 128 (80 does not divide a 128-row block), and
     kv_subtile_factor stays 1: 128 x 128 fits both, a query block being two 64-row tiles at head
-    dim 128. `heads` are query heads in both directions, for GQA too: FA4 checks the lists against
+    dim 128; above 128 the backward's key tile is narrower (`fa4_key_block`). `heads` are query heads in both directions, for GQA too: FA4 checks the lists against
     [B, Hq, ...] (`num_head` = q's heads in `normalize_block_sparse_config` and its `_bwd`; a head dim
     of 1 is broadcast, and only then does the forward pack the query heads of a K/V head together).
     """
-    classes = head_block_classes(mask, heads, mask.device)
+    classes = head_block_classes(mask, heads, mask.device, key_block)
     return block_lists(classes), block_lists(classes.transpose(-1, -2))
 
 
@@ -213,7 +222,8 @@ def _fa4_native(case: PeerCase) -> AttentionFn | None:
 
 
 def _fa4_mask_mod(case: PeerCase) -> AttentionFn:
-    """FA4 with block sparsity (`fa4_block_sparse_tensors`, forward and backward) and, on PARTIAL
+    """FA4 with block sparsity (`fa4_block_sparse_tensors` in the head dim's `fa4_key_block`,
+    forward and backward) and, on PARTIAL
     blocks, a CuTe `mask_mod` reading `startend_row_indices` with our kernels' element rule
     (`optimized.mask._hidden`)."""
     import cutlass
@@ -224,10 +234,14 @@ def _fa4_mask_mod(case: PeerCase) -> AttentionFn:
     from .optimized.mask import _hidden
 
     mask, heads, scale = case.mask, case.heads, case.softmax_scale
-    forward, backward = (
-        BlockSparseTensorsTorch(*lists, block_size=(128, 128))  # `head_block_classes`' blocks
-        for lists in fa4_block_sparse_tensors(mask, heads)
-    )
+
+    @functools.cache
+    def sparse_tensors(key_block: int):  # built at the first (untimed) call per head dim
+        return tuple(
+            BlockSparseTensorsTorch(*lists, block_size=(128, key_block))  # `head_block_classes`' blocks
+            for lists in fa4_block_sparse_tensors(mask, heads, key_block)
+        )
+
     row_indices = mask.startend_row_indices.contiguous()
     causal, width = mask.causal, row_indices.shape[-1]
     per_batch, heads_per_mask_head = mask.batch > 1, heads // mask.heads
@@ -249,16 +263,21 @@ def _fa4_mask_mod(case: PeerCase) -> AttentionFn:
 
     # FA4 caches its kernels by this hash: name every compile-time constant the closure captures.
     mask_mod.__cute_hash__ = f"flashmask3-column-{causal}-{width}-{per_batch}-{heads_per_mask_head}-{causal_offset}"
-    return lambda q, k, v: flash_attn_func(
-        q,
-        k,
-        v,
-        softmax_scale=scale,
-        mask_mod=mask_mod,
-        aux_tensors=[row_indices],
-        block_sparse_tensors=forward,
-        block_sparse_tensors_bwd=backward,
-    )[0]
+
+    def run(q, k, v):
+        forward, backward = sparse_tensors(fa4_key_block(q.shape[-1]))
+        return flash_attn_func(
+            q,
+            k,
+            v,
+            softmax_scale=scale,
+            mask_mod=mask_mod,
+            aux_tensors=[row_indices],
+            block_sparse_tensors=forward,
+            block_sparse_tensors_bwd=backward,
+        )[0]
+
+    return run
 
 
 @functools.cache

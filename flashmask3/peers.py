@@ -122,10 +122,10 @@ def flex_block_mask(
     )
 
 
-def head_block_classes(mask: ColumnMask, heads: int, device) -> torch.Tensor:
-    """`ColumnMask.block_classes` of 128 x 128 blocks (int8 [Bm, 1 or `heads`, Tm, Tn]) on `device`,
-    mask heads repeated to `heads` where the mask has more than one."""
-    classes = mask.to(device).block_classes(128, 128).classes
+def head_block_classes(mask: ColumnMask, heads: int, device, key_block: int = 128) -> torch.Tensor:
+    """`ColumnMask.block_classes` of 128 x `key_block` blocks (int8 [Bm, 1 or `heads`, Tm, Tn]) on
+    `device`, mask heads repeated to `heads` where the mask has more than one."""
+    classes = mask.to(device).block_classes(128, key_block).classes
     if classes.shape[1] not in (1, heads):
         classes = classes.repeat_interleave(heads // mask.heads, dim=1)
     return classes

@@ -75,7 +75,7 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "Forward + backward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 32 heads (on an H100 80GB HBM3)",
-        ("bwd_bench_mla_8k_fa4_h100.json",),
+        ("bwd_bench_mla_8k_split_default_peers_h100.json",),
     ),
     (
         "Forward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 16 heads",

@@ -96,24 +96,31 @@ def listed(counts: torch.Tensor, indices: torch.Tensor, columns: int) -> torch.T
         "prefix_lm_causal",
     ],
 )
-def test_backward_block_lists_are_the_transposed_forward_lists(name):
+@pytest.mark.parametrize("head_dim", [128, 192])
+def test_backward_block_lists_are_the_transposed_forward_lists(name, head_dim):
     """FA4's backward walks key blocks: per key block the query blocks whose forward list names it,
-    partial and full apart, from `ColumnMask.block_classes` (SKIP left out); listed in order."""
+    partial and full apart, from `ColumnMask.block_classes` (SKIP left out); listed in order. Above
+    head dim 128 the key blocks are FA4's narrower backward key tile (96 at 192)."""
     heads, seqlen = 4, 700  # a ragged last block
+    key_block = bench_peers.fa4_key_block(head_dim)
+    tm, tn = 6, -(-seqlen // key_block)
     mask = masks.build(name, seqlen, batch=2, heads=heads, seed=2)
-    classes = mask.block_classes(128, 128).classes.expand(2, heads, 6, 6)
-    forward, backward = bench_peers.fa4_block_sparse_tensors(mask, heads)
+    classes = mask.block_classes(128, key_block).classes.expand(2, heads, tm, tn)
+    forward, backward = bench_peers.fa4_block_sparse_tensors(mask, heads, key_block)
     for kind, (fwd_counts, fwd_indices, bwd_counts, bwd_indices) in {
         PARTIAL: (*forward[:2], *backward[:2]),
         UNMASKED: (*forward[2:], *backward[2:]),
     }.items():
-        forward_blocks = listed(fwd_counts, fwd_indices, 6).expand(2, heads, 6, 6)
+        forward_blocks = listed(fwd_counts, fwd_indices, tn).expand(2, heads, tm, tn)
         assert torch.equal(forward_blocks, classes == kind)
-        assert bwd_counts.shape[-1] == bwd_indices.shape[-2] == 6
-        assert torch.equal(listed(bwd_counts, bwd_indices, 6).expand(2, heads, 6, 6), forward_blocks.transpose(-1, -2))
+        assert bwd_counts.shape[-1] == bwd_indices.shape[-2] == tn
+        assert torch.equal(
+            listed(bwd_counts, bwd_indices, tm).expand(2, heads, tn, tm), forward_blocks.transpose(-1, -2)
+        )
         first = bwd_indices[..., :-1].long()
-        in_list = torch.arange(1, 6) < bwd_counts[..., None]
+        in_list = torch.arange(1, tm) < bwd_counts[..., None]
         assert bool(((bwd_indices[..., 1:] > first) | ~in_list).all())
+    assert [bench_peers.fa4_key_block(d) for d in (64, 128, 192, 256)] == [128, 128, 96, 64]
 
 
 def test_flex_block_mask_at_128k_comes_from_the_block_classes(monkeypatch):
