@@ -175,9 +175,10 @@ def fa4_block_sparse_tensors(
     x tile_n). On SM90 with a mask_mod (not causal, not local) `_tile_size_bwd_sm90` gives tile_n
     128 and tile_m 128 at head dim 64, 64 at head dim 128 (80 does not divide a 128-row block), and
     kv_subtile_factor stays 1: 128 x 128 fits both, a query block being two 64-row tiles at head
-    dim 128; above 128 the backward's key tile is narrower (`fa4_key_block`). `heads` are query heads in both directions, for GQA too: FA4 checks the lists against
-    [B, Hq, ...] (`num_head` = q's heads in `normalize_block_sparse_config` and its `_bwd`; a head dim
-    of 1 is broadcast, and only then does the forward pack the query heads of a K/V head together).
+    dim 128; above 128 the backward's key tile is narrower (`fa4_key_block`). `heads` are query
+    heads in both directions, for GQA too: FA4 checks the lists against [B, Hq, ...] (`num_head` =
+    q's heads in `normalize_block_sparse_config` and its `_bwd`; a head dim of 1 is broadcast, and
+    only then does the forward pack the query heads of a K/V head together).
     """
     classes = head_block_classes(mask, heads, mask.device, key_block)
     return block_lists(classes), block_lists(classes.transpose(-1, -2))
