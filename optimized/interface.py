@@ -15,7 +15,6 @@ cost 2.3-2.6x the host time per call).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import threading
 import time
@@ -27,24 +26,16 @@ from ..reference import ColumnMask
 from .config import (
     BACKWARD_HEAD_DIMS,
     FORWARD_HEAD_DIMS,
-    SPLIT_CTA_SLOTS_PER_SM,
     BwdConfig,
     FwdConfig,
     apply_overrides,
     bwd_config,
     fwd_config,
 )
-from .segments import cached_segment_plan, forward_virtual_length, query_tile_rows
-from .tile_plan import (
-    backward_cta_steps,
-    backward_split_plan,
-    cached_block_minmax,
-    cached_longest_first,
-    dq_ranks,
-    forward_tile_steps,
-    full_mask,
-    kept_per_mask,
-)
+from .plans import backward_grid, backward_plan, forward_plan, work_tiles
+from .plans import sm_count as _sm_count
+from .segments import forward_virtual_length
+from .tile_plan import dq_ranks, full_mask
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _compiled: dict[tuple, object] = {}
@@ -278,32 +269,18 @@ def forward(
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
     config = config or mask_fwd_config(d, mask)
-    tile_rows = None
     if config.tile_m == 192 and turn_profile is not None:  # three consumer warpgroups at 160 registers each
         raise ValueError(
             "the turn profile spills at tile_m=192 (head dim 64's tiles, causal): profile a config with tile_m=128"
         )
-    if config.segment_tiles:
-        if uniform_work or sq != sk or _capturing(q):  # no segments, or a capture: the sequence's tiles
-            config = dataclasses.replace(config, segment_tiles=False)
-        else:
-            plan = cached_segment_plan(mask, synced=False)
-            mask, tile_rows = plan.mask, plan.tile_rows
+    plan = forward_plan(mask, config, b, hq, _sm_count(q.device), uniform_work, sq != sk or _capturing(q))
+    mask, config, tile_rows, bounds, order = plan.mask, plan.config, plan.tile_rows, plan.bounds, plan.order
     row_indices = mask.startend_row_indices.contiguous()
-    bounds = cached_block_minmax(mask, config.tile_n)
     q, k, v = (tma_operand(x) for x in (q, k, v))
     dv = v.shape[-1]
     out = q.new_empty(b, sq, hq, dv) if out is None else out
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device) if lse is None else lse
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    order = None
-    if not uniform_work and _work_tiles(b, hq, mask.seqlen_q, config) <= config.longest_tiles_first_waves * _sm_count(
-        q.device
-    ):
-        key = ("fwd", b, hq, config.tile_m, config.tile_n)
-        order = cached_longest_first(
-            mask, key, lambda: forward_tile_steps(mask, b, hq, config.tile_m, config.tile_n, tile_rows)
-        )
     max_ctas = _sm_count(q.device) if config.persistent else 2**31 - 1
     if turn_profile is not None or timeline is not None:  # the kernel writes a row per CTA of its grid
         from .timeline import Event, TurnEvent
@@ -334,15 +311,15 @@ def backward_ctas(k: torch.Tensor, config: BwdConfig, seqlen_k: int | None = Non
     """The backward's grid size for k [B, Sk, Hkv, D] under `config`: one CTA per key tile, KV head
     and batch; `seqlen_k`: the keys the CTAs walk where not k's (the virtual rows of segment steps)."""
     b, sk, hkv, _ = k.shape
-    return b * hkv * -(-(sk if seqlen_k is None else seqlen_k) // config.key_tile)
+    return backward_grid(b, hkv, sk if seqlen_k is None else seqlen_k, config)
 
 
 def forward_ctas(q: torch.Tensor, config: FwdConfig) -> int:
     """The forward's grid size for q [B, Sq, Hq, D] under `config` (with segment tiles, Sq = Sk:
     the virtual rows' grid, `segments.forward_virtual_length`)."""
     rows = forward_virtual_length(q.shape[1]) if config.segment_tiles else q.shape[1]
-    work_tiles = _work_tiles(q.shape[0], q.shape[2], rows, config)
-    return min(work_tiles, _sm_count(q.device)) if config.persistent else work_tiles
+    tiles = work_tiles(q.shape[0], q.shape[2], rows, config)
+    return min(tiles, _sm_count(q.device)) if config.persistent else tiles
 
 
 def _check_stamp_buffer(
@@ -358,22 +335,11 @@ def _check_stamp_buffer(
         raise ValueError(f"{name} must be on q's device ({device}), got {buffer.device}")
 
 
-def _work_tiles(batch: int, heads: int, seqlen_q: int, config: FwdConfig) -> int:
-    """The forward's work tiles: query tiles (of the virtual rows with segment tiles) x query heads
-    x batch."""
-    return batch * heads * -(-seqlen_q // config.tile_m)
-
-
 def _capturing(q: torch.Tensor) -> bool:
     """Whether a CUDA graph is being captured on the current stream, where the kernels keep the
     sequence's tiles: a segment plan kept from before would be replayed stale, the backward's plan
     syncs with the host, and the forward's plan kernels are not checked under capture."""
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def backward(
@@ -414,24 +380,17 @@ def backward(
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
     config = config or bwd_config(d, mask.causal, width, deterministic)
-    tile_m, tile_n = config.query_tile, config.key_tile
-    step_rows = None
     if config.segment_steps and timeline is not None:  # its buffer is sized for the sequence's tiles
         raise ValueError("a profiled build runs on the sequence's tiles: pass a config with segment_steps=False")
-    if config.segment_steps:
-        # A CTA's key tile serves every query head of its KV head: they must share one virtual layout.
-        shared_layout = (hq // mask.heads) % (hq // hkv) == 0
-        if uniform_work or sq != sk or not shared_layout or _capturing(q):  # the sequence's tiles
-            config = dataclasses.replace(config, segment_steps=False)
-        else:
-            plan = cached_segment_plan(mask, synced=True)
-            step_rows = kept_per_mask(
-                mask, ("query_tile_rows", b, hq), lambda: query_tile_rows(plan, tile_m, b, hq), keep_unversioned=False
-            )
-            mask = plan.mask
+    sms = _sm_count(q.device)
+    sequence_tiles = sq != sk or _capturing(q)
+    plan = backward_plan(
+        mask, config, b, hq, hkv, sms, uniform_work, sequence_tiles, deterministic, timeline is not None
+    )
+    mask, config, step_rows, bounds, order = plan.mask, plan.config, plan.step_rows, plan.bounds, plan.order
+    tile_m, tile_n = config.query_tile, config.key_tile
     row_indices = mask.startend_row_indices.contiguous()
     tiles_m = -(-mask.seqlen_q // tile_m)
-    bounds = cached_block_minmax(mask, tile_n)
     # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
     ranks = dq_ranks(mask, tile_m, tile_n) if deterministic else bounds[:1, :1, :1]
     q, k, v, dout = (tma_operand(x) for x in (q, k, v, dout))
@@ -443,36 +402,14 @@ def backward(
     _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [], head_dim_v=dims_v, query_tile=tile_m)
     dk = k.new_empty(k.shape) if dk is None else dk  # contiguous, whatever the inputs' strides
     dv = v.new_empty(v.shape) if dv is None else dv
-    order, split = None, [None, None, None]
-    sms, ctas = _sm_count(q.device), backward_ctas(k, config, mask.seqlen_k)
-    # Deterministic mode keeps the grid order: its key tiles wait for the ones before them.
-    short_grid = ctas <= config.longest_ctas_first_waves * sms and not (deterministic or uniform_work)
-    split_ctas = short_grid and config.split_ctas_max_parts > 0 and not config.segment_steps and timeline is None
-    # The parts' slots: at most four per SM, and never more than every CTA's parts.
-    slots = min(SPLIT_CTA_SLOTS_PER_SM * sms, config.split_ctas_max_parts * ctas) if split_ctas else 0
     # One memset: the dQ semaphores, then (16-byte aligned, as every kernel tensor) the split CTAs' counters.
-    semaphores = b * hq * tiles_m
+    semaphores, slots = b * hq * tiles_m, plan.slots
     counters = torch.zeros(-(-semaphores // 4) * 4 + slots, dtype=torch.int32, device=q.device)
     semaphore = counters[:semaphores].view(b, hq, tiles_m)
-    if short_grid:
-        if split_ctas:  # grid order, the long CTAs split
-            parts, slack = config.split_ctas_max_parts, config.split_ctas_slack_pct
-            split[0] = kept_per_mask(
-                mask,
-                ("bwd_split", b, hq, hkv, tile_m, tile_n, sms, parts, slack, slots),
-                lambda: backward_split_plan(mask, b, hq, hkv, tile_m, tile_n, sms, parts, slack, slots),
-            )
-            split[1] = torch.empty(slots, tile_n * (d + head_dim_v), dtype=torch.float32, device=q.device)
-            split[2] = counters[-slots:]
-        else:
-            key = ("bwd", b, hq, hkv, tile_m, tile_n)
-            order = cached_longest_first(
-                mask,
-                key,
-                lambda: backward_cta_steps(mask, b, hq, hkv, tile_m, tile_n),
-                config.longest_ctas_first_buckets,
-            )
-        config = config.for_short_grid()
+    split = [None, None, None]
+    if plan.split_table is not None:
+        workspace = torch.empty(slots, tile_n * (d + head_dim_v), dtype=torch.float32, device=q.device)
+        split = [plan.split_table, workspace, counters[-slots:]]
     tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, step_rows]
     tensors += [timeline, *split]
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -223,16 +224,58 @@ def kept_per_mask(mask: ColumnMask, key: Hashable, compute: Callable[[], T], kee
     unversioned = torch.is_inference(boundaries)
     if (boundaries.is_cuda and torch.cuda.is_current_stream_capturing()) or (unversioned and not keep_unversioned):
         return compute()
-    kept = _per_mask.get(id(boundaries))
-    if kept is None:
-        kept = _per_mask[id(boundaries)] = {}
-        weakref.finalize(boundaries, _per_mask.pop, id(boundaries), None)
+    kept = _kept(boundaries)
     key = (mask.causal, mask.seqlen_q, key)
-    state = (None if unversioned else boundaries._version, tuple(boundaries.shape), boundaries.data_ptr())
+    state = _state(boundaries)
     entry = kept.get(key)
     if entry is None or entry[0] != state:
         entry = kept[key] = (state, compute())
     return entry[1]
+
+
+def moved_plans(source: ColumnMask, target: ColumnMask, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Keep for `target` (`source`'s boundaries moved, e.g. to the GPU) what `kept_per_mask` keeps
+    for `source` and is still current, each tensor moved by `move`, each mask in it (a segment
+    plan's virtual mask) moved with what is kept for it in turn."""
+    source_boundaries = source.startend_row_indices
+    kept = _per_mask.get(id(source_boundaries), {})
+    current = _state(source_boundaries)
+    target_kept, target_state = _kept(target.startend_row_indices), _state(target.startend_row_indices)
+    for key, (state, value) in list(kept.items()):
+        if state == current:
+            target_kept[key] = (target_state, _moved(value, move))
+
+
+def _moved(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` (a kept plan: tensors, masks, tuples and dataclasses of them, numbers) moved."""
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if isinstance(value, ColumnMask):
+        moved = ColumnMask._unchecked(move(value.startend_row_indices), value.causal, value.seqlen_q, value.segmented)
+        moved_plans(value, moved, move)
+        return moved
+    if isinstance(value, tuple):
+        return tuple(_moved(item, move) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _moved(getattr(value, f.name), move) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)
+    return value
+
+
+def _kept(boundaries: torch.Tensor) -> dict[Hashable, tuple[Hashable, Any]]:
+    """What is kept for the boundaries tensor `boundaries`, dropped when it is freed."""
+    kept = _per_mask.get(id(boundaries))
+    if kept is None:
+        kept = _per_mask[id(boundaries)] = {}
+        weakref.finalize(boundaries, _per_mask.pop, id(boundaries), None)
+    return kept
+
+
+def _state(boundaries: torch.Tensor) -> Hashable:
+    """What a kept result was computed from: the tensor's version (None for an inference tensor),
+    shape and storage."""
+    version = None if torch.is_inference(boundaries) else boundaries._version
+    return version, tuple(boundaries.shape), boundaries.data_ptr()
 
 
 def cached_block_minmax(mask: ColumnMask, tile_n: int) -> torch.Tensor:

@@ -71,7 +71,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from flashmask3 import bench_peers
+from flashmask3 import bench_peers, prepare_mask
 from flashmask3.bench import attention_flops, error_string, git_commit
 from flashmask3.experiment import environment
 from flashmask3.integrations import hf
@@ -228,6 +228,17 @@ def _fm3_inputs(batch: PackedBatch, mask: ColumnMask, config: LlamaConfig) -> di
     return {"attention_mask": mask}
 
 
+def _fm3_mask(host_mask: ColumnMask, device: torch.device, config: LlamaConfig, batch: int) -> ColumnMask:
+    """The mask on the device with the kernels' per-mask plans made on the host, as a data loader
+    makes them (`flashmask3.prepare_mask`; only the copy off a GPU)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    return prepare_mask(host_mask, device, batch=batch, q_heads=heads, kv_heads=kv_heads, head_dim=config.head_dim)
+
+
+def _copied_mask(host_mask: ColumnMask, device: torch.device, config: LlamaConfig, batch: int) -> ColumnMask:
+    return _to_device(host_mask, device)
+
+
 def _sdpa_inputs(batch: PackedBatch, mask: ColumnMask, config: LlamaConfig) -> dict:
     return {"attention_mask": mask.to_dense()}
 
@@ -309,16 +320,17 @@ def fa4_varlen_attention(
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """A way to run the model's attention: the HF implementation (names without "flash": HF treats
-    those as FlashAttention) and the model inputs each step builds for it from the batch and its
-    mask (both on the device)."""
+    those as FlashAttention), the model inputs each step builds for it from the batch and its mask
+    (both on the device), and how the data loader's work takes the mask to the device."""
 
     attn_implementation: str
     model_inputs: Callable[[PackedBatch, ColumnMask, LlamaConfig], dict]
     masks: tuple[str, ...] = MASKS
+    device_mask: Callable[[ColumnMask, torch.device, LlamaConfig, int], ColumnMask] = _copied_mask
 
 
 BACKENDS = {
-    "fm3": Backend(hf.NAME, _fm3_inputs),
+    "fm3": Backend(hf.NAME, _fm3_inputs, device_mask=_fm3_mask),
     "sdpa": Backend("sdpa", _sdpa_inputs),
     "flex_flash": Backend("flex_fa4", _flex_inputs),
     "fa4_varlen": Backend("fa4_varlen", _varlen_inputs, masks=("causal_document",)),
@@ -572,7 +584,8 @@ class Trainer:
         host_mask = column_mask(cfg.data.mask, host_batch)
         self.densities.append(host_mask.density())
         self.flops.append(model_flops(self.linear_weights, config, cfg.data.batch, cfg.data.seqlen, self.densities[-1]))
-        batch, mask = host_batch.to(self.device), _to_device(host_mask, self.device)
+        batch = host_batch.to(self.device)
+        mask = self.backend.device_mask(host_mask, self.device, config, cfg.data.batch)
         cuda = self.device.type == "cuda"
         if cuda:  # the step's peak over what was allocated before it (other backends' models too)
             before = torch.cuda.memory_allocated() - self.resident_bytes()

@@ -354,6 +354,43 @@ def test_a_steady_state_training_call_never_waits_on_the_gpu(name):
         torch.testing.assert_close(got, first)
 
 
+@pytest.mark.parametrize("name", ["causal_document", "share_question"])
+def test_a_mask_prepared_on_the_host_brings_its_plans(name):
+    """`prepare_mask` on a host mask: the training call on its GPU copy launches at least a hundred
+    fewer kernels than on a plain copy (the plans were made on the host) and gives the same out
+    and, within the split CTAs' summation order, the same gradients; with its plans already there
+    the call never waits on the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import flashmask3 as fm
+
+    host = masks.build(name, 8192, batch=1, heads=1, seed=4)
+    q, k, v, dout = random_inputs(1, 8192, 8192, 16, 4, 128, torch.bfloat16, "cuda", seed=4)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+
+    def step(mask):
+        out = fm.attention(*leaves, mask, backend="cute")
+        return out, *torch.autograd.grad(out, leaves, dout)
+
+    step(host.to("cuda"))  # compiles
+    results, kernels = [], []
+    for mask in (host.to("cuda"), fm.prepare_mask(host, "cuda", batch=1, q_heads=16, kv_heads=4, head_dim=128)):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            if len(results) == 1:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                results.append(step(mask))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+        kernels.append(sum(e.count for e in profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA))
+    assert kernels[1] + 100 < kernels[0], kernels
+    assert torch.equal(results[0][0], results[1][0])
+    for got, plain in zip(results[1][1:], results[0][1:]):
+        torch.testing.assert_close(got, plain)
+
+
 def test_a_training_step_replays_from_a_cuda_graph():
     """fwd + bwd through the public entry, the mask's preprocessing included, captured in a CUDA
     graph after a warm-up on a side stream: replayed on new inputs copied into the captured ones, it
