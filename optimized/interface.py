@@ -32,10 +32,10 @@ from .config import (
     bwd_config,
     fwd_config,
 )
-from .plans import backward_grid, backward_plan, forward_plan, work_tiles
+from .plans import backward_grid, backward_plan, forward_plan, mask_fwd_config, mask_variant, work_tiles
 from .plans import sm_count as _sm_count
 from .segments import forward_virtual_length
-from .tile_plan import dq_ranks, full_mask
+from .tile_plan import full_mask
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _compiled: dict[tuple, object] = {}
@@ -94,16 +94,6 @@ def unsupported_reason(
     if importlib.util.find_spec("tvm_ffi") is None:
         return "backend='cute' launches through apache-tvm-ffi (pip install 'flashmask3[gpu]')"
     return None
-
-
-def mask_variant(mask: ColumnMask | None) -> tuple[bool, int]:
-    """(causal, width) of `mask`, as `fwd_config` / `bwd_config` take it (no mask: non-causal, 2)."""
-    return (False, 2) if mask is None else (mask.causal, mask.startend_row_indices.shape[-1])
-
-
-def mask_fwd_config(head_dim: int, mask: ColumnMask | None) -> FwdConfig:
-    """`fwd_config`'s choice for this head dim and mask: its variant and its segmented hint."""
-    return fwd_config(head_dim, *mask_variant(mask), segmented=mask is not None and mask.segmented)
 
 
 def mask_configs(
@@ -392,7 +382,7 @@ def backward(
     row_indices = mask.startend_row_indices.contiguous()
     tiles_m = -(-mask.seqlen_q // tile_m)
     # The dQ ranks are read only in deterministic mode; otherwise any int32 tensor stands in.
-    ranks = dq_ranks(mask, tile_m, tile_n) if deterministic else bounds[:1, :1, :1]
+    ranks = bounds[:1, :1, :1] if plan.ranks is None else plan.ranks
     q, k, v, dout = (tma_operand(x) for x in (q, k, v, dout))
     lse2 = torch.empty(b, hq, tiles_m * tile_m, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)

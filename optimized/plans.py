@@ -20,13 +20,14 @@ import functools
 import torch
 
 from ..reference import ColumnMask
-from .config import BACKWARD_HEAD_DIMS, SPLIT_CTA_SLOTS_PER_SM, BwdConfig, FwdConfig, bwd_config
+from .config import BACKWARD_HEAD_DIMS, SPLIT_CTA_SLOTS_PER_SM, BwdConfig, FwdConfig, bwd_config, fwd_config
 from .segments import cached_segment_plan, query_tile_rows
 from .tile_plan import (
     backward_cta_steps,
     backward_split_plan,
     cached_block_minmax,
     cached_longest_first,
+    dq_ranks,
     forward_tile_steps,
     kept_per_mask,
     moved_plans,
@@ -56,7 +57,8 @@ class BackwardPlan:
     `mask`, `config`, `bounds`: as `ForwardPlan`'s (segment steps, a short grid's stages);
     `step_rows`: the segment steps' rows, else None; in a short grid either `split_table` (the
     split CTAs' work table, `tile_plan.backward_split_plan`) with `slots` workspace slots, or
-    `order` (the CTAs longest first); None and 0 otherwise."""
+    `order` (the CTAs longest first); None and 0 otherwise. `ranks`: in deterministic mode the
+    key tiles' places in the dQ sums (`tile_plan.dq_ranks`), else None."""
 
     mask: ColumnMask
     config: BwdConfig
@@ -65,6 +67,7 @@ class BackwardPlan:
     order: torch.Tensor | None
     split_table: torch.Tensor | None
     slots: int
+    ranks: torch.Tensor | None
 
 
 def work_tiles(batch: int, heads: int, seqlen_q: int, config: FwdConfig) -> int:
@@ -101,12 +104,12 @@ def forward_plan(
     bounds = cached_block_minmax(mask, config.tile_n)
     order = None
     if not uniform_work and work_tiles(batch, q_heads, mask.seqlen_q, config) <= config.longest_tiles_first_waves * sms:
-        tiled = mask
-
-        def steps() -> torch.Tensor:
-            return forward_tile_steps(tiled, batch, q_heads, config.tile_m, config.tile_n, tile_rows)
-
-        order = cached_longest_first(mask, ("fwd", batch, q_heads, config.tile_m, config.tile_n), steps)
+        tile_m, tile_n = config.tile_m, config.tile_n
+        order = cached_longest_first(
+            mask,
+            ("fwd", batch, q_heads, tile_m, tile_n),
+            lambda: forward_tile_steps(mask, batch, q_heads, tile_m, tile_n, tile_rows),
+        )
     return ForwardPlan(mask, config, tile_rows, bounds, order)
 
 
@@ -150,23 +153,35 @@ def backward_plan(
     slots = min(SPLIT_CTA_SLOTS_PER_SM * sms, config.split_ctas_max_parts * ctas) if split_ctas else 0
     order = split_table = None
     if short_grid:
-        tiled = mask
         if split_ctas:  # grid order, the long CTAs split
             parts, slack = config.split_ctas_max_parts, config.split_ctas_slack_pct
             split_table = kept_per_mask(
                 mask,
                 ("bwd_split", batch, q_heads, kv_heads, tile_m, tile_n, sms, parts, slack, slots),
-                lambda: backward_split_plan(tiled, batch, q_heads, kv_heads, tile_m, tile_n, sms, parts, slack, slots),
+                lambda: backward_split_plan(mask, batch, q_heads, kv_heads, tile_m, tile_n, sms, parts, slack, slots),
             )
         else:
             order = cached_longest_first(
                 mask,
                 ("bwd", batch, q_heads, kv_heads, tile_m, tile_n),
-                lambda: backward_cta_steps(tiled, batch, q_heads, kv_heads, tile_m, tile_n),
+                lambda: backward_cta_steps(mask, batch, q_heads, kv_heads, tile_m, tile_n),
                 config.longest_ctas_first_buckets,
             )
         config = config.for_short_grid()
-    return BackwardPlan(mask, config, step_rows, bounds, order, split_table, slots)
+    ranks = None
+    if deterministic:  # each key tile's place in its query tiles' dQ sums
+        ranks = kept_per_mask(mask, ("dq_ranks", tile_m, tile_n), lambda: dq_ranks(mask, tile_m, tile_n))
+    return BackwardPlan(mask, config, step_rows, bounds, order, split_table, slots, ranks)
+
+
+def mask_variant(mask: ColumnMask | None) -> tuple[bool, int]:
+    """(causal, width) of `mask`, as `fwd_config` / `bwd_config` take it (no mask: non-causal, 2)."""
+    return (False, 2) if mask is None else (mask.causal, mask.startend_row_indices.shape[-1])
+
+
+def mask_fwd_config(head_dim: int, mask: ColumnMask | None) -> FwdConfig:
+    """`fwd_config`'s choice for this head dim and mask: its variant and its segmented hint."""
+    return fwd_config(head_dim, *mask_variant(mask), segmented=mask is not None and mask.segmented)
 
 
 @functools.cache
@@ -181,8 +196,6 @@ def plan_mask(
     """Compute and keep, per `mask`, the plans that the forward and backward of q [`batch`, S,
     `q_heads`, `head_dim`] and k, v with `kv_heads` heads launch with on a GPU of `sms` SMs, in the
     configurations they choose (v's head dim changes no plan)."""
-    from .interface import mask_fwd_config  # the interface imports this module
-
     sequence_tiles = mask.seqlen_q != mask.seqlen_k
     forward_plan(mask, mask_fwd_config(head_dim, mask), batch, q_heads, sms, sequence_tiles=sequence_tiles)
     config = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1], deterministic)
@@ -208,7 +221,10 @@ def prepare_mask(
     shape computes its own plans at its call, as an unprepared mask does. Once per batch, as
     FlexAttention's `create_block_mask`; a mask already on `device` gets its plans there (their
     kernels queued now); on a device other than a GPU, or at a head dim the kernels do not take
-    (64, 128, 192 and 256 they do), only the move.
+    (64, 128, 192 and 256 they do), only the move. The plans are kept in this process, for the
+    mask's boundaries tensor: call it in the process that trains (a data loader's main-process
+    collate or prefetch, not a worker), with the GPU's index where several are used, and on the
+    stream the model runs on (the copies are queued there).
 
     Raises ValueError if `batch`, `q_heads`, `kv_heads` do not fit the mask (its batch and heads
     broadcast or match)."""
@@ -230,7 +246,12 @@ def prepare_mask(
     pinned = mask.device.type == "cpu" and device.type == "cuda"
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
-        return (tensor.pin_memory() if pinned else tensor).to(device, non_blocking=pinned)
+        if not pinned:
+            return tensor.to(device)
+        # A pinned buffer of its own (the host allocator keeps it until the copy has run), even
+        # where the caller's is pinned already and may be refilled while the copy waits.
+        staged = tensor.clone().pin_memory() if tensor.is_pinned() else tensor.pin_memory()
+        return staged.to(device, non_blocking=True)
 
     moved = ColumnMask._unchecked(move(mask.startend_row_indices), mask.causal, mask.seqlen_q, mask.segmented)
     if planned:

@@ -14,6 +14,8 @@
 - `split_parts` / `backward_split_plan`: the backward CTAs whose grid-order finish would pass the
   ideal makespan, split into 2 or 4 parts over their query tiles, and the work table (one row per
   launched CTA: its CTA, query-tile range and dK/dV slot) the split kernel reads.
+- `moved_plans`: what `kept_per_mask` keeps for a mask, carried to its copy on another device
+  (`plans.prepare_mask`).
 """
 
 from __future__ import annotations
@@ -259,7 +261,9 @@ def _moved(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: _moved(getattr(value, f.name), move) for f in dataclasses.fields(value) if f.init}
         return dataclasses.replace(value, **fields)
-    return value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a kept plan of type {type(value).__name__} cannot be moved (tensors, masks, tuples, dataclasses)")
 
 
 def _kept(boundaries: torch.Tensor) -> dict[Hashable, tuple[Hashable, Any]]:

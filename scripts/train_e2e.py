@@ -17,6 +17,9 @@ its own model and optimizer), so that the machine's drifts fall on every backend
 - `sdpa`: HF's sdpa with the same mask in dense form ([B, 1, S, S] bool: where it fits in memory).
 - `flex_flash`: FlexAttention compiled with `kernel_options={"BACKEND": "FLASH"}` (FA4's kernels) on
   a 128 x 128 BlockMask from the same mask's tile classes.
+
+Each backend's per-batch mask work runs with the batch, outside the timed step, as a data loader's
+would: fm3's plans (`prepare_mask`), Flex's BlockMask, FA4 varlen's document offsets.
 - `fa4_varlen`: FA4's `flash_attn_varlen_func` over the documents' `cu_seqlens` (causal_document only).
 
 The last two are benchmark-only: the library never imports them. Masks (`data.mask`): causal_document
@@ -59,7 +62,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import hydra
 import numpy as np
@@ -68,6 +71,7 @@ import transformers
 from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify.suite import DTYPES
 from omegaconf import DictConfig, OmegaConf
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -243,13 +247,15 @@ def _sdpa_inputs(batch: PackedBatch, mask: ColumnMask, config: LlamaConfig) -> d
     return {"attention_mask": mask.to_dense()}
 
 
-def _flex_inputs(batch: PackedBatch, mask: ColumnMask, config: LlamaConfig) -> dict:
-    batch_size, seqlen = batch.input_ids.shape
-    # From the column vectors' tile classes, as the kernel benchmarks' Flex peers: O(S^2 / 128^2).
-    block_mask = flex_block_mask(
-        mask, batch_size, config.num_attention_heads, seqlen, seqlen, mask.device, from_tiles=True
-    )
-    return {"attention_mask": block_mask}
+def _flex_inputs(batch: PackedBatch, mask: BlockMask, config: LlamaConfig) -> dict:
+    return {"attention_mask": mask}
+
+
+def _flex_mask(host_mask: ColumnMask, device: torch.device, config: LlamaConfig, batch: int) -> BlockMask:
+    """Flex's BlockMask on the device, made with the batch as a data loader would (as fm3's plans
+    are): from the column vectors' tile classes, as the kernel benchmarks' Flex peers, O(S^2 / 128^2)."""
+    mask, seqlen = _to_device(host_mask, device), host_mask.seqlen_q
+    return flex_block_mask(mask, batch, config.num_attention_heads, seqlen, seqlen, device, from_tiles=True)
 
 
 def _varlen_inputs(batch: PackedBatch, mask: ColumnMask, config: LlamaConfig) -> dict:
@@ -321,18 +327,19 @@ def fa4_varlen_attention(
 class Backend:
     """A way to run the model's attention: the HF implementation (names without "flash": HF treats
     those as FlashAttention), the model inputs each step builds for it from the batch and its mask
-    (both on the device), and how the data loader's work takes the mask to the device."""
+    (both on the device), and how the data loader's work takes the mask to the device (the mask
+    there as the backend takes it: a prepared ColumnMask, Flex's BlockMask)."""
 
     attn_implementation: str
-    model_inputs: Callable[[PackedBatch, ColumnMask, LlamaConfig], dict]
+    model_inputs: Callable[[PackedBatch, Any, LlamaConfig], dict]
     masks: tuple[str, ...] = MASKS
-    device_mask: Callable[[ColumnMask, torch.device, LlamaConfig, int], ColumnMask] = _copied_mask
+    device_mask: Callable[[ColumnMask, torch.device, LlamaConfig, int], Any] = _copied_mask
 
 
 BACKENDS = {
     "fm3": Backend(hf.NAME, _fm3_inputs, device_mask=_fm3_mask),
     "sdpa": Backend("sdpa", _sdpa_inputs),
-    "flex_flash": Backend("flex_fa4", _flex_inputs),
+    "flex_flash": Backend("flex_fa4", _flex_inputs, device_mask=_flex_mask),
     "fa4_varlen": Backend("fa4_varlen", _varlen_inputs, masks=("causal_document",)),
 }
 

@@ -263,7 +263,8 @@ def test_segment_steps_match_the_reference(name, num_docs, mask_heads, head_dim)
     idx = mask.startend_row_indices
     mask = ColumnMask(idx[:, :: idx.shape[1] // mask_heads] if idx.shape[1] > 1 else idx, mask.causal, seqlen)
     q, k, v, dout = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=5)
-    config = dataclasses.replace(bwd_config(head_dim, mask.causal, idx.shape[-1]), segment_steps=True)
+    # Segment steps walk 64-row query tiles (head dim 64's default 128-row step takes none).
+    config = dataclasses.replace(bwd_config(head_dim, mask.causal, idx.shape[-1]), query_tile=64, segment_steps=True)
     out, lse = reference.forward(q, k, v, mask, scale, torch.float64)
     exact = reference.backward(dout, q, k, v, out, lse, mask, scale, torch.float64)
     in_bf16 = reference.backward(dout, q, k, v, out.bfloat16(), lse.float(), mask, scale, torch.bfloat16)
@@ -283,13 +284,14 @@ _BWD_DIMS = [(128, 128), (64, 64), (192, 128), (256, 256)]
 
 
 @pytest.mark.parametrize(
-    "name, head_dim, head_dim_v, slack_pct",
-    [(name, *dims, -100) for name in ("causal_document", "share_question", "random_eviction") for dims in _BWD_DIMS]
-    + [(name, *dims, -100) for name in ("document", "global_sliding_window") for dims in _BWD_DIMS[::2]]
-    + [("causal_document", 128, 128, 2), ("causal", 64, 64, 2)],
+    "name, head_dim, head_dim_v, slack_pct, parts",
+    [(name, *dims, -100, 4) for name in ("causal_document", "share_question", "random_eviction") for dims in _BWD_DIMS]
+    + [(name, *dims, -100, 4) for name in ("document", "global_sliding_window") for dims in _BWD_DIMS[::2]]
+    + [("causal_blockwise", 192, 128, -100, 4), ("causal_document", 192, 128, -100, 2), ("document", 128, 128, -100, 2)]
+    + [("causal_document", 128, 128, 2, 4), ("causal", 64, 64, 2, 4)],
 )
-def test_split_ctas_match_the_reference(name, head_dim, head_dim_v, slack_pct):
-    """`split_ctas_max_parts`: a key tile's query tiles split between up to four CTAs, whose fp32
+def test_split_ctas_match_the_reference(name, head_dim, head_dim_v, slack_pct, parts):
+    """`split_ctas_max_parts`: a key tile's query tiles split between up to `parts` CTAs, whose fp32
     dK and dV meet in the workspace (the last part adds them up and stores). With the slack at
     -100 every CTA splits: dQ, dK and dV within twice the bf16 reference's own error of the fp64
     one, into NaN-poisoned dK and dV (every row written), GQA 4 on 2, per-head masks, a ragged
@@ -308,7 +310,7 @@ def test_split_ctas_match_the_reference(name, head_dim, head_dim_v, slack_pct):
     whole = dataclasses.replace(
         bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]), split_ctas_max_parts=0
     )
-    split = dataclasses.replace(whole, split_ctas_max_parts=4, split_ctas_slack_pct=slack_pct)
+    split = dataclasses.replace(whole, split_ctas_max_parts=parts, split_ctas_slack_pct=slack_pct)
     out, lse = reference.forward(q, k, v, mask, scale, torch.float64)
     exact = reference.backward(dout, q, k, v, out, lse, mask, scale, torch.float64)
     in_bf16 = reference.backward(dout, q, k, v, out.bfloat16(), lse.float(), mask, scale, torch.bfloat16)

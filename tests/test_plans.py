@@ -22,29 +22,29 @@ def _launches(monkeypatch) -> dict[str, list]:
     return launched
 
 
-def _train_call(mask: ColumnMask, heads: int = 16, kv_heads: int = 4) -> None:
+def _train_call(mask: ColumnMask, deterministic: bool = False, heads: int = 16, kv_heads: int = 4) -> None:
     """The forward and backward of one training call (the kernels faked): q [1, S, 16, 128]."""
     seqlen = mask.seqlen_k
     q = torch.zeros(1, seqlen, heads, 128, dtype=torch.bfloat16)
     k = v = torch.zeros(1, seqlen, kv_heads, 128, dtype=torch.bfloat16)
     out, lse = interface.forward(q, k, v, mask, 0.1)
-    interface.backward(q, q, k, v, out, lse, mask, 0.1)
+    interface.backward(q, q, k, v, out, lse, mask, 0.1, deterministic)
 
 
-@pytest.mark.parametrize("name", ["causal_document", "document"])
-def test_a_prepared_mask_launches_with_the_plans_made_where_it_was_built(monkeypatch, name):
+@pytest.mark.parametrize("name, deterministic", [("causal_document", False), ("document", False), ("document", True)])
+def test_a_prepared_mask_launches_with_the_plans_made_where_it_was_built(monkeypatch, name, deterministic):
     """The plans computed on the host mask (`plans.plan_mask`) travel with its copy
     (`tile_plan.moved_plans`, here a clone standing in for the GPU copy): the forward and backward
     on the copy compute none of them (the segment plan, the key blocks' min/max, the orders, the
     split table) and launch with the same configurations and tensors as a mask planned at the call."""
     launched = _launches(monkeypatch)
     host = masks.build(name, 8192, seed=3)
-    plans.plan_mask(host, 1, 16, 4, 128, SMS)
+    plans.plan_mask(host, 1, 16, 4, 128, SMS, deterministic)
     copy = ColumnMask._unchecked(host.startend_row_indices.clone(), host.causal, host.seqlen_q, host.segmented)
     tile_plan.moved_plans(host, copy, torch.clone)
 
     fresh = ColumnMask._unchecked(host.startend_row_indices.clone(), host.causal, host.seqlen_q, host.segmented)
-    _train_call(fresh)
+    _train_call(fresh, deterministic)
     planned_at_call = {direction: calls[-1] for direction, calls in launched.items()}
 
     def computed(*args, **kwargs):
@@ -55,19 +55,20 @@ def test_a_prepared_mask_launches_with_the_plans_made_where_it_was_built(monkeyp
         (tile_plan, "block_minmax"),
         (tile_plan, "longest_first"),
         (plans, "backward_split_plan"),
+        (plans, "dq_ranks"),
     ):
         monkeypatch.setattr(module, function, computed)
-    _train_call(copy)
+    _train_call(copy, deterministic)
     for direction in ("fwd", "bwd"):
         (config, tensors), (config_at_call, tensors_at_call) = launched[direction][-1], planned_at_call[direction]
         assert config == config_at_call
-        plan_tensors = [5, 6, 8, 9] if direction == "fwd" else [9, 10, 13, 14, 16]  # bounds, orders, tables
+        plan_tensors = [5, 6, 8, 9] if direction == "fwd" else [9, 10, 11, 13, 14, 16]  # bounds, orders, tables
         for i in plan_tensors:
             mine, theirs = tensors[i], tensors_at_call[i]
             assert (mine is None) == (theirs is None), (direction, i)
             assert mine is None or torch.equal(mine, theirs), (direction, i)
     bwd_tensors = launched["bwd"][-1][1]
-    assert bwd_tensors[16] is not None or name == "document"  # causal documents split their long CTAs
+    assert (bwd_tensors[16] is not None) == (name == "causal_document")  # causal documents split their long CTAs
 
 
 def test_moved_plans_leave_out_what_an_in_place_change_made_stale(monkeypatch):
@@ -80,7 +81,15 @@ def test_moved_plans_leave_out_what_an_in_place_change_made_stale(monkeypatch):
     assert not tile_plan._per_mask.get(id(copy.startend_row_indices))
 
 
-def test_prepare_mask_names_a_bad_argument_and_only_moves_where_no_kernel_runs():
+def test_a_plan_of_a_kind_that_cannot_be_moved_is_an_error():
+    host = masks.build("causal", 512)
+    tile_plan.kept_per_mask(host, "odd", lambda: [torch.zeros(1)])  # a list: its tensors would stay behind
+    copy = ColumnMask._unchecked(host.startend_row_indices.clone(), host.causal, host.seqlen_q)
+    with pytest.raises(TypeError, match="a kept plan of type list cannot be moved"):
+        tile_plan.moved_plans(host, copy, torch.clone)
+
+
+def test_prepare_mask_names_a_bad_argument():
     mask = ColumnMask(torch.full((2, 4, 1024, 1), 1024, dtype=torch.int32), True, 1024)  # causal, 4 heads
     shape = dict(batch=2, q_heads=8, kv_heads=4, head_dim=128)
     for change, message in (
@@ -91,5 +100,4 @@ def test_prepare_mask_names_a_bad_argument_and_only_moves_where_no_kernel_runs()
     ):
         with pytest.raises(ValueError, match=message):
             prepare_mask(mask, "cpu", **(shape | change))
-    assert prepare_mask(mask, "cpu", **shape) == mask
-    assert prepare_mask(mask, "cpu", **(shape | dict(head_dim=16))) == mask  # no kernel at 16: the move only
+    assert prepare_mask(mask, "cpu", **shape) is mask  # already there, and no kernel runs on a CPU
