@@ -169,8 +169,10 @@ def backward_plan(
             )
         config = config.for_short_grid()
     ranks = None
-    if deterministic:  # each key tile's place in its query tiles' dQ sums
-        ranks = kept_per_mask(mask, ("dq_ranks", tile_m, tile_n), lambda: dq_ranks(mask, tile_m, tile_n))
+    if deterministic:  # each key tile's place in its query tiles' dQ sums (a stale one would hang)
+        ranks = kept_per_mask(
+            mask, ("dq_ranks", tile_m, tile_n), lambda: dq_ranks(mask, tile_m, tile_n), keep_unversioned=False
+        )
     return BackwardPlan(mask, config, step_rows, bounds, order, split_table, slots, ranks)
 
 
