@@ -21,6 +21,9 @@ its own model and optimizer), so that the machine's drifts fall on every backend
 Each backend's per-batch mask work runs with the batch, outside the timed step, as a data loader's
 would: fm3's plans (`prepare_mask`), Flex's BlockMask, FA4 varlen's document offsets.
 - `fa4_varlen`: FA4's `flash_attn_varlen_func` over the documents' `cu_seqlens` (causal_document only).
+- `fm3_control`: fm3 once more, under its own implementation name: taking turns with fm3
+  (`'backends=[fm3,fm3_control]'`), the spread between two identical backends, against which a
+  difference between two others can be read.
 
 The last two are benchmark-only: the library never imports them. Masks (`data.mask`): causal_document
 (packed documents), share_question (SFT-style: a question and 2-6 answers per document, the loss on
@@ -338,6 +341,8 @@ class Backend:
 
 BACKENDS = {
     "fm3": Backend(hf.NAME, _fm3_inputs, device_mask=_fm3_mask),
+    # fm3 again under a name of its own: against fm3, the spread between two identical backends.
+    "fm3_control": Backend("fm3_control", _fm3_inputs, device_mask=_fm3_mask),
     "sdpa": Backend("sdpa", _sdpa_inputs),
     "flex_flash": Backend("flex_fa4", _flex_inputs, device_mask=_flex_mask),
     "fa4_varlen": Backend("fa4_varlen", _varlen_inputs, masks=("causal_document",)),
@@ -347,6 +352,7 @@ BACKENDS = {
 def register_backends(fm3_backend: str) -> None:
     """Register the benchmark's attention implementations with transformers (sdpa is its own)."""
     hf.register(fm3_backend)
+    hf.register(fm3_backend, name=BACKENDS["fm3_control"].attn_implementation)
     AttentionInterface.register(BACKENDS["flex_flash"].attn_implementation, flex_flash_attention)
     AttentionInterface.register(BACKENDS["fa4_varlen"].attn_implementation, fa4_varlen_attention)
 

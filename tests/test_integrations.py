@@ -524,6 +524,8 @@ def test_what_flashmask3_cannot_honour_raises_naming_it(llama, packed, transform
         model(input_ids=ids, attention_mask=torch.full((1, 1, 21, 21), -1.0, dtype=torch.float64))
     with pytest.raises(ValueError, match="^unknown backend 'triton'"):
         hf.register(backend="triton")
+    with pytest.raises(ValueError, match="^name must be a non-empty string without 'flash'.* got 'my_flash'"):
+        hf.register(backend="reference", name="my_flash")
 
 
 def test_compiled_model_with_a_column_mask_has_no_graph_break(llama, packed, cute_on_cpu):

@@ -156,6 +156,18 @@ def test_backends_taking_turns_train_the_curves_they_train_alone(tmp_path):
         assert not alone["took_turns"] and record["losses"] == alone["losses"]
 
 
+def test_the_control_is_fm3_again_under_its_own_name(tmp_path):
+    """`fm3_control` taking turns with fm3: the same model from the same start on the same data,
+    through its own implementation entry (so each backend's attention timer sees only its own
+    calls), trains the same curve."""
+    overrides = ["dtype=fp64", "train.steps=3", "train.warmup_steps=1", "train.take_turns=true"]
+    records = train_e2e.run(config([f"logging.out_dir={tmp_path}", "backends=[fm3,fm3_control]", *overrides]))
+    assert [r["backend"] for r in records] == ["fm3", "fm3_control"]
+    assert records[0]["losses"] == records[1]["losses"]
+    assert records[0]["attention_ms_median"] > 0 and records[1]["attention_ms_median"] > 0
+    assert records[1]["attn_implementation"] == "fm3_control"
+
+
 @pytest.mark.parametrize("take_turns", [True, False])
 def test_profile_steps_list_each_backends_ops_after_the_timed_steps(tmp_path, take_turns):
     """`train.profile_steps`: that many more steps per backend under torch's profiler, after the

@@ -58,21 +58,28 @@ NAME = "fm3"
 """The `attn_implementation` that `register()` adds."""
 
 
-def register(backend: Backend = "auto") -> None:
-    """Register flashmask3's attention and mask functions as `attn_implementation=NAME` ("fm3").
+def register(backend: Backend = "auto", name: str = NAME) -> None:
+    """Register flashmask3's attention and mask functions as `attn_implementation=name` ("fm3").
 
     Args:
         backend: the `flashmask3.attention` backend every attention call uses ("auto": the cute
             kernel where it supports the inputs, else flex on CUDA, else the reference).
+        name: the implementation's name; another name registers the same functions again (two
+            models side by side, each with its own entry). Transformers takes a name with
+            "flash" in it for FlashAttention, so none may contain it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+    if not isinstance(name, str) or not name or "flash" in name:
+        raise ValueError(
+            f"name must be a non-empty string without 'flash' (transformers' FlashAttention rule), got {name!r}"
+        )
 
     def flashmask3_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         return _attention_forward(module, query, key, value, attention_mask, dropout, scaling, backend, **kwargs)
 
-    AttentionInterface.register(NAME, flashmask3_attention_forward)
-    AttentionMaskInterface.register(NAME, _create_mask)
+    AttentionInterface.register(name, flashmask3_attention_forward)
+    AttentionMaskInterface.register(name, _create_mask)
 
 
 @dataclass(frozen=True)
