@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -109,6 +111,85 @@ def error_string(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
+def clock_reading() -> tuple[float, float] | None:
+    """(SM clock MHz, power W) now, or None where NVML cannot be read."""
+    try:
+        return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1e3
+    except Exception:  # no GPU, no pynvml, no permission: no clocks in the record
+        return None
+
+
+@contextlib.contextmanager
+def _sampling_thread(sample: Callable[[], None], stop: threading.Event) -> Iterator[None]:
+    """`sample` (a loop until `stop` is set) in a background thread for the block, where NVML can
+    be read."""
+    if not torch.cuda.is_available() or clock_reading() is None:
+        yield
+        return
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+class ClockTrace:
+    """The GPU's SM clock and power through NVML every `interval_s`, each reading with the host's
+    `time.perf_counter()`, in a background thread: afterwards, the medians over the readings taken
+    within given windows of host time (`within`), e.g. the GPU-time spans of one backend's steps
+    mapped onto the host clock. Nothing is read where NVML cannot be."""
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float, float]] = []  # (host seconds, SM MHz, W)
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            reading = clock_reading()
+            if reading is not None:
+                self.samples.append((time.perf_counter(), *reading))
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[ClockTrace]:
+        with _sampling_thread(self._sample, self._stop):
+            yield self
+
+    def within(self, windows: list[tuple[float, float]], outside: list[tuple[float, float]] = ()) -> dict | None:
+        """Median SM clock (MHz) and power (W) and the count of the readings inside one of
+        `windows` and none of `outside`, or None where there are none."""
+        included, excluded = _merged(windows), _merged(outside)
+        inside = [
+            (mhz, watts) for at, mhz, watts in self.samples if _covered(at, included) and not _covered(at, excluded)
+        ]
+        if not inside:
+            return None
+        return {
+            "sm_mhz": statistics.median(mhz for mhz, _ in inside),
+            "power_w": statistics.median(watts for _, watts in inside),
+            "readings": len(inside),
+        }
+
+
+def _merged(windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """`windows` sorted, the overlapping ones merged."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(windows):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _covered(at: float, merged: list[tuple[float, float]]) -> bool:
+    """Whether `at` lies in one of the sorted, disjoint `merged` windows."""
+    i = bisect.bisect_right(merged, (at, math.inf)) - 1
+    return i >= 0 and merged[i][0] <= at <= merged[i][1]
+
+
 class ClockSampler:
     """The GPU's SM clock (MHz) and board power (W), read through NVML every `interval_s` in a
     background thread and filed under the contender running at the time (`running`), so that two
@@ -123,32 +204,16 @@ class ClockSampler:
         self.samples: dict[str, list[tuple[float, float]]] = {}
         self._stop = threading.Event()
 
-    @staticmethod
-    def read() -> tuple[float, float] | None:
-        """(SM clock MHz, power W) now, or None where NVML cannot be read."""
-        try:
-            return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1e3
-        except Exception:  # no GPU, no pynvml, no permission: no clocks in the record
-            return None
-
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
-            name, reading = self.running, self.read()
+            name, reading = self.running, clock_reading()
             if name is not None and reading is not None:
                 self.samples.setdefault(name, []).append(reading)
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[ClockSampler]:
-        if not torch.cuda.is_available() or self.read() is None:
+        with _sampling_thread(self._sample, self._stop):
             yield self
-            return
-        thread = threading.Thread(target=self._sample, daemon=True)
-        thread.start()
-        try:
-            yield self
-        finally:
-            self._stop.set()
-            thread.join()
 
     def medians(self) -> dict[str, dict[str, float]]:
         """Per contender its median SM clock and power over the samples taken while it ran."""

@@ -39,7 +39,9 @@ around every call), attention's share of the step, the time to build the backend
 inputs from the batch and its mask (the ColumnMask is built on the host and moved with the batch, as
 a data loader would), peak memory (a step's peak over what other backends hold), model TFLOP/s and MFU
 (6 FLOPs per linear weight per token plus 3x the forward FLOPs of the attended pairs, over
-`peak_tflops`), and the loss of every step. Then a summary JSON (each run's numbers and its largest loss difference from
+`peak_tflops`), the loss of every step, and on a GPU the median SM clock and power (NVML, read
+every 2 ms) over the timed steps, within the attention calls and in the rest of the steps
+("clocks"). Then a summary JSON (each run's numbers and its largest loss difference from
 the first) and the loss curves' plot, both named after the mask and length. With
 `train.profile_steps=N` each backend trains N more steps under torch's profiler, untimed, and its
 record lists the kernels by device time per step ("profile"; on the CPU, ops by host time). `logging=wandb` adds an
@@ -79,7 +81,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, 
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from flashmask3 import bench_peers, prepare_mask
-from flashmask3.bench import attention_flops, error_string, git_commit
+from flashmask3.bench import ClockTrace, attention_flops, error_string, git_commit
 from flashmask3.experiment import environment
 from flashmask3.integrations import hf
 from flashmask3.peers import flex_block_mask
@@ -425,6 +427,21 @@ def seconds(start: Stamp, end: Stamp) -> float:
     return start.elapsed_time(end) / 1e3
 
 
+Anchor = tuple[Stamp, float]
+
+
+def _anchor(device: torch.device, timer: AttentionTimer) -> Anchor:
+    """A stamp taken on an idle device with the host clock beside it: from it, `host_seconds` puts
+    later stamps on the host clock (where the NVML readings are)."""
+    _synchronize(device)
+    return timer.stamp(), time.perf_counter()
+
+
+def host_seconds(anchor: Anchor, stamp: Stamp) -> float:
+    """`stamp` on the host's `time.perf_counter()` clock (a CUDA event: through `anchor`)."""
+    return stamp if isinstance(stamp, float) else anchor[1] + seconds(anchor[0], stamp)
+
+
 @contextlib.contextmanager
 def timed_attention(attn_implementation: str, timer: AttentionTimer) -> Iterator[None]:
     """The model's attention calls go through `timer` (a local override in HF's registry, removed on exit)."""
@@ -496,14 +513,16 @@ def train_backend(cfg: DictConfig, name: str) -> dict:
         torch.cuda.empty_cache()
     try:
         trainer = Trainer(cfg, BACKENDS[name], device)
-        with timed_attention(trainer.backend.attn_implementation, trainer.timer):
+        trace, anchor = ClockTrace(), None
+        with timed_attention(trainer.backend.attn_implementation, trainer.timer), trace.sampling():
             for step in range(cfg.train.steps):
                 if step == cfg.train.warmup_steps:
-                    _synchronize(device)
+                    anchor = _anchor(device, trainer.timer)
                     timed_start = time.perf_counter()
                 trainer.step(step, make_batch(cfg.data, cfg.model.vocab_size, cfg.seed, step))
             _synchronize(device)
         record |= trainer.results(wall_seconds=time.perf_counter() - timed_start)
+        record["clocks"] = trainer.clocks(trace, anchor)
         if cfg.train.profile_steps:
             with timed_attention(trainer.backend.attn_implementation, trainer.timer):
                 _add_profile(record, trainer, cfg.train.profile_steps)
@@ -526,10 +545,14 @@ def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
             trainers[name] = Trainer(cfg, BACKENDS[name], device)
         except Exception as exc:
             records[name]["error"] = error_string(exc)
+    trace, anchor = ClockTrace(), None
     with contextlib.ExitStack() as stack:
         for trainer in trainers.values():
             stack.enter_context(timed_attention(trainer.backend.attn_implementation, trainer.timer))
+        stack.enter_context(trace.sampling())
         for step in range(cfg.train.steps):
+            if step == cfg.train.warmup_steps and trainers:
+                anchor = _anchor(device, next(iter(trainers.values())).timer)
             host_batch = make_batch(cfg.data, cfg.model.vocab_size, cfg.seed, step)  # once for all of them
             order = list(trainers)
             for name in order if step % 2 == 0 else reversed(order):
@@ -541,9 +564,11 @@ def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
         _synchronize(device)
-        for name, trainer in trainers.items():
-            records[name] |= trainer.results(wall_seconds=None)
-            if cfg.train.profile_steps:
+    for name, trainer in trainers.items():
+        records[name] |= trainer.results(wall_seconds=None)
+        records[name]["clocks"] = trainer.clocks(trace, anchor)
+        if cfg.train.profile_steps:
+            with timed_attention(trainer.backend.attn_implementation, trainer.timer):
                 _add_profile(records[name], trainer, cfg.train.profile_steps)
     return [records[name] for name in names]
 
@@ -652,6 +677,17 @@ class Trainer:
         tensors = [*self.model.parameters()]
         tensors += [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def clocks(self, trace: ClockTrace, anchor: Anchor | None) -> dict | None:
+        """The GPU's median SM clock and power (NVML) over this backend's timed steps, within its
+        attention calls and in the rest of its steps: whether the same kernels around attention
+        ran at another clock with another backend. None where nothing was read (no NVML)."""
+        if anchor is None or not trace.samples:
+            return None
+        timed = slice(self.cfg.train.warmup_steps, None)
+        steps = [(host_seconds(anchor, a), host_seconds(anchor, b)) for a, _, b in self.step_stamps[timed]]
+        spans = [(host_seconds(anchor, a), host_seconds(anchor, b)) for s in self.attention_spans[timed] for a, b in s]
+        return {"steps": trace.within(steps), "attention": trace.within(spans), "rest": trace.within(steps, spans)}
 
     def results(self, wall_seconds: float | None) -> dict:
         """The measurements over the timed steps (after `train.warmup_steps`), once the device has

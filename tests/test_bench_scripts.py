@@ -1112,3 +1112,15 @@ def test_check_runs_every_case_at_the_head_dim_pair_it_is_given(monkeypatch):
     default = bench_fwd.check_head_dims(argparse.Namespace(head_dim=128, head_dim_v=None))
     bench_fwd.run_check(case, head_dims=default)
     assert default is None and set(cases) == {(128, None), (64, None)}
+
+
+def test_the_clock_trace_takes_the_medians_inside_windows_and_outside_others():
+    """`ClockTrace.within`: the readings inside any of the windows (merged where they overlap) and
+    inside none of the excluded ones; None where no reading is left."""
+    from flashmask3.bench import ClockTrace
+
+    trace = ClockTrace()
+    trace.samples = [(t / 10, 1000.0 + t, 500.0 + 2 * t) for t in range(10)]  # at 0.0, 0.1, ..., 0.9
+    assert trace.within([(0.0, 0.25), (0.2, 0.45)]) == {"sm_mhz": 1002.0, "power_w": 504.0, "readings": 5}
+    assert trace.within([(0.0, 0.95)], [(0.25, 0.75)]) == {"sm_mhz": 1002.0, "power_w": 504.0, "readings": 5}
+    assert trace.within([(2.0, 3.0)]) is None

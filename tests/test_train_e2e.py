@@ -169,6 +169,38 @@ def test_the_control_is_fm3_again_under_its_own_name(tmp_path):
 
 
 @pytest.mark.parametrize("take_turns", [True, False])
+def test_each_backend_records_the_clocks_of_its_steps_attention_and_the_rest(tmp_path, monkeypatch, take_turns):
+    """ "clocks": the NVML readings (here a steady fake trace over the whole run) filed by time
+    under each backend's timed steps, the attention calls within them and the rest; none on a
+    machine without NVML."""
+    import contextlib
+    import time
+
+    from flashmask3.bench import ClockTrace
+
+    class SteadyTrace(ClockTrace):
+        @contextlib.contextmanager
+        def sampling(self):
+            start = time.perf_counter()
+            yield self
+            end = time.perf_counter()
+            self.samples = [(start + (end - start) * i / 4000, 1500.0, 600.0) for i in range(4001)]
+
+    monkeypatch.setattr(train_e2e, "ClockTrace", SteadyTrace)
+    overrides = ["train.steps=3", "train.warmup_steps=1", f"train.take_turns={str(take_turns).lower()}"]
+    records = train_e2e.run(config([f"logging.out_dir={tmp_path}", "backends=[fm3,sdpa]", *overrides]))
+    for record in records:
+        clocks = record["clocks"]
+        assert {part: clocks[part]["sm_mhz"] for part in clocks} == {
+            "steps": 1500.0,
+            "attention": 1500.0,
+            "rest": 1500.0,
+        }
+        assert clocks["attention"]["readings"] + clocks["rest"]["readings"] == clocks["steps"]["readings"]
+        assert 0 < clocks["attention"]["readings"] < clocks["steps"]["readings"]
+
+
+@pytest.mark.parametrize("take_turns", [True, False])
 def test_profile_steps_list_each_backends_ops_after_the_timed_steps(tmp_path, take_turns):
     """`train.profile_steps`: that many more steps per backend under torch's profiler, after the
     timed ones (the record's steps and losses are the timed run's): the ops by time per step, the
