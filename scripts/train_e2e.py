@@ -521,11 +521,7 @@ def train_backend(cfg: DictConfig, name: str) -> dict:
                     timed_start = time.perf_counter()
                 trainer.step(step, make_batch(cfg.data, cfg.model.vocab_size, cfg.seed, step))
             _synchronize(device)
-        record |= trainer.results(wall_seconds=time.perf_counter() - timed_start)
-        record["clocks"] = trainer.clocks(trace, anchor)
-        if cfg.train.profile_steps:
-            with timed_attention(trainer.backend.attn_implementation, trainer.timer):
-                _add_profile(record, trainer, cfg.train.profile_steps)
+        _finish_record(record, trainer, trace, anchor, wall_seconds=time.perf_counter() - timed_start)
     except Exception as exc:  # out of memory or a missing package is a result for this backend
         record["error"] = error_string(exc)
     return record
@@ -565,21 +561,25 @@ def train_taking_turns(cfg: DictConfig, names: list[str]) -> list[dict]:
                         torch.cuda.empty_cache()
         _synchronize(device)
     for name, trainer in trainers.items():
-        records[name] |= trainer.results(wall_seconds=None)
-        records[name]["clocks"] = trainer.clocks(trace, anchor)
-        if cfg.train.profile_steps:
-            with timed_attention(trainer.backend.attn_implementation, trainer.timer):
-                _add_profile(records[name], trainer, cfg.train.profile_steps)
+        _finish_record(records[name], trainer, trace, anchor, wall_seconds=None)
     return [records[name] for name in names]
 
 
-def _add_profile(record: dict, trainer: Trainer, steps: int) -> None:
-    """`trainer.profile(steps)` into `record`, or where it fails its error ("profile_error"): the
-    timed results stand and the other backends still profile."""
-    try:
-        record["profile"] = trainer.profile(steps)
-    except Exception as exc:  # out of memory under the profiler is a result for this backend
-        record["profile_error"] = error_string(exc)
+def _finish_record(
+    record: dict, trainer: Trainer, trace: ClockTrace, anchor: Anchor | None, wall_seconds: float | None
+) -> None:
+    """Into `record`, once the timed steps are done: `trainer.results(wall_seconds)`, the clocks of
+    its steps, and with `train.profile_steps` its profiled steps (after the timed ones), or where
+    they fail their error ("profile_error"): the timed results stand and the other backends still
+    profile."""
+    record |= trainer.results(wall_seconds=wall_seconds)
+    record["clocks"] = trainer.clocks(trace, anchor)
+    if trainer.cfg.train.profile_steps:
+        try:
+            with timed_attention(trainer.backend.attn_implementation, trainer.timer):
+                record["profile"] = trainer.profile(trainer.cfg.train.profile_steps)
+        except Exception as exc:  # out of memory under the profiler is a result for this backend
+            record["profile_error"] = error_string(exc)
 
 
 def _step_error(trainer: Trainer, step: int, host_batch: PackedBatch) -> str | None:
