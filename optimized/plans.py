@@ -30,7 +30,7 @@ from .tile_plan import (
     dq_ranks,
     forward_tile_steps,
     kept_per_mask,
-    moved_plans,
+    moved_mask,
 )
 
 
@@ -239,9 +239,7 @@ def prepare_mask(
     if q_heads % kv_heads:
         raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
     mask.check_compatible(batch, q_heads, kv_heads, mask.seqlen_q, mask.seqlen_k)
-    # The kernels' plans only where the kernels would run.
-    planned = device.type == "cuda" and head_dim in {d for d, _ in BACKWARD_HEAD_DIMS}
-    if planned:
+    if device.type == "cuda" and head_dim in {d for d, _ in BACKWARD_HEAD_DIMS}:  # where the kernels run
         plan_mask(mask, batch, q_heads, kv_heads, head_dim, sm_count(device), deterministic)
     if mask.device == device:
         return mask
@@ -255,7 +253,4 @@ def prepare_mask(
         staged = tensor.clone().pin_memory() if tensor.is_pinned() else tensor.pin_memory()
         return staged.to(device, non_blocking=True)
 
-    moved = ColumnMask._unchecked(move(mask.startend_row_indices), mask.causal, mask.seqlen_q, mask.segmented)
-    if planned:
-        moved_plans(mask, moved, move)
-    return moved
+    return moved_mask(mask, move)

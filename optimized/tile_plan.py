@@ -14,8 +14,8 @@
 - `split_parts` / `backward_split_plan`: the backward CTAs whose grid-order finish would pass the
   ideal makespan, split into 2 or 4 parts over their query tiles, and the work table (one row per
   launched CTA: its CTA, query-tile range and dK/dV slot) the split kernel reads.
-- `moved_plans`: what `kept_per_mask` keeps for a mask, carried to its copy on another device
-  (`plans.prepare_mask`).
+- `moved_mask` / `moved_plans`: a mask's copy on another device with what `kept_per_mask` keeps
+  for it (`plans.prepare_mask`).
 """
 
 from __future__ import annotations
@@ -248,14 +248,20 @@ def moved_plans(source: ColumnMask, target: ColumnMask, move: Callable[[torch.Te
             target_kept[key] = (target_state, _moved(value, move))
 
 
+def moved_mask(mask: ColumnMask, move: Callable[[torch.Tensor], torch.Tensor]) -> ColumnMask:
+    """`mask` with its boundaries moved by `move` (e.g. to the GPU), with what `kept_per_mask`
+    keeps for it (`moved_plans`)."""
+    moved = ColumnMask._unchecked(move(mask.startend_row_indices), mask.causal, mask.seqlen_q, mask.segmented)
+    moved_plans(mask, moved, move)
+    return moved
+
+
 def _moved(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """`value` (a kept plan: tensors, masks, tuples and dataclasses of them, numbers) moved."""
     if isinstance(value, torch.Tensor):
         return move(value)
     if isinstance(value, ColumnMask):
-        moved = ColumnMask._unchecked(move(value.startend_row_indices), value.causal, value.seqlen_q, value.segmented)
-        moved_plans(value, moved, move)
-        return moved
+        return moved_mask(value, move)
     if isinstance(value, tuple):
         return tuple(_moved(item, move) for item in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
