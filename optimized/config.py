@@ -77,10 +77,11 @@ class FwdConfig:
     # masked steps, are gone. 128-row query tiles and key tiles dividing 128 only (the plan's
     # granule: a key tile must not span two).
     segment_tiles: bool
-    # With one Q buffer and 128-row tiles: O stored from registers (quads swap column pairs, 8-byte
-    # stores) instead of staged in the Q buffer for a TMA store, and the buffer freed once every
-    # consumer warpgroup's last S GEMM has read it, so the next work tile's Q loads under the last
-    # PV and the epilogue, not after.
+    # 128-row tiles: O stored from registers (quads swap column pairs, 8-byte stores) instead of
+    # staged in the Q buffer for a TMA store, and the buffer freed once every consumer warpgroup's
+    # last S GEMM has read it: with one Q buffer the next work tile's Q loads under the last PV and
+    # the epilogue, not after; with either, each warpgroup stores its own rows and goes on, no
+    # barrier between the warpgroups at the end of a work tile.
     o_from_registers: bool
 
     def __post_init__(self) -> None:
@@ -101,11 +102,8 @@ class FwdConfig:
             )
         if self.late_k_release and self.tile_m != 128:
             raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
-        if self.o_from_registers and (self.q_buffers != 1 or self.tile_m != 128):
-            raise ValueError(
-                "o_from_registers needs q_buffers=1 (with two, Q already loads early) and tile_m=128, "
-                f"got q_buffers={self.q_buffers}, tile_m={self.tile_m}"
-            )
+        if self.o_from_registers and self.tile_m != 128:
+            raise ValueError(f"o_from_registers needs tile_m=128, got tile_m={self.tile_m}")
 
     @property
     def num_consumer_wgs(self) -> int:
