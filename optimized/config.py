@@ -275,7 +275,8 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     without a host sync; on an H100 +1.5-8.0% on the four document masks at 8K and 32K, but -1 to
     -3.4% on masks without segments, hence only on the hint); at head dims 192 and 256, O stored
     from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.1-6.0% at 256,
-    +1.0-4.6% at 192/128 on full, causal, causal documents and documents)."""
+    +1.0-4.6% at 192/128 on full, causal, causal documents and documents; at 128, with two Q
+    buffers, -2 to -3% on the sliding window and share-question, so not there)."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
