@@ -7,6 +7,10 @@ kernel, and a postprocess kernel (dQ in place and in the input dtype), all count
 Each kernel runs the configuration `fwd_config` / `bwd_config` (config.py) choose for its head dim
 and mask variant, or the one passed to `forward` / `backward` (ablations).
 
+Kernels are compiled on first use per configuration for stand-ins of their tensors
+(`_compile_operand`: dtype and rank only), kept in memory and on disk (`kernel_cache`), and a new
+process loads them; `compile_only` compiles them without launching, on any device.
+
 Launches go through TVM-FFI, as FA4's do: the compiled function takes the torch tensors and Python
 scalars as they are and finds torch's current stream itself (a Python DLPack wrapper per tensor
 cost 2.3-2.6x the host time per call).
@@ -14,15 +18,17 @@ cost 2.3-2.6x the host time per call).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from ..reference import ColumnMask
+from . import kernel_cache
 from .config import (
     BACKWARD_HEAD_DIMS,
     FORWARD_HEAD_DIMS,
@@ -33,7 +39,7 @@ from .config import (
     fwd_config,
 )
 from .plans import backward_grid, backward_plan, forward_plan, mask_fwd_config, mask_variant, work_tiles
-from .plans import sm_count as _sm_count
+from .plans import sm_count as gpu_sm_count
 from .segments import forward_virtual_length
 from .tile_plan import full_mask
 
@@ -42,6 +48,11 @@ _compiled: dict[tuple, object] = {}
 _compile_lock = threading.Lock()
 """One compilation at a time: the DSL's compiler is not thread-safe (CP ranks as threads compiling
 the same kernel at once aborted the process)."""
+loaded_keys: set[tuple] = set()
+"""The keys of the kernels this process loaded from the kernel cache (`kernel_cache`) instead of
+compiling them."""
+_compile_only_sms: int | None = None
+"""The SMs `compile_only` plans for while it is active; None: kernels are launched."""
 compile_seconds: dict[tuple, float] = {}
 """Wall time of each compilation, keyed like the cache: (direction, dtype, head_dim, head_dim_v,
 causal, mask width, config, deterministic, which tensors are None)."""
@@ -124,10 +135,24 @@ def tma_operand(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and aligned else x.contiguous()
 
 
-def _to_cute(t: torch.Tensor):
-    from cutlass.cute.runtime import from_dlpack
+def _compile_operand(t: torch.Tensor):
+    """What a kernel is compiled for in place of tensor `t`: its dtype and rank, every extent and
+    stride a runtime value but the last stride (1), 16-byte aligned, on a CUDA device, as TVM-FFI
+    checks each call's tensors. Built from that metadata alone, so a kernel compiles the same with
+    or without a GPU (`compile_only`)."""
+    import cutlass
+    import cutlass.cute as cute
 
-    return from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=True).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    dtype = {
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float16: cutlass.Float16,
+        torch.float32: cutlass.Float32,
+        torch.int32: cutlass.Int32,
+        torch.int64: cutlass.Int64,
+    }[t.dtype]
+    shape = tuple(cute.sym_int32() for _ in range(t.dim()))
+    stride = (*(cute.sym_int64() for _ in range(t.dim() - 1)), 1)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=16)
 
 
 def _make_kernel(
@@ -197,12 +222,9 @@ def _launch(
     head_dim_v: int | None = None,
     query_tile: int = 64,
 ) -> None:
-    """Run one kernel on the current stream, compiling it on first use per configuration (the
-    scalars: floats are Float32, ints Int32). The compiled function takes the torch tensors and
+    """Run one kernel on the current stream, loading or compiling it on first use per configuration
+    (the scalars: floats are Float32, ints Int32). The compiled function takes the torch tensors and
     Python scalars as they are (TVM-FFI). `head_dim_v`, `query_tile`: as in `_make_kernel`."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
-
     config = _device_part(config)
     nones = tuple(t is None for t in tensors)
     key = (direction, dtype, head_dim, head_dim_v, causal, width, config, deterministic, nones, query_tile)
@@ -211,19 +233,67 @@ def _launch(
         with _compile_lock:
             compiled = _compiled.get(key)
             if compiled is None:
-                cute_args = [
-                    *(None if t is None else _to_cute(t) for t in tensors),
-                    *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars),
-                ]
-                name = "bf16" if dtype == torch.bfloat16 else "fp16"
-                kernel = _make_kernel(
-                    name, head_dim, causal, width, config, direction, deterministic, head_dim_v, query_tile
-                )
-                start = time.perf_counter()
-                stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's current one
-                compiled = _compiled[key] = cute.compile(kernel, *cute_args, stream, options="--enable-tvm-ffi")
-                compile_seconds[key] = time.perf_counter() - start
-    compiled(*(None if t is None else t.detach() for t in tensors), *scalars)
+                compiled = kernel_cache.load(key)
+                if compiled is None:
+                    compiled = _compile(key, tensors, scalars, deterministic, head_dim_v, query_tile)
+                else:
+                    loaded_keys.add(key)
+                _compiled[key] = compiled
+    if _compile_only_sms is None:
+        compiled(*(None if t is None else t.detach() for t in tensors), *scalars)
+
+
+def _compile(
+    key: tuple,
+    tensors: list[torch.Tensor | None],
+    scalars: list[float | int],
+    deterministic: bool,
+    head_dim_v: int | None,
+    query_tile: int,
+):
+    """Compile the kernel of `_launch`'s `key` for these arguments' dtypes and ranks, and keep it
+    on disk (`kernel_cache`)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    direction, dtype, head_dim, _, causal, width, config = key[:7]
+    cute_args = [
+        *(None if t is None else _compile_operand(t) for t in tensors),
+        *(Float32(x) if isinstance(x, float) else Int32(x) for x in scalars),
+    ]
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    kernel = _make_kernel(name, head_dim, causal, width, config, direction, deterministic, head_dim_v, query_tile)
+    start = time.perf_counter()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's current one
+    compiled = cute.compile(kernel, *cute_args, stream, options="--enable-tvm-ffi")
+    compile_seconds[key] = time.perf_counter() - start
+    kernel_cache.store(key, compiled)
+    return compiled
+
+
+@contextlib.contextmanager
+def compile_only(sm_count: int = 132) -> Iterator[None]:
+    """Within it, `forward` and `backward` compile (or load) each kernel they would launch, keep it
+    in the kernel cache (`kernel_cache`), and launch nothing: on tensors of any device, so a machine
+    without a GPU (CUTE_DSL_ARCH=sm_90a) fills the cache for the GPU machines. `sm_count`: the SMs
+    of the GPU the kernels will run on (132 on the H100 SXM and H200), which some plans depend on.
+    The outputs hold no values."""
+    global _compile_only_sms
+    if sm_count < 1:
+        raise ValueError(f"sm_count must be a positive number of SMs, got {sm_count}")
+    with _compile_lock:
+        if _compile_only_sms is not None:
+            raise RuntimeError("compile_only is already active")
+        _compile_only_sms = sm_count
+    try:
+        yield
+    finally:
+        _compile_only_sms = None
+
+
+def _sm_count(device: torch.device) -> int:
+    """The SMs the plans divide the work over: the GPU's, or `compile_only`'s."""
+    return _compile_only_sms or gpu_sm_count(device)
 
 
 def forward(

@@ -37,6 +37,7 @@ import torch
 from bench_fwd import (
     ablation_table,
     add_common_arguments,
+    add_compile_only_argument,
     add_head_dim_v_argument,
     add_peers_argument,
     add_row,
@@ -52,6 +53,7 @@ from bench_fwd import (
     run_ablation,
     run_batch,
     run_check,
+    run_compile_only,
     variant_overrides,
 )
 from flashmask3.optimized import compile_seconds
@@ -94,16 +96,27 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
     return row
 
 
+def compile_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed, dv=None) -> dict:
+    """`check_case`'s kernels, compiled into the kernel cache on the CPU (`--compile-only`)."""
+    q, k, v, dout = random_inputs(b, sq, sk, hq, hkv, d, dtype, "cpu", seed=seed, head_dim_v=dv)
+    scale = 1 / math.sqrt(d)
+    out, lse = cute_forward(q, k, v, mask, scale)
+    cute_backward(dout, q, k, v, out, lse, mask, scale)
+    return {"mask": name, "sq": sq, "sk": sk, "d": d, "dtype": str(dtype)[6:]}
+
+
 def run_determinism(
-    names=("document", "causal", "share_question", "random_eviction"), head_dims: tuple[int, int] | None = None
+    names=("document", "causal", "share_question", "random_eviction"),
+    head_dims: tuple[int, int] | None = None,
+    device: str = "cuda",
 ) -> dict:
     """Gradients of deterministic runs must be bitwise equal (many key tiles per query tile), at head
     dims 128 and 64 (their query steps may differ) or at the pair `head_dims` (q/k, v); the atomic
-    default is shown for contrast."""
+    default is shown for contrast. `device`: the inputs' (the CPU under `compile_only`)."""
     result = {}
-    built = {name: masks.build(name, 4096, batch=2, heads=8, seed=7, device="cuda") for name in names}
+    built = {name: masks.build(name, 4096, batch=2, heads=8, seed=7, device=device) for name in names}
     for d, dv in ((128, 128), (64, 64)) if head_dims is None else (head_dims,):
-        q, k, v, dout = random_inputs(2, 4096, 4096, 8, 2, d, torch.bfloat16, "cuda", seed=7, head_dim_v=dv)
+        q, k, v, dout = random_inputs(2, 4096, 4096, 8, 2, d, torch.bfloat16, device, seed=7, head_dim_v=dv)
         scale = 1 / math.sqrt(d)
         for name, mask in built.items():
             out, lse = cute_forward(q, k, v, mask, scale)
@@ -290,9 +303,13 @@ def main() -> None:
         help="ablate: changes of the chosen kernel configurations to time (fwd+bwd) against them",
     )
     add_head_dim_v_argument(parser)
+    add_compile_only_argument(parser)
     args = parser.parse_args()
     check_common_arguments(parser, args)
     check_head_dim_v(parser, args)
+    if args.compile_only:
+        head_dims = check_head_dims(args)
+        return run_compile_only(parser, args, compile_case, lambda: run_determinism(head_dims=head_dims, device="cpu"))
     result, save = new_record(args, "bwd")
     if args.what in ("check", "all"):
         head_dims = check_head_dims(args)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -78,25 +79,36 @@ def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype,
     }
 
 
+def compile_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed, dv=None) -> dict:
+    """`check_case`'s kernels, compiled into the kernel cache on the CPU (`--compile-only`)."""
+    q, k, v, _ = random_inputs(b, sq, sk, hq, hkv, d, dtype, "cpu", seed=seed, head_dim_v=dv)
+    cute_forward(q, k, v, mask, 1 / math.sqrt(d))
+    return {"mask": name, "sq": sq, "sk": sk, "d": d, "dtype": str(dtype)[6:]}
+
+
 def run_check(
-    case=check_case, first_seed: int = 0, head_dims: tuple[int, int] | None = None, save=lambda rows: None
+    case=check_case,
+    first_seed: int = 0,
+    head_dims: tuple[int, int] | None = None,
+    save=lambda rows: None,
+    device: str = "cuda",
 ) -> list[dict]:
     """`case` (this script's forward check, or bench_bwd's gradient check) over every mask at three
-    dtype / head dim / length combinations, plus Sq != Sk, MQA and no mask. `head_dims` (q/k, v):
-    every case at that pair instead of at 64 and 128. `save(rows)` after each case, so a run cut
-    short keeps what it checked."""
+    dtype / head dim / length combinations, plus Sq != Sk, MQA and no mask, the masks on `device`.
+    `head_dims` (q/k, v): every case at that pair instead of at 64 and 128. `save(rows)` after each
+    case, so a run cut short keeps what it checked."""
     d_big, d_small, dv = (128, 64, None) if head_dims is None else (head_dims[0], head_dims[0], head_dims[1])
     rows, seed = [], first_seed
     for name in progress(masks.MASK_NAMES, "check"):
         combos = ((1024, d_big, torch.bfloat16), (1531, d_small, torch.float16), (2048, d_big, torch.float16))
         for sq, d, dtype in combos:
             seed += 1
-            mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device="cuda")
+            mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device=device)
             rows.append(case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed, dv))
             save(rows)
     # Sq != Sk (causal bottom-right), MQA, and no mask.
     for sq, sk in ((700, 1300), (1300, 700)):
-        mask = ColumnMask(torch.full((1, 1, sk, 1), sq, dtype=torch.int32, device="cuda"), True, sq)
+        mask = ColumnMask(torch.full((1, 1, sk, 1), sq, dtype=torch.int32, device=device), True, sq)
         rows.append(case("causal_sq!=sk", mask, 1, sq, sk, 8, 1, d_big, torch.bfloat16, seed + sq, dv))
         rows.append(case("none_sq!=sk", None, 1, sq, sk, 8, 1, d_small, torch.bfloat16, seed + sk, dv))
         save(rows)
@@ -382,6 +394,39 @@ def add_head_dim_v_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_compile_only_argument(parser: argparse.ArgumentParser) -> None:
+    """--compile-only (check; `run_compile_only` runs it)."""
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="check: compile its kernels into the kernel cache (FLASHMASK3_KERNEL_CACHE) on the CPU, "
+        "run nothing; a GPU machine given that cache then loads them instead of compiling",
+    )
+
+
+def run_compile_only(parser: argparse.ArgumentParser, args: argparse.Namespace, case, then=lambda: None) -> None:
+    """`check --compile-only`: `run_check` with `case` (the check's kernels, compiled and kept, not
+    run) on CPU masks under `compile_only`, then `then()` (the script's other checks), and a line
+    saying how many kernels and where."""
+    if args.what != "check":
+        parser.error(
+            f"--compile-only is for 'check', got it with {args.what!r} (a workload: python -m flashmask3.precompile)"
+        )
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # without a GPU the DSL would target another chip
+    from flashmask3.optimized import interface, kernel_cache
+
+    start = time.perf_counter()
+    with interface.compile_only():
+        cases = run_check(case, head_dims=check_head_dims(args), device="cpu")
+        then()
+    root = kernel_cache.cache_root()
+    where = "memory only: FLASHMASK3_KERNEL_CACHE is off" if root is None else root / kernel_cache.fingerprint()
+    print(
+        f"check --compile-only: {len(cases)} cases, {len(compile_seconds)} kernels compiled "
+        f"({len(interface.loaded_keys)} loaded) in {time.perf_counter() - start:.0f} s; cache: {where}"
+    )
+
+
 def check_head_dim_v(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The parser's error where --head-dim-v differs from --head-dim outside 'check', 'bench' and 'ablate'."""
     if args.head_dim_v not in (None, args.head_dim) and args.what not in ("check", "bench", "ablate"):
@@ -444,9 +489,12 @@ def main() -> None:
         help="ablate: changes of the chosen kernel configurations to time against them",
     )
     add_head_dim_v_argument(parser)
+    add_compile_only_argument(parser)
     args = parser.parse_args()
     check_common_arguments(parser, args)
     check_head_dim_v(parser, args)
+    if args.compile_only:
+        return run_compile_only(parser, args, compile_case)
     result, save = new_record(args, "fwd")
     if args.what in ("check", "all"):
         result["check"] = run_check(head_dims=check_head_dims(args), save=lambda rows: save({**result, "check": rows}))

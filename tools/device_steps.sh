@@ -3,7 +3,11 @@
 # as `step SECONDS NAME COMMAND...`, each under its own time limit with its log under $OUT (runs/
 # unless set; the bench scripts write their JSON there too), the logs' tails and a line per step
 # last. The device copy has no .git: pass the commit. BUNDLE=1 packs $OUT into one runs.tgz at the
-# end, for a caller that takes back only a few files (a timeline step alone writes three).
+# end, for a caller that takes back only a few files (a timeline step alone writes three). A
+# .kernels/ folder beside the steps is the kernel cache (FLASHMASK3_KERNEL_CACHE), filled on a
+# machine without a GPU so the steps load their kernels instead of compiling them:
+#
+#   FLASHMASK3_KERNEL_CACHE=.kernels python scripts/bench_bwd.py check --compile-only
 #
 #   COMMIT=$(git rev-parse --short HEAD) BUNDLE=1 bash tools/device_steps.sh steps.txt
 #
@@ -19,6 +23,7 @@ python3 "$(dirname "$0")/package_tree.py" build/package >/dev/null
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/build/package PYTHONUNBUFFERED=1
 export FLASHMASK3_COMMIT=${COMMIT:?set COMMIT to the commit being run}
 export OUT=${OUT:-runs}
+[ -d .kernels ] && export FLASHMASK3_KERNEL_CACHE=$PWD/.kernels
 mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 export NCU
