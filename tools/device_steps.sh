@@ -3,11 +3,12 @@
 # as `step SECONDS NAME COMMAND...`, each under its own time limit with its log under $OUT (runs/
 # unless set; the bench scripts write their JSON there too), the logs' tails and a line per step
 # last. The device copy has no .git: pass the commit. BUNDLE=1 packs $OUT into one runs.tgz at the
-# end, for a caller that takes back only a few files (a timeline step alone writes three). A
-# .kernels/ folder beside the steps is the kernel cache (FLASHMASK3_KERNEL_CACHE), filled on a
-# machine without a GPU so the steps load their kernels instead of compiling them:
+# end, for a caller that takes back only a few files (a timeline step alone writes three).
+# KERNELS=archive.tar.xz: the kernel cache (FLASHMASK3_KERNEL_CACHE) filled on a machine without a
+# GPU, so that the steps load their kernels instead of compiling them, packed small for the trip:
 #
-#   FLASHMASK3_KERNEL_CACHE=.kernels python scripts/bench_bwd.py check --compile-only
+#   FLASHMASK3_KERNEL_CACHE=/tmp/kernels python scripts/bench_bwd.py check --compile-only
+#   tar cJf kernels.tar.xz -C /tmp/kernels .
 #
 #   COMMIT=$(git rev-parse --short HEAD) BUNDLE=1 bash tools/device_steps.sh steps.txt
 #
@@ -23,7 +24,9 @@ python3 "$(dirname "$0")/package_tree.py" build/package >/dev/null
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/build/package PYTHONUNBUFFERED=1
 export FLASHMASK3_COMMIT=${COMMIT:?set COMMIT to the commit being run}
 export OUT=${OUT:-runs}
-[ -d .kernels ] && export FLASHMASK3_KERNEL_CACHE=$PWD/.kernels
+if [ -n "${KERNELS:-}" ]; then
+    mkdir -p /tmp/kernels && tar xJf "$KERNELS" -C /tmp/kernels && export FLASHMASK3_KERNEL_CACHE=/tmp/kernels
+fi
 mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 export NCU
