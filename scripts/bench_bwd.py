@@ -59,7 +59,7 @@ from bench_fwd import (
 from flashmask3.optimized import compile_seconds
 from flashmask3.optimized.interface import backward as cute_backward
 from flashmask3.optimized.interface import forward as cute_forward
-from flashmask3.optimized.interface import mask_configs
+from flashmask3.optimized.interface import loaded_keys, mask_configs
 from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import compare, random_inputs
 
@@ -316,6 +316,7 @@ def main() -> None:
         result["check"] = run_check(check_case, 100, head_dims, save=lambda rows: save({**result, "check": rows}))
         result["determinism"] = run_determinism(head_dims=head_dims)
         result["compile_s"] = {str(k): v for k, v in compile_seconds.items()}
+        result["kernels_loaded"] = len(loaded_keys)  # from the kernel cache, not compiled
         print(
             f"{'case':22s} {'S':>11s} {'d':>4s} {'dtype':>9s} {'err_dq':>8s} {'tol':>8s} {'err_dk':>8s} "
             f"{'tol':>8s} "

@@ -41,7 +41,7 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads, against FA4 "
         "(on an H100 80GB HBM3; every mask with the split CTAs, the default on the causal one-bound masks)",
-        ("bwd_bench_train_32k_split_ctas_fa4_h100.json",),
+        ("bwd_bench_train_32k_split_ctas_fa4_h100.json", "bwd_bench_train_32k_fa4_kernel_cache_h100.json"),
     ),
     (
         "Forward + backward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (before the split CTAs)",
