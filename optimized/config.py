@@ -77,11 +77,10 @@ class FwdConfig:
     # masked steps, are gone. 128-row query tiles and key tiles dividing 128 only (the plan's
     # granule: a key tile must not span two).
     segment_tiles: bool
-    # 128-row tiles: O stored from registers (quads swap column pairs, 8-byte stores) instead of
-    # staged in the Q buffer for a TMA store, and the buffer freed once every consumer warpgroup's
-    # last S GEMM has read it: with one Q buffer the next work tile's Q loads under the last PV and
-    # the epilogue, not after; with either, each warpgroup stores its own rows and goes on, no
-    # barrier between the warpgroups at the end of a work tile.
+    # With one Q buffer and 128-row tiles: O stored from registers (quads swap column pairs, 8-byte
+    # stores) instead of staged in the Q buffer for a TMA store, and the buffer freed once every
+    # consumer warpgroup's last S GEMM has read it, so the next work tile's Q loads under the last
+    # PV and the epilogue, not after.
     o_from_registers: bool
 
     def __post_init__(self) -> None:
@@ -102,8 +101,11 @@ class FwdConfig:
             )
         if self.late_k_release and self.tile_m != 128:
             raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
-        if self.o_from_registers and self.tile_m != 128:
-            raise ValueError(f"o_from_registers needs tile_m=128, got tile_m={self.tile_m}")
+        if self.o_from_registers and (self.q_buffers != 1 or self.tile_m != 128):
+            raise ValueError(
+                "o_from_registers needs q_buffers=1 (with two, Q already loads early) and tile_m=128, "
+                f"got q_buffers={self.q_buffers}, tile_m={self.tile_m}"
+            )
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -275,8 +277,9 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     without a host sync; on an H100 +1.5-8.0% on the four document masks at 8K and 32K, but -1 to
     -3.4% on masks without segments, hence only on the hint); at head dims 192 and 256, O stored
     from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.1-6.0% at 256,
-    +1.0-4.6% at 192/128 on full, causal, causal documents and documents; at 128, with two Q
-    buffers, -2 to -3% on the sliding window and share-question, so not there)."""
+    +1.0-4.6% at 192/128 on full, causal, causal documents and documents; at 128, measured with
+    two Q buffers, -2 to -3% on the sliding window and share-question, and its causal builds hold
+    registers in local memory, so not there)."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,

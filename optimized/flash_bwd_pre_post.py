@@ -206,28 +206,3 @@ class BackwardPostprocess:
         cute.copy(tma_dq, t_s, t_g)
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-def prepost_compile_args(
-    dtype: Type[cutlass.Numeric],
-    head_dim: int,
-    tile_m: int,
-    stream,
-    head_dim_v: int | None = None,
-    segment_steps: bool = False,
-) -> tuple[list, list]:
-    """Fake arguments (symbolic sizes; `stream`, a fake one) to compile the preprocess and the
-    postprocess of the main kernel's `tile_m`-row steps without a GPU; `head_dim_v`: O's head dim
-    when not `head_dim`; `segment_steps`: their builds on the virtual rows."""
-    b, sq, h, tm = (cute.sym_int32() for _ in range(4))
-
-    def fake(dt, shape):
-        order = tuple(reversed(range(len(shape))))
-        return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=16)
-
-    q_like = fake(dtype, (b, sq, h, head_dim))
-    o_like = fake(dtype, (b, sq, h, head_dim if head_dim_v is None else head_dim_v))
-    accum = fake(Float32, (b, h, tm, tile_m * head_dim))
-    rows = fake(Float32, (b, h, sq))
-    steps = fake(cutlass.Int32, (b, h, tm, 2)) if segment_steps else None
-    return [o_like, o_like, rows, rows, rows, accum, steps, stream], [accum, q_like, steps, Float32(0.1), stream]

@@ -15,8 +15,8 @@ the tuning choices come as a `FwdConfig`, config.py):
     (RS-WGMMA, P stays in registers), then runs the softmax of S_j under its PV (FA3's intra-warpgroup
     overlap): the element mask only on tiles listed PARTIAL (their column bounds cp.async'd into smem
     a tile ahead), online softmax in fp32. O leaves by stmatrix into the work tile's Q buffer (its
-    last S GEMM is done) and one TMA store, which completes under the next work tile; or, with
-    `o_from_registers`, straight from registers, the Q buffer freed after the last S GEMM.
+    last S GEMM is done) and one TMA store, which completes under the next work tile; or, with one Q
+    buffer and `o_from_registers`, straight from registers, the Q buffer freed after the last S GEMM.
 Skipped tiles cost neither loads nor MMAs. setmaxnreg moves registers from warpgroup 0 to the
 consumers.
 """
@@ -597,12 +597,12 @@ class FlashMaskForwardSm90:
             self.begin_turn(wg)
             if tidx == 0:
                 timeline.record(tiles_done, Event.LOOP_START)
-            # The other Q buffer holds the previous work tile's staged O until its store has read it
-            # (with one buffer, the store was waited for before this Q could land).
+            # The other Q buffer holds the previous work tile's O until its store has read it (with
+            # one buffer, the store was waited for before this Q could land).
             free_previous_q = (pipe_q, q_state, False)
             # With O stored from registers, each warpgroup frees this Q once its last S GEMM is done.
             own_q = (pipe_q, q_state, self.o_from_registers and tidx % 128 == 0)
-            if const_expr(self.q_buffers == 2 and not self.o_from_registers):
+            if const_expr(self.q_buffers == 2):
                 previous_q = pipeline.PipelineState(2, q_state.count, 1 - q_state.index, q_state.phase)
                 free_previous_q = (pipe_q, previous_q, tiles_done > 0 and tidx == 0)
             k_state, v_state, position = self.overlapped_loop(

@@ -8,8 +8,10 @@ Each kernel runs the configuration `fwd_config` / `bwd_config` (config.py) choos
 and mask variant, or the one passed to `forward` / `backward` (ablations).
 
 Kernels are compiled on first use per configuration for stand-ins of their tensors
-(`_compile_operand`: dtype and rank only), kept in memory and on disk (`kernel_cache`), and a new
-process loads them; `compile_only` compiles them without launching, on any device.
+(`_stand_in`: dtype and rank; for the `Contiguous` buffers also compact, their last extent a
+constant), kept in memory and on disk (`kernel_cache`), and a new process loads them;
+`compile_only` compiles them without launching, on any device. `compile_check` compiles the same
+kernels for the SASS checks.
 
 Launches go through TVM-FFI, as FA4's do: the compiled function takes the torch tensors and Python
 scalars as they are and finds torch's current stream itself (a Python DLPack wrapper per tensor
@@ -24,6 +26,7 @@ import importlib.util
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -55,7 +58,7 @@ _compile_only_sms: int | None = None
 """The SMs `compile_only` plans for while it is active; None: kernels are launched."""
 compile_seconds: dict[tuple, float] = {}
 """Wall time of each compilation, keyed like the cache: (direction, dtype, head_dim, head_dim_v,
-causal, mask width, config, deterministic, which tensors are None)."""
+causal, mask width, config, deterministic, each argument's layout (`_layout`), query tile)."""
 
 
 def head_dims_unsupported(head_dim: int, head_dim_v: int, backward: bool = False) -> str | None:
@@ -135,24 +138,57 @@ def tma_operand(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and aligned else x.contiguous()
 
 
-def _compile_operand(t: torch.Tensor):
-    """What a kernel is compiled for in place of tensor `t`: its dtype and rank, every extent and
-    stride a runtime value but the last stride (1), 16-byte aligned, on a CUDA device, as TVM-FFI
-    checks each call's tensors. Built from that metadata alone, so a kernel compiles the same with
-    or without a GPU (`compile_only`)."""
-    import cutlass
+class Contiguous(NamedTuple):
+    """A kernel argument the host made contiguous and whose last extent the kernel's configuration
+    fixes (the row indices' width, the dQ accumulator's tile, ...): compiled with compact strides
+    and that extent a constant, which frees the registers that runtime strides would hold (the
+    backward at 192/128 and its split builds spilled with them). TVM-FFI checks both at each call."""
+
+    tensor: torch.Tensor
+
+
+def _contiguous(t: torch.Tensor | None) -> Contiguous | None:
+    """`t` passed as `Contiguous` (a copy where it is not contiguous), None for None."""
+    return None if t is None else Contiguous(t.contiguous())
+
+
+def _stand_in(dtype, rank: int, last: int | None = None):
+    """What a kernel is compiled for in place of a tensor of cutlass `dtype` and `rank`: where
+    `last` is None, every extent and stride a runtime value but the last stride (1), 16-byte
+    aligned, on a CUDA device, as TVM-FFI checks each call's tensors (the type the CUDA tensors
+    themselves give: the same SASS); with `last`, a `Contiguous` argument: compact, its last extent
+    `last`. The same with or without a GPU (`compile_only`)."""
     import cutlass.cute as cute
 
+    shape = tuple(cute.sym_int32() for _ in range(rank - (last is not None)))
+    if last is not None:
+        order = tuple(reversed(range(rank)))
+        return cute.runtime.make_fake_compact_tensor(dtype, (*shape, last), stride_order=order, assumed_align=16)
+    stride = (*(cute.sym_int64() for _ in range(rank - 1)), 1)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=16)
+
+
+def _compile_operand(t: torch.Tensor | Contiguous):
+    """`_stand_in` for `t`: its dtype and rank, and a `Contiguous` one's last extent."""
+    import cutlass
+
+    tensor = t.tensor if isinstance(t, Contiguous) else t
     dtype = {
         torch.bfloat16: cutlass.BFloat16,
         torch.float16: cutlass.Float16,
         torch.float32: cutlass.Float32,
         torch.int32: cutlass.Int32,
         torch.int64: cutlass.Int64,
-    }[t.dtype]
-    shape = tuple(cute.sym_int32() for _ in range(t.dim()))
-    stride = (*(cute.sym_int64() for _ in range(t.dim() - 1)), 1)
-    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=16)
+    }[tensor.dtype]
+    return _stand_in(dtype, tensor.dim(), tensor.shape[-1] if isinstance(t, Contiguous) else None)
+
+
+def _layout(t: torch.Tensor | Contiguous | None) -> int | None:
+    """An argument's part of the compile key: None (not passed), 0 (runtime strides), or a
+    `Contiguous` one's last extent."""
+    if t is None:
+        return None
+    return int(t.tensor.shape[-1]) if isinstance(t, Contiguous) else 0
 
 
 def _make_kernel(
@@ -216,7 +252,7 @@ def _launch(
     causal: bool,
     width: int,
     config: FwdConfig | BwdConfig | None,
-    tensors: list[torch.Tensor | None],
+    tensors: list[torch.Tensor | Contiguous | None],
     scalars: list[float | int],
     deterministic: bool = False,
     head_dim_v: int | None = None,
@@ -226,8 +262,8 @@ def _launch(
     (the scalars: floats are Float32, ints Int32). The compiled function takes the torch tensors and
     Python scalars as they are (TVM-FFI). `head_dim_v`, `query_tile`: as in `_make_kernel`."""
     config = _device_part(config)
-    nones = tuple(t is None for t in tensors)
-    key = (direction, dtype, head_dim, head_dim_v, causal, width, config, deterministic, nones, query_tile)
+    layouts = tuple(_layout(t) for t in tensors)
+    key = (direction, dtype, head_dim, head_dim_v, causal, width, config, deterministic, layouts, query_tile)
     compiled = _compiled.get(key)
     if compiled is None:
         with _compile_lock:
@@ -240,12 +276,14 @@ def _launch(
                     loaded_keys.add(key)
                 _compiled[key] = compiled
     if _compile_only_sms is None:
-        compiled(*(None if t is None else t.detach() for t in tensors), *scalars)
+        compiled(
+            *(None if t is None else (t.tensor if isinstance(t, Contiguous) else t).detach() for t in tensors), *scalars
+        )
 
 
 def _compile(
     key: tuple,
-    tensors: list[torch.Tensor | None],
+    tensors: list[torch.Tensor | Contiguous | None],
     scalars: list[float | int],
     deterministic: bool,
     head_dim_v: int | None,
@@ -360,7 +398,8 @@ def forward(
         mask.causal,
         width,
         config,
-        [q, k, v, out, lse, row_indices, bounds, tile_counter, order, tile_rows, timeline, turn_profile],
+        [q, k, v, out, lse, Contiguous(row_indices), _contiguous(bounds), tile_counter, order, _contiguous(tile_rows)]
+        + [_contiguous(timeline), _contiguous(turn_profile)],
         scalars,
         head_dim_v=None if dv == d else dv,
     )
@@ -457,7 +496,8 @@ def backward(
     lse2 = torch.empty(b, hq, tiles_m * tile_m, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
     dq_accum = torch.empty(b, hq, tiles_m, tile_m * d, dtype=torch.float32, device=q.device)
-    prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, dq_accum, step_rows]
+    accumulator, rows = Contiguous(dq_accum), _contiguous(step_rows)
+    prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, accumulator, rows]
     dims_v = None if head_dim_v == d else head_dim_v
     _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [], head_dim_v=dims_v, query_tile=tile_m)
     dk = k.new_empty(k.shape) if dk is None else dk  # contiguous, whatever the inputs' strides
@@ -469,15 +509,13 @@ def backward(
     split = [None, None, None]
     if plan.split_table is not None:
         workspace = torch.empty(slots, tile_n * (d + head_dim_v), dtype=torch.float32, device=q.device)
-        split = [plan.split_table, workspace, counters[-slots:]]
-    tensors = [q, k, v, dout, lse2, delta, dq_accum, dk, dv, row_indices, bounds, ranks, semaphore, order, step_rows]
-    tensors += [timeline, *split]
+        split = [_contiguous(plan.split_table), Contiguous(workspace), counters[-slots:]]
+    tensors = [q, k, v, dout, lse2, delta, accumulator, dk, dv, Contiguous(row_indices), _contiguous(bounds), ranks]
+    tensors += [semaphore, order, rows, _contiguous(timeline), *split]
     scalars = [float(softmax_scale), hq // hkv, hq // mask.heads, mask.batch // b]
     _launch("bwd", q.dtype, d, mask.causal, width, config, tensors, scalars, deterministic, dims_v)
     dq = q.new_empty(q.shape)
-    _launch(
-        "bwd_post", q.dtype, d, False, 2, None, [dq_accum, dq, step_rows], [float(softmax_scale)], query_tile=tile_m
-    )
+    _launch("bwd_post", q.dtype, d, False, 2, None, [accumulator, dq, rows], [float(softmax_scale)], query_tile=tile_m)
     return dq, dk, dv
 
 
@@ -523,7 +561,8 @@ def compile_check(
     segmented: bool = False,
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
-    without a GPU (fake tensors), launched as `_launch` does (TVM-FFI); return the seconds taken.
+    without a GPU, for the stand-ins `_launch` compiles them for (`_stand_in`), i.e. the kernels
+    that run; return the seconds taken.
     Set CUTE_DSL_ARCH=sm_90a first when no GPU is present. `head_dim_v`: V's and O's head dim
     when not `head_dim`. `config`: the forward's (backward's)
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
@@ -536,62 +575,41 @@ def compile_check(
     from .timeline import BwdEvent, Event, TurnEvent
 
     cute_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
-    b, sq, sk, hq, hkv = (cute.sym_int32() for _ in range(5))
-    bm, hm, tm, tn = (cute.sym_int32() for _ in range(4))
+    f32, i32, i64 = cutlass.Float32, cutlass.Int32, cutlass.Int64
 
-    def fake(dt, shape):
-        order = tuple(reversed(range(len(shape))))
-        return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=16)
+    def each(*specs: tuple | None) -> list:
+        """A stand-in per (dtype, rank) or, for a `Contiguous` argument, (dtype, rank, last extent);
+        None where a spec is None (an argument not passed)."""
+        return [None if spec is None else _stand_in(*spec) for spec in specs]
 
-    dv = head_dim if head_dim_v is None else head_dim_v
-    q_like, kv_like = fake(cute_dtype, (b, sq, hq, head_dim)), fake(cute_dtype, (b, sk, hkv, head_dim))
-    o_like, v_like = fake(cute_dtype, (b, sq, hq, dv)), fake(cute_dtype, (b, sk, hkv, dv))
-    row_indices = fake(cutlass.Int32, (bm, hm, sk, width))
+    qkv = (cute_dtype, 4)
+    rows, bounds = (i32, 4, width), (i32, 4, 2 * width)
     if direction == "bwd":
-        from .flash_bwd_pre_post import prepost_compile_args
-
         config = config or bwd_config(head_dim, causal, width, deterministic)
         split = config.split_ctas_max_parts > 0 and not (deterministic or config.segment_steps or timeline)
         ordered = config.longest_ctas_first_waves > 0 and not (deterministic or split)
-        tensors = [
-            q_like,
-            kv_like,
-            v_like,
-            o_like,
-            fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Float32, (b, hq, tm, config.query_tile * head_dim)),
-            kv_like,
-            v_like,
-            fake(cutlass.Int32, (bm, hm, cute.sym_int32(), width)) if config.segment_steps else row_indices,
-            fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
-            fake(cutlass.Int32, (bm, hm, tn, tm)),
-            fake(cutlass.Int32, (b, hq, tm)),
-            fake(cutlass.Int32, (cute.sym_int32(),)) if ordered else None,
-            fake(cutlass.Int32, (b, hq, tm, 2)) if config.segment_steps else None,
-            fake(cutlass.Int64, (cute.sym_int32(), len(BwdEvent))) if timeline else None,
-        ]
-        tensors += [
-            fake(cutlass.Int32, (cute.sym_int32(), 4)) if split else None,
-            fake(cutlass.Float32, (cute.sym_int32(), config.key_tile * (head_dim + dv))) if split else None,
-            fake(cutlass.Int32, (cute.sym_int32(),)) if split else None,
-        ]
+        step_rows = (i32, 4, 2) if config.segment_steps else None
+        accumulator = (f32, 4, config.query_tile * head_dim)
+        workspace = (f32, 2, config.key_tile * (head_dim + (head_dim_v or head_dim)))
+        # q, k, v, dO, LSE, Delta, the dQ accumulator, dK, dV, the row indices, block bounds, dQ
+        # ranks, semaphores, work order, step rows, timeline; the split table, workspace, counters.
+        tensors = each(qkv, qkv, qkv, qkv, (f32, 3), (f32, 3), accumulator, qkv, qkv, rows, bounds, (i32, 4))
+        timeline_spec = (i64, 2, len(BwdEvent)) if timeline else None
+        tensors += each((i32, 3), (i32, 1) if ordered else None, step_rows, timeline_spec)
+        tensors += each(*([(i32, 2, 4), workspace, (i32, 1)] if split else [None] * 3))
+        # The preprocess: O, dO, LSE, its base-2 copy, Delta, the dQ accumulator, step rows; the
+        # postprocess: the accumulator, dQ, step rows, the softmax scale.
+        pre_args = each(qkv, qkv, (f32, 3), (f32, 3), (f32, 3), accumulator, step_rows)
+        post_args = [*each(accumulator, qkv, step_rows), Float32(0.1)]
     else:
         config = config or fwd_config(head_dim, causal, width, segmented)
-        tensors = [
-            q_like,
-            kv_like,
-            v_like,
-            o_like,
-            fake(cutlass.Float32, (b, hq, sq)),
-            fake(cutlass.Int32, (bm, hm, cute.sym_int32(), width)) if config.segment_tiles else row_indices,
-            fake(cutlass.Int32, (bm, hm, tn, 2 * width)),
-            fake(cutlass.Int32, (1,)),
-            fake(cutlass.Int32, (cute.sym_int32(),)) if config.longest_tiles_first_waves else None,
-            fake(cutlass.Int32, (bm, hm, tm, 2)) if config.segment_tiles else None,
-            fake(cutlass.Int64, (cute.sym_int32(), cute.sym_int32(), len(Event))) if timeline else None,
-            fake(cutlass.Int64, (cute.sym_int32(), len(TurnEvent))) if turn_profile else None,
-        ]
+        # q, k, v, out, LSE, the row indices, block bounds, tile counter, work order, tile rows,
+        # timeline, turn profile.
+        tensors = each(qkv, qkv, qkv, qkv, (f32, 3), rows, bounds, (i32, 1))
+        tensors += each(
+            (i32, 1) if config.longest_tiles_first_waves else None, (i32, 4, 2) if config.segment_tiles else None
+        )
+        tensors += each((i64, 3, len(Event)) if timeline else None, (i64, 2, len(TurnEvent)) if turn_profile else None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = [Float32(0.1), Int32(1), Int32(1), Int32(1)] + ([] if direction == "bwd" else [Int32(132)])
     args = [*tensors, *scalars, stream]
@@ -602,11 +620,8 @@ def compile_check(
         cute.compile(kernel, *args, **flags)
         if isinstance(config, BwdConfig):
             tile_m = config.query_tile
-            pre_args, post_args = prepost_compile_args(
-                cute_dtype, head_dim, tile_m, stream, head_dim_v, config.segment_steps
-            )
             pre = _make_kernel(dtype, head_dim, False, 2, None, "bwd_pre", head_dim_v=head_dim_v, query_tile=tile_m)
-            cute.compile(pre, *pre_args, **flags)
+            cute.compile(pre, *pre_args, stream, **flags)
             post = _make_kernel(dtype, head_dim, False, 2, None, "bwd_post", query_tile=tile_m)
-            cute.compile(post, *post_args, **flags)
+            cute.compile(post, *post_args, stream, **flags)
         return time.perf_counter() - start

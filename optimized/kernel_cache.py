@@ -33,10 +33,10 @@ ENTRY_NAME = "kernel"
 
 
 def cache_root() -> Path | None:
-    """The cache's directory (`FLASHMASK3_KERNEL_CACHE`, by default under the user's cache
-    directory), or None where the variable is "off"."""
-    setting = os.environ.get("FLASHMASK3_KERNEL_CACHE")
-    if setting is not None and setting.strip().lower() in ("off", "0", "false", "none", ""):
+    """The cache's directory (`FLASHMASK3_KERNEL_CACHE`; unset or empty: under the user's cache
+    directory), or None where the variable is "off" (or "0", "false", "none")."""
+    setting = os.environ.get("FLASHMASK3_KERNEL_CACHE", "").strip()
+    if setting.lower() in ("off", "0", "false", "none"):
         return None
     if setting:
         return Path(setting).expanduser()

@@ -61,15 +61,19 @@ def test_entries_are_named_by_every_choice_of_the_key(tmp_path, monkeypatch):
     assert len({kernel_cache.entry_path(k) for k in others} | {path}) == 5
 
 
-@pytest.mark.parametrize("setting", ["off", "0", ""])
+@pytest.mark.parametrize("setting", ["off", "OFF", "0", "false"])
 def test_the_cache_is_turned_off_by_its_variable(monkeypatch, setting):
     monkeypatch.setenv("FLASHMASK3_KERNEL_CACHE", setting)
     assert kernel_cache.cache_root() is None
     assert kernel_cache.entry_path(("fwd",)) is None and kernel_cache.load(("fwd",)) is None
 
 
-def test_the_cache_defaults_to_the_user_cache_directory(monkeypatch, tmp_path):
-    monkeypatch.delenv("FLASHMASK3_KERNEL_CACHE", raising=False)
+@pytest.mark.parametrize("setting", [None, ""])
+def test_the_cache_defaults_to_the_user_cache_directory(monkeypatch, tmp_path, setting):
+    if setting is None:
+        monkeypatch.delenv("FLASHMASK3_KERNEL_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("FLASHMASK3_KERNEL_CACHE", setting)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert kernel_cache.cache_root() == tmp_path / "flashmask3" / "kernels"
 
@@ -149,7 +153,8 @@ def _gpu_inputs(name="causal_document", d=128, seqlen=1024):
 @pytest.mark.gpu
 def test_kernels_compiled_from_stand_ins_are_those_compiled_from_the_tensors(monkeypatch):
     """The launch compiles each kernel for `_compile_operand`'s stand-ins, which a machine without
-    a GPU can build too: its SASS is the one compiled for the CUDA tensors themselves."""
+    a GPU can build too: with the tensors themselves in place of the stand-ins of the arguments
+    passed with runtime strides (all but the `Contiguous` ones), the SASS is the same."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack
@@ -162,6 +167,8 @@ def test_kernels_compiled_from_stand_ins_are_those_compiled_from_the_tensors(mon
     assert [call[0][0] for call in calls] == ["fwd", "bwd_pre", "bwd", "bwd_post"]
 
     def from_tensor(t):
+        if isinstance(t, interface.Contiguous):
+            return interface._compile_operand(t)
         return from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=True).mark_layout_dynamic(t.dim() - 1)
 
     for key, tensors, scalars, deterministic, head_dim_v, query_tile in calls:
@@ -198,3 +205,33 @@ def test_a_kernel_loaded_from_the_cache_computes_what_the_compiled_one_does(tmp_
     assert len(interface.loaded_keys) == 4
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), compiled, loaded):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("sm_count", [4, 132])  # long grids (work orders) and short ones (split CTAs)
+@pytest.mark.parametrize("head_dims", [(128, 128), (192, 128), (64, 64)])
+def test_the_contiguous_arguments_are_built_contiguous(monkeypatch, sm_count, head_dims):
+    """Each `Contiguous` argument (compiled compact, its last extent fixed by the key) is contiguous
+    as the host builds it, so the launch copies none, over every mask and head dim."""
+    launched = []
+
+    def fake_launch(direction, dtype, head_dim, causal, width, config, tensors, *rest, **options):
+        launched.append(direction)
+        for t in tensors:
+            if isinstance(t, interface.Contiguous):
+                assert t.tensor.is_contiguous()
+
+    copies = []
+    monkeypatch.setattr(interface, "_launch", fake_launch)
+    monkeypatch.setattr(
+        interface,
+        "_contiguous",
+        lambda t: None if t is None else (copies.append(not t.is_contiguous()), interface.Contiguous(t))[1],
+    )
+    d, dv = head_dims
+    q, k, v, dout = random_inputs(2, 640, 640, 4, 2, d, torch.bfloat16, "cpu", seed=1, head_dim_v=dv)
+    for name in masks.MASK_NAMES:
+        mask = masks.build(name, 640, batch=2, heads=4, seed=1)
+        with interface.compile_only(sm_count):
+            out, lse = interface.forward(q, k, v, mask, 0.1)
+            interface.backward(dout, q, k, v, out, lse, mask, 0.1)
+    assert launched.count("bwd") == len(masks.MASK_NAMES) and not any(copies)

@@ -573,23 +573,15 @@ def test_segment_tiles_keep_the_loop_in_registers(tmp_path, head_dim, causal, wi
         assert "STG.E.128" in sass and "UTMASTG" in sass
 
 
-@pytest.mark.slow  # compiles and disassembles ten forwards, ~100 s
+@pytest.mark.slow  # compiles and disassembles six forwards, ~60 s
 @pytest.mark.parametrize(
-    "head_dim, causal, width, segments",
-    [
-        (256, True, 1, False),
-        (256, False, 2, True),
-        (192, False, 4, False),
-        (128, True, 1, False),
-        (128, False, 2, True),
-    ],
+    "head_dim, causal, width, segments", [(256, True, 1, False), (256, False, 2, True), (192, False, 4, False)]
 )
 def test_o_from_registers_keeps_the_loop_and_stores_8_bytes(tmp_path, head_dim, causal, width, segments):
-    """`o_from_registers` (O stored from registers, the Q buffer freed after the last S GEMM; at
-    head dim 128 with the default's two Q buffers): no local memory, the loop's WGMMAs in flight,
-    as many as the staged build's; no stmatrix and no TMA store of O, but two rows of Dv / 16
-    8-byte stores per thread (quads of lanes 32 contiguous bytes of a row each), one quad shuffle
-    more than the staged build per store."""
+    """`o_from_registers` (O stored from registers, the Q buffer freed after the last S GEMM): no
+    local memory, the loop's WGMMAs in flight, as many as the staged build's; no stmatrix and no
+    TMA store of O, but two rows of Dv / 16 8-byte stores per thread (quads of lanes 32 contiguous
+    bytes of a row each), one quad shuffle more than the staged build per store."""
     setup = "import dataclasses; from flashmask3.optimized import fwd_config"
     head_dim_v = 128 if head_dim == 192 else head_dim
 
