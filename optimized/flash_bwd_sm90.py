@@ -1063,7 +1063,7 @@ class FlashMaskBackwardSm90:
             first_slot, part, parts = split >> 4, (split >> 2) & 3, (split & 3) + 1
             accs = (acc_dK, acc_dV)
             for which in cutlass.range_constexpr(2):
-                slot = self.split_slot(mPartials, first_slot + part, tidx, which)
+                slot = self.split_slot(mPartials, first_slot + part, which)
                 cute.autovec_copy(cute.make_tensor(accs[which].iterator, cute.make_layout(slot.shape)), slot)
             cute.arch.fence_acq_rel_gpu()
             consumers = 128 * self.num_consumer_wgs
@@ -1083,7 +1083,7 @@ class FlashMaskBackwardSm90:
                     word = cute.arch.load(word_at, Int32, sem="relaxed", scope="gpu")
                     if other <= (word & 3) and other != (word >> 2) & 3:
                         for which in cutlass.range_constexpr(2):
-                            slot = self.split_slot(mPartials, (word >> 4) + other, tidx, which)
+                            slot = self.split_slot(mPartials, (word >> 4) + other, which)
                             acc = cute.make_tensor(accs[which].iterator, cute.make_layout(slot.shape))
                             for chunk in cutlass.range_constexpr(cute.size(slot, mode=[1])):  # 16 bytes each
                                 values = cute.make_rmem_tensor(4, Float32)
@@ -1092,7 +1092,7 @@ class FlashMaskBackwardSm90:
                                     acc[i, chunk] += values[i]
         return stores
 
-    def split_slot(self, mPartials: cute.Tensor, slot: Int32, tidx: Int32, which: int) -> cute.Tensor:
+    def split_slot(self, mPartials: cute.Tensor, slot: Int32, which: int) -> cute.Tensor:
         """The thread's values of dK (`which` 0) or dV (1) in workspace slot `slot`, in fragment order
         (`dq_slot_layout` of the key tile: 16-byte stores, threads side by side), shaped like the
         thread's accumulator."""
@@ -1100,7 +1100,8 @@ class FlashMaskBackwardSm90:
         one = self.dq_slot_layout(dv if which else d, tn)
         # The slots as a static-stride mode, so the compiler sees 16-byte aligned addresses.
         slots = cute.make_layout((*one.shape, mPartials.shape[0]), stride=(*one.stride, tn * (d + dv)))
-        lane, wg = tidx % 128, tidx // 128
+        lane = cute.arch.thread_idx()[0] % 128
+        wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
         return cute.make_tensor(mPartials.iterator + which * tn * d, slots)[None, lane, None, wg, slot]
 
     @cute.jit

@@ -155,11 +155,12 @@ def test_the_backward_with_queries_on_rows_builds_deterministic_and_profiled(tmp
         assert ("SR_CLOCKLO" in sass) == (name == "profiled")
 
 
-@pytest.mark.slow  # compiles and disassembles eighteen backwards, ~2 min
+@pytest.mark.slow  # compiles and disassembles twenty backwards, ~2 min
 @pytest.mark.parametrize(
     "head_dim, head_dim_v, causal, width",
     [
         (128, 128, True, 1),
+        (128, 128, True, 2),
         (128, 128, False, 2),
         (128, 128, False, 4),
         (64, 64, True, 1),
