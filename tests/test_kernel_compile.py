@@ -195,6 +195,13 @@ def test_split_ctas_keep_the_step_and_add_the_parts_in_16_byte_accesses(tmp_path
     assert abs(counts[0] - counts[1]) <= 0.02 * counts[1]
 
 
+def unwrapped(argument):
+    """A launch argument's tensor (a `Contiguous` one's, or the argument itself)."""
+    from flashmask3.optimized import interface
+
+    return argument.tensor if isinstance(argument, interface.Contiguous) else argument
+
+
 def test_split_ctas_are_launched_in_short_grids_only(monkeypatch):
     """The work table and the workspace go to the kernel (in place of the longest-first order) only
     with `split_ctas_max_parts`, in a short grid, not in deterministic mode and not in a profiled
@@ -222,7 +229,9 @@ def test_split_ctas_are_launched_in_short_grids_only(monkeypatch):
     ]
     for config, deterministic in runs:
         interface.backward(q, q, k, v, q, torch.zeros(1, 4, 512), mask, 0.125, deterministic, config=config)
-    tensors = [args[5] for args in launched["bwd"]]  # (dtype, d, causal, width, config, tensors, ...)
+    # (dtype, d, causal, width, config, tensors, ...); the table and workspace go as Contiguous.
+    assert [type(t) for t in launched["bwd"][0][5][16:]] == [interface.Contiguous, interface.Contiguous, torch.Tensor]
+    tensors = [[unwrapped(t) for t in args[5]] for args in launched["bwd"]]
     work, partials, counters = tensors[0][16:]
     assert work.shape == (8 + 2 * 4, 4) and tensors[0][13] is None and tensors[1][16] is work
     assert partials.shape == (8, 128 * (64 + 64)) and partials.dtype == torch.float32
@@ -234,7 +243,7 @@ def test_split_ctas_are_launched_in_short_grids_only(monkeypatch):
     q, k, v = torch.randn(3, 1, 320, 2, 64, dtype=torch.bfloat16)
     mask = masks.build("causal_document", 320, batch=1, heads=1, seed=0)
     interface.backward(q, q, k, v, q, torch.zeros(1, 2, 320), mask, 0.125, config=split)
-    tensors = launched["bwd"][-1][5]
+    tensors = [unwrapped(t) for t in launched["bwd"][-1][5]]
     semaphore, (work, _, counters) = tensors[12], tensors[16:]
     assert semaphore.numel() == 6 and counters.data_ptr() == semaphore.data_ptr() + 4 * 8
     assert counters.data_ptr() % 16 == 0 and counters.shape == (8,) and work.shape == (6 + 8, 4)
@@ -735,7 +744,7 @@ def test_the_turn_profile_is_refused_at_192_row_tiles_and_needs_a_row_per_cta(mo
         interface.forward(q, k, v, None, 0.125, turn_profile=torch.zeros(8, 10, dtype=torch.int64))
     profile = torch.zeros(3, 10, dtype=torch.int64)
     interface.forward(q, k, v, None, 0.125, turn_profile=profile)
-    assert launched[0][5][-1] is profile  # (dtype, d, causal, width, config, tensors, ...): the last tensor
+    assert unwrapped(launched[0][5][-1]) is profile  # (dtype, d, causal, width, config, tensors, ...): the last tensor
 
 
 def test_the_timeline_needs_a_row_per_cta_of_the_virtual_grid_with_segment_tiles(monkeypatch):
@@ -759,7 +768,9 @@ def test_the_timeline_needs_a_row_per_cta_of_the_virtual_grid_with_segment_tiles
         interface.forward(q, k, v, mask, 0.1, timeline=torch.zeros(plain, 4, len(Event), dtype=torch.int64))
     stamps = torch.zeros(32, 4, len(Event), dtype=torch.int64)
     interface.forward(q, k, v, mask, 0.1, timeline=stamps)
-    assert launched[0][4].segment_tiles and launched[0][5][-2] is stamps  # (dtype, d, causal, width, config, tensors)
+    assert (
+        launched[0][4].segment_tiles and unwrapped(launched[0][5][-2]) is stamps
+    )  # (dtype, d, causal, width, config, tensors)
 
 
 @pytest.mark.slow  # compiles 23 configurations, ~40 s

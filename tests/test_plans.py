@@ -14,10 +14,14 @@ SMS = 132
 
 
 def _launches(monkeypatch) -> dict[str, list]:
+    """Each faked launch's (config, tensors), the `Contiguous` arguments' tensors unwrapped."""
     launched: dict[str, list] = {}
-    monkeypatch.setattr(
-        interface, "_launch", lambda direction, *args, **kw: launched.setdefault(direction, []).append(args[4:6])
-    )
+
+    def launch(direction, *args, **kw):
+        tensors = [t.tensor if isinstance(t, interface.Contiguous) else t for t in args[5]]
+        launched.setdefault(direction, []).append((args[4], tensors))
+
+    monkeypatch.setattr(interface, "_launch", launch)
     monkeypatch.setattr(interface, "_sm_count", lambda device: SMS)
     return launched
 
