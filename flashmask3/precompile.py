@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deterministic", action="store_true", help="the backward's deterministic kernels")
     parser.add_argument("--sm-count", type=int, default=132, help="SMs of the GPU the kernels will run on")
     parser.add_argument("--cache", type=Path, help="the cache directory (default: FLASHMASK3_KERNEL_CACHE's)")
+    parser.add_argument(
+        "--prune", action="store_true", help="also remove the cache's folders of other versions (fingerprints)"
+    )
     args = parser.parse_args(argv)
     if args.cache is not None:
         os.environ["FLASHMASK3_KERNEL_CACHE"] = str(args.cache)
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
+    if args.prune:
+        print(f"removed {len(kernel_cache.prune())} folders of other versions")
     print(
         f"{compiled + loaded} kernels: {compiled} compiled, {loaded} loaded, in {seconds:.1f} s; "
         f"cache: {root / kernel_cache.fingerprint()}"

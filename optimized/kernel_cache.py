@@ -13,13 +13,15 @@ covers every source file of the kernels, the CuTe DSL's and TVM-FFI's versions a
 (sm_90a), so a change to any of them starts a new directory instead of loading stale code. Entries
 are written to a temporary name and renamed into place: processes sharing the cache (the ranks of
 one job) never read a partial file. The directory may be filled on a machine without a GPU
-(`flashmask3.precompile`) and copied to the GPU machines.
+(`flashmask3.precompile`) and copied to the GPU machines. Folders of other fingerprints are left
+in place (another version may still use them); `prune` removes them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 import warnings
 from functools import cache
@@ -102,3 +104,15 @@ def store(key: tuple, compiled) -> Path | None:
         warnings.warn(f"flashmask3: compiled kernel not cached in {path.parent}: {error}", stacklevel=2)
         return None
     return path
+
+
+def prune() -> list[Path]:
+    """Remove the cache's folders of other fingerprints than the current one (kernels that this
+    version of the sources, DSL and TVM-FFI never loads); the folders removed."""
+    root = cache_root()
+    if root is None or not root.is_dir():
+        return []
+    stale = [folder for folder in root.iterdir() if folder.is_dir() and folder.name != fingerprint()]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return stale

@@ -235,3 +235,17 @@ def test_the_contiguous_arguments_are_built_contiguous(monkeypatch, sm_count, he
             out, lse = interface.forward(q, k, v, mask, 0.1)
             interface.backward(dout, q, k, v, out, lse, mask, 0.1)
     assert launched.count("bwd") == len(masks.MASK_NAMES) and not any(copies)
+
+
+def test_prune_removes_the_folders_of_other_versions_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHMASK3_KERNEL_CACHE", str(tmp_path))
+    current = tmp_path / kernel_cache.fingerprint()
+    current.mkdir()
+    (current / "kept.o").write_bytes(b"x")
+    for old in ("0123456789abcdef0123", "fedcba9876543210fedc"):
+        (tmp_path / old).mkdir()
+        (tmp_path / old / "stale.o").write_bytes(b"x")
+    assert sorted(p.name for p in kernel_cache.prune()) == ["0123456789abcdef0123", "fedcba9876543210fedc"]
+    assert [p.name for p in tmp_path.iterdir()] == [current.name] and (current / "kept.o").exists()
+    monkeypatch.setenv("FLASHMASK3_KERNEL_CACHE", "off")
+    assert kernel_cache.prune() == []
