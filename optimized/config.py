@@ -33,7 +33,7 @@ class FwdConfig:
     # Query rows per work tile, 64 per consumer warpgroup: 128 (two warpgroups in ping-pong) or, at
     # head dim 64 only, 192 (three in round-robin turns; at 128 their registers would not fit).
     tile_m: int
-    # Keys per key tile, a multiple of 16 up to 128: 128, or 64 at head dim 256, where a 128-key
+    # Keys per key tile, a multiple of 16 up to 256: 128, or 64 at head dim 256, where a 128-key
     # tile's scores would not fit in registers beside O's 128 values per thread. The host's key-block
     # min/max and the tile lists follow it.
     tile_n: int
@@ -86,8 +86,8 @@ class FwdConfig:
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
             raise ValueError(f"tile_m must be 128 or 192, got {self.tile_m}")
-        if self.tile_n % 16 != 0 or not 16 <= self.tile_n <= 128:
-            raise ValueError(f"tile_n must be a multiple of 16 from 16 to 128, got {self.tile_n}")
+        if self.tile_n % 16 != 0 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 from 16 to 256, got {self.tile_n}")
         if self.num_stages not in (2, 3):
             raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
         if self.q_buffers not in (1, 2):

@@ -38,6 +38,7 @@ from .config import FwdConfig
 from .hopper import (
     assume_aligned,
     check_smem_fits,
+    convert_to_16bit,
     select_modes,
     smem_layout,
     store_from_registers,
@@ -705,7 +706,7 @@ class FlashMaskForwardSm90:
             k_state.advance()
             self.mask_scores(acc_S, entry, position, bounds, *mask_args)
             softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)  # O is zero: no rescale
-            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            self.scores_to_operand(acc_S, tOrP)
             position += 1
             entry = tile_list.read(position)
             self.prefetch_bounds(bounds, entry, position, mask_args)
@@ -743,7 +744,7 @@ class FlashMaskForwardSm90:
                 v_state.advance()
                 clock = turn_profile.mark(clock, TurnEvent.WAIT_PV)
                 rescale_rows(acc_O, correction)
-                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+                self.scores_to_operand(acc_S, tOrP)
                 clock = turn_profile.mark(clock, TurnEvent.RESCALE)
                 turn_profile.add_pass()
                 position += 1
@@ -760,6 +761,17 @@ class FlashMaskForwardSm90:
             self.free_q(*free_previous_q)
             self.free_q_after_last_s(own_q, True)
         return k_state, v_state, position + 1
+
+    @cute.jit
+    def scores_to_operand(self, acc_S, tOrP):
+        """P = S in 16 bits, into `tOrP`, the PV GEMM's A operand in registers. Over key tiles of a
+        multiple of 64 the tensor conversion packs the pairs that the operand's registers hold; over
+        other widths its pairs straddle them, and ptxas moves registers between the PV GEMM's
+        WGMMAs, serializing them (C7519): there, one packed cvt per operand register."""
+        if const_expr(self.tile_n % 64 == 0):
+            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        else:
+            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
 
     @cute.jit
     def scores_alone(self, tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, state, wg, free_previous_q) -> cute.Tensor:
@@ -794,28 +806,31 @@ class FlashMaskForwardSm90:
     @cute.jit
     def prefetch_bounds(self, bounds, entry, position, mask_args):
         """For a PARTIAL tile, each thread of the warpgroup starts a cp.async of one key column's
-        boundaries into the warpgroup's smem buffer of `position` (two alternate), so `mask_scores`
-        reads smem, not global memory, right after the QK GEMM (read from global memory there, the
-        loads sat on the softmax's critical path: 4-25% slower on the partial-heavy masks). The turn
-        barrier between refills of a buffer proves the whole warpgroup is done reading it. One
-        cp.async group per entry, empty unless PARTIAL: `mask_scores` waits by count."""
+        boundaries (per 128 keys of the tile) into the warpgroup's smem buffer of `position` (two
+        alternate), so `mask_scores` reads smem, not global memory, right after the QK GEMM (read
+        from global memory there, the loads sat on the softmax's critical path: 4-25% slower on the
+        partial-heavy masks). The turn barrier between refills of a buffer proves the whole
+        warpgroup is done reading it. One cp.async group per entry, empty unless PARTIAL:
+        `mask_scores` waits by count."""
         sBounds, lane, _ = bounds
         _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
         if entry != END_OF_LIST and (entry & PARTIAL) != 0:
-            copies = True
-            if const_expr(self.uniform_tiles):  # a UNIFORM tile's keys share the first key's bounds
-                copies = (entry & UNIFORM) == 0 or lane == 0
-            if const_expr(self.tile_n < 128):  # one thread per key: the warpgroup has 128
-                copies = copies and lane < self.tile_n
-            if copies:
-                key = cutlass.min(entry_tile(entry) * self.tile_n + lane, seqlen_k - 1)
-                atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
-                one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
-                cute.copy(
-                    atom,
-                    cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
-                    cute.make_tensor(sBounds[lane, None, position & 1].iterator, one_per_copy),
-                )
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
+            one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
+            for first in cutlass.range_constexpr(0, self.tile_n, 128):  # the warpgroup has 128 threads
+                column = lane + first
+                copies = True
+                if const_expr(self.uniform_tiles):  # a UNIFORM tile's keys share the first key's bounds
+                    copies = (entry & UNIFORM) == 0 or column == 0
+                if const_expr(first + 128 > self.tile_n):
+                    copies = copies and column < self.tile_n
+                if copies:
+                    key = cutlass.min(entry_tile(entry) * self.tile_n + column, seqlen_k - 1)
+                    cute.copy(
+                        atom,
+                        cute.make_tensor(mRowIndices[mask_batch, mask_head, key, None].iterator, one_per_copy),
+                        cute.make_tensor(sBounds[column, None, position & 1].iterator, one_per_copy),
+                    )
         cute.arch.cp_async_commit_group()
 
     @cute.jit

@@ -141,8 +141,8 @@ def test_configs_are_frozen_validated_and_hashable():
         dataclasses.replace(config, num_stages=5)
     with pytest.raises(ValueError, match="tile_m must be 128 or 192"):
         dataclasses.replace(config, tile_m=64)
-    for tile_n in (8, 72, 144):
-        with pytest.raises(ValueError, match=f"tile_n must be a multiple of 16 from 16 to 128, got {tile_n}"):
+    for tile_n in (8, 72, 272):
+        with pytest.raises(ValueError, match=f"tile_n must be a multiple of 16 from 16 to 256, got {tile_n}"):
             dataclasses.replace(config, tile_n=tile_n)
     with pytest.raises(ValueError, match="q_stages must be 2 or 3, got 4"):
         dataclasses.replace(bwd_config(128, False, 2), q_stages=4)
