@@ -13,9 +13,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from flashmask3.reference import ColumnMask
 
 
 def git_commit() -> str:
@@ -30,6 +33,13 @@ def git_commit() -> str:
         return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def called_mask(name: str, mask: ColumnMask) -> ColumnMask | None:
+    """The mask ours is called with for the mask family `name` (`masks.build`'s `mask`): none for
+    "full", as unmasked attention is called (and FA4's and SDPA's are), which picks the unmasked
+    configuration; `mask` otherwise."""
+    return None if name == "full" else mask
 
 
 def results_dir() -> Path:

@@ -65,7 +65,7 @@ from flashmask3.verify import compare, random_inputs
 
 import flashmask3 as fm
 from flashmask3 import bench_peers
-from flashmask3.bench import progress
+from flashmask3.bench import called_mask, progress
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed, dv=None) -> dict:
@@ -197,8 +197,8 @@ def run_bench(
                 "deterministic": deterministic,
             }
 
-            def cute(q, k, v):
-                return fm.attention(q, k, v, mask, backend="cute", deterministic=deterministic)
+            def cute(q, k, v, ours_mask=called_mask(name, mask)):
+                return fm.attention(q, k, v, ours_mask, backend="cute", deterministic=deterministic)
 
             ours = output_and_gradients(cute, *inputs[0])
             case = bench_peers.PeerCase(name, mask, batch_size, heads, scale)
@@ -211,7 +211,7 @@ def run_bench(
     return rows
 
 
-def backward_step(mask: ColumnMask, head_dim: int, overrides: dict, deterministic: bool = False):
+def backward_step(mask: ColumnMask | None, head_dim: int, overrides: dict, deterministic: bool = False):
     """The timed call of the backward ablation under a variant's changes: the cute forward, then its
     backward (`deterministic` mode's configuration and kernel where set) -> (dq, dk, dv)."""
     scale = head_dim**-0.5
@@ -255,7 +255,8 @@ def run_profile(
             return {}
 
         peers = bench_peers.checked_peers(case, peer_names, warm_up, failed)
-        contenders = {"cute": lambda q, k, v: fm.attention(q, k, v, mask, backend="cute"), **peers}
+        ours_mask = called_mask(name, mask)
+        contenders = {"cute": lambda q, k, v: fm.attention(q, k, v, ours_mask, backend="cute"), **peers}
         errors = {key.removesuffix("_error"): value for key, value in failed.items() if key.endswith("_error")}
         result[name] = {"errors": errors} if errors else {}
         for peer, error in errors.items():

@@ -47,7 +47,16 @@ from flashmask3.reference import ColumnMask, masks
 from flashmask3.verify import compare, random_inputs
 
 from flashmask3 import bench_peers
-from flashmask3.bench import attention_flops, git_commit, host_us, interleaved_ms, progress, result_json, results_dir
+from flashmask3.bench import (
+    attention_flops,
+    called_mask,
+    git_commit,
+    host_us,
+    interleaved_ms,
+    progress,
+    result_json,
+    results_dir,
+)
 
 
 def check_case(name: str, mask: ColumnMask | None, b, sq, sk, hq, hkv, d, dtype, seed, dv=None) -> dict:
@@ -104,7 +113,7 @@ def run_check(
         for sq, d, dtype in combos:
             seed += 1
             mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device=device)
-            rows.append(case(name, mask, 2, sq, sq, 4, 2, d, dtype, seed, dv))
+            rows.append(case(name, called_mask(name, mask), 2, sq, sq, 4, 2, d, dtype, seed, dv))
             save(rows)
     # Sq != Sk (causal bottom-right), MQA, and no mask.
     for sq, sk in ((700, 1300), (1300, 700)):
@@ -250,12 +259,13 @@ def run_bench(
                 **({"head_dim_v": head_dim_v} if head_dim_v != head_dim else {}),
                 "density": density,
             }
-            ours = cute_forward(*inputs[0], mask, scale)[0]
+            ours_mask = called_mask(name, mask)
+            ours = cute_forward(*inputs[0], ours_mask, scale)[0]
             case = bench_peers.PeerCase(name, mask, batch_size, heads, scale)
             peers = bench_peers.checked_peers(
                 case, peer_names, lambda fn: {"max_diff": bench_peers.max_abs_diff(ours, fn(*inputs[0]))}, row
             )
-            contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, mask, scale), inputs)}
+            contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, ours_mask, scale), inputs)}
             contenders.update({peer: (fn, inputs) for peer, fn in peers.items()})
             record_times(row, contenders, rounds=rounds, repeats=repeats)
             add_row(rows, row, flops, save)
@@ -291,7 +301,7 @@ def variant_overrides(variant: str) -> dict:
     return kernel_overrides(variant.split("+"))
 
 
-def forward_step(mask: ColumnMask, head_dim: int, overrides: dict):
+def forward_step(mask: ColumnMask | None, head_dim: int, overrides: dict):
     """The timed call of the forward ablation under a variant's changes: q, k, v, dout -> (out,)."""
     config, _ = mask_configs(head_dim, mask, overrides)
     return lambda q, k, v, dout: cute_forward(q, k, v, mask, head_dim**-0.5, config=config)[:1]
@@ -327,6 +337,7 @@ def run_ablation(
         for name in progress(mask_names, f"ablate {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
             flops = flops_per_fwd * forward_flops(batch_size, heads, seqlen, head_dim, head_dim_v, mask.density())
+            mask = called_mask(name, mask)
             run = step(mask, head_dim, {})
             reference = run(*inputs[0])
             row = {"mask": name, "seqlen": seqlen, "batch": batch_size, "heads": heads, "kv_heads": kv_heads}

@@ -55,6 +55,16 @@ class FakeMask:
         self.density = lambda: density
 
 
+def test_the_full_mask_family_is_timed_and_checked_without_a_mask():
+    """Unmasked attention is called without a mask (as FA4's and SDPA's are), so the benchmarks and
+    checks call ours with none for "full" and with the built mask otherwise."""
+    from flashmask3.bench import called_mask
+
+    built = object()
+    assert called_mask("full", built) is None
+    assert all(called_mask(name, built) is built for name in ("causal", "document", "prefix_lm_causal"))
+
+
 def test_ablation_times_each_variant_in_its_configuration(monkeypatch):
     """The plumbing of `ablate` (the kernel itself needs the H200): each variant runs the chosen
     configuration with its changes, the configurations take turns round by round, and a row holds
@@ -80,7 +90,7 @@ def test_ablation_times_each_variant_in_its_configuration(monkeypatch):
 
     monkeypatch.setattr(bench, "gpu_times_ms", fake_times)
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
-    rows = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3", "persistent=false"])
+    rows = bench_fwd.run_ablation([8192], 128, ["causal"], ["num_stages=3", "persistent=false"])
     (row,) = rows
     assert all(row[f"{c}_host_us"] > 0 for c in ("default", "num_stages=3", "persistent=false"))
     assert row["num_stages=3_max_diff"] == 1.0 and row["persistent=false_max_diff"] == 0.0
@@ -884,7 +894,7 @@ def test_forward_bench_takes_gqa_to_our_kernel_and_every_peer(monkeypatch):
     ours = []
 
     def cute_forward(q, k, v, mask, softmax_scale):
-        ours.append((q.shape, k.shape, v.shape, mask.heads))
+        ours.append((q.shape, k.shape, v.shape, None if mask is None else mask.heads))
         return reference_attention(q, k, v, mask, softmax_scale)
 
     monkeypatch.setattr(bench_fwd, "cute_forward", cute_forward)
@@ -899,7 +909,7 @@ def test_forward_bench_takes_gqa_to_our_kernel_and_every_peer(monkeypatch):
     )
     assert set(inputs) == {(2, 256, 256, 4, 2, 16)}
     assert {shapes[:3] for shapes in ours} == {((2, 256, 4, 16), (2, 256, 2, 16), (2, 256, 2, 16))}
-    assert {shapes[3] for shapes in ours} == {1, 4}  # random_eviction: a mask per query head
+    assert {shapes[3] for shapes in ours} == {None, 1, 4}  # full: no mask; random_eviction: one per query head
     assert_gqa_reached_every_peer(log, rows)
     computed = {"flex", "flex_flash", "cudnn", "cudnn_flex", "flashmask_v3"}
     for row in rows:
@@ -923,14 +933,14 @@ def test_backward_bench_takes_gqa_to_our_attention_and_every_peer(monkeypatch, c
     attention, ours = bench_bwd.fm.attention, []
 
     def recorded(q, k, v, mask, **kwargs):
-        ours.append((q.shape, k.shape, v.shape, mask.heads, kwargs["backend"]))
+        ours.append((q.shape, k.shape, v.shape, None if mask is None else mask.heads, kwargs["backend"]))
         return attention(q, k, v, mask, **kwargs)
 
     monkeypatch.setattr(bench_bwd.fm, "attention", recorded)
     rows = bench_bwd.run_bench([GQA["seqlen"]], GQA["head_dim"], list(GQA_MASKS), False, heads=4, kv_heads=2, batch=2)
     assert set(inputs) == {(2, 256, 256, 4, 2, 16)}
     assert {shapes[:3] for shapes in ours} == {((2, 256, 4, 16), (2, 256, 2, 16), (2, 256, 2, 16))}
-    assert {shapes[3] for shapes in ours} == {1, 4} and {shapes[4] for shapes in ours} == {"cute"}
+    assert {shapes[3] for shapes in ours} == {None, 1, 4} and {shapes[4] for shapes in ours} == {"cute"}
     assert_gqa_reached_every_peer(log, rows)
     computed = {"flex", "flex_flash", "fa4", "cudnn", "cudnn_flex", "flashmask_v3"}  # not fa4_sparse's stand-in
     for row in rows:
