@@ -70,6 +70,17 @@ def test_full_mask_has_no_partial_tile_but_the_ragged_one():
     assert classes[0, 0].tolist() == [[UNMASKED, UNMASKED, PARTIAL]] * 3
 
 
+def test_the_full_mask_of_a_call_without_a_mask_is_not_validated(monkeypatch):
+    """The kernels stand a full mask in for no mask at every call: built unchecked, since the
+    validation reads the boundaries back (a wait for the GPU per call), and equal to the checked one."""
+    from flashmask3.reference import ColumnMask
+
+    built = full_mask(2, 300, 200, "cpu")
+    checked = ColumnMask(built.startend_row_indices.clone(), False, 300)
+    monkeypatch.setattr(ColumnMask, "__post_init__", lambda self: pytest.fail("validated"))
+    assert full_mask(2, 300, 200, "cpu") == checked
+
+
 @pytest.mark.parametrize("name", ["causal", "share_question", "random_eviction"])
 @pytest.mark.parametrize("seqlen", [1024, 1000])
 def test_dq_rank_counts_the_earlier_key_tiles_a_query_tile_sees(name, seqlen):
