@@ -37,8 +37,8 @@ def git_commit() -> str:
 
 def called_mask(name: str, mask: ColumnMask) -> ColumnMask | None:
     """The mask ours is called with for the mask family `name` (`masks.build`'s `mask`): none for
-    "full", as unmasked attention is called (and FA4's and SDPA's are), which picks the unmasked
-    configuration; `mask` otherwise."""
+    "full", as unmasked attention is called (and FA4's and SDPA's are), so that its timings hold
+    the no-mask path's own costs; `mask` otherwise."""
     return None if name == "full" else mask
 
 

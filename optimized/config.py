@@ -33,10 +33,10 @@ class FwdConfig:
     # Query rows per work tile, 64 per consumer warpgroup: 128 (two warpgroups in ping-pong) or, at
     # head dim 64 only, 192 (three in round-robin turns; at 128 their registers would not fit).
     tile_m: int
-    # Keys per key tile, a multiple of 16 up to 256: 128; 176 without a mask at head dim 128 (the
-    # fixed costs of a turn over more keys); 64 at head dim 256, where a 128-key tile's scores would
-    # not fit in registers beside O's 128 values per thread. The host's key-block min/max and the
-    # tile lists follow it.
+    # Keys per key tile, a multiple of 16 up to 256: 128, or 64 at head dim 256, where a 128-key
+    # tile's scores would not fit in registers beside O's 128 values per thread (above 128 only with
+    # one Q buffer, and the causal builds spill: wider tiles are an ablation). The host's key-block
+    # min/max and the tile lists follow it.
     tile_n: int
     # K/V pipeline depth: 2 or 3 (each stage is a K and a V buffer in smem; three fit at head dim
     # 64 only: at 128 they would take 260 KB beside two Q buffers, the compile refuses them).
@@ -254,11 +254,9 @@ causal blockwise, -1.5% on the sliding window (4 classes: +15% and +14% on those
 sliding window); on an H200, 16 classes were within 1-2% of 8 on six masks."""
 
 
-def fwd_config(
-    head_dim: int, causal: bool, mask_width: int, segmented: bool = False, unmasked: bool = False
-) -> FwdConfig:
+def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = False) -> FwdConfig:
     """The forward's configuration for this head dim and mask variant (`segmented`: the mask's
-    `ColumnMask.segmented` hint; `unmasked`: no mask at all, every key seen). 192-row query tiles at head
+    `ColumnMask.segmented` hint). 192-row query tiles at head
     dim 64 (FA3/FA4's SM90 shape: 1.5x the rows per K/V load; +8-12% on four of five masks at 8K,
     -7.5% on the sliding window), 128 at 128; two K/V stages (a third measured no faster); the
     persistent grid (up to +21% over one CTA per work tile on the short-list masks, even on the
@@ -282,18 +280,15 @@ def fwd_config(
     from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.1-6.0% at 256,
     +1.0-4.6% at 192/128 on full, causal, causal documents and documents; at 128, measured with
     two Q buffers, -2 to -3% on the sliding window and share-question, and its causal builds hold
-    registers in local memory, so not there); with no mask at head dim 128, FA3's non-causal shape:
-    176-key tiles, with one Q buffer (two do not fit beside the wider K/V stages) and O from
-    registers (on an H100 at the training shape +4.5% over 128-key tiles; with a mask's partial
-    tiles the wider ones lose, -1 to -10% on documents and prefix-LM documents, and the causal
-    builds spill)."""
+    registers in local memory, so not there). 128-key tiles at head dim 128 also without a mask: FA3's
+    176 (one Q buffer, O from registers) measured -2.0 to +4.5% against them there, on an H100 in
+    four runs, and -1 to -10% on the masks with partial tiles."""
     tile_m = 192 if head_dim == 64 else 128
-    wide = unmasked and head_dim == 128 and not causal
     return FwdConfig(
         tile_m=tile_m,
-        tile_n=176 if wide else 64 if head_dim == 256 else 128,
+        tile_n=64 if head_dim == 256 else 128,
         num_stages=2,
-        q_buffers=1 if head_dim > 128 or wide else 2,
+        q_buffers=1 if head_dim > 128 else 2,
         persistent=True,
         uniform_tiles=True,
         longest_tiles_first_waves=(
@@ -304,7 +299,7 @@ def fwd_config(
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=head_dim == 128 and segmented,
-        o_from_registers=head_dim > 128 or wide,
+        o_from_registers=head_dim > 128,
     )
 
 

@@ -363,10 +363,10 @@ def forward(
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     uniform_work = mask is None  # every work tile sees every key tile: nothing to order
-    config = config or mask_fwd_config(d, mask)
     if mask is None:
         mask = full_mask(b, sq, sk, q.device)
     width = mask.startend_row_indices.shape[-1]
+    config = config or mask_fwd_config(d, mask)
     if config.tile_m == 192 and turn_profile is not None:  # three consumer warpgroups at 160 registers each
         raise ValueError(
             "the turn profile spills at tile_m=192 (head dim 64's tiles, causal): profile a config with tile_m=128"
@@ -559,7 +559,6 @@ def compile_check(
     head_dim_v: int | None = None,
     turn_profile: bool = False,
     segmented: bool = False,
-    unmasked: bool = False,
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
     without a GPU, for the stand-ins `_launch` compiles them for (`_stand_in`), i.e. the kernels
@@ -568,8 +567,7 @@ def compile_check(
     when not `head_dim`. `config`: the forward's (backward's)
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
     backward's profiled build; `turn_profile`: the forward's turn-profiled build; `segmented`: the
-    forward chosen for a segmented mask (`ColumnMask.segmented`); `unmasked`: the forward chosen
-    where there is no mask."""
+    forward chosen for a segmented mask (`ColumnMask.segmented`)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -604,7 +602,7 @@ def compile_check(
         pre_args = each(qkv, qkv, (f32, 3), (f32, 3), (f32, 3), accumulator, step_rows)
         post_args = [*each(accumulator, qkv, step_rows), Float32(0.1)]
     else:
-        config = config or fwd_config(head_dim, causal, width, segmented, unmasked)
+        config = config or fwd_config(head_dim, causal, width, segmented)
         # q, k, v, out, LSE, the row indices, block bounds, tile counter, work order, tile rows,
         # timeline, turn profile.
         tensors = each(qkv, qkv, qkv, qkv, (f32, 3), rows, bounds, (i32, 1))

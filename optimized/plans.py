@@ -182,11 +182,8 @@ def mask_variant(mask: ColumnMask | None) -> tuple[bool, int]:
 
 
 def mask_fwd_config(head_dim: int, mask: ColumnMask | None) -> FwdConfig:
-    """`fwd_config`'s choice for this head dim and mask: its variant and its segmented hint, or
-    the unmasked configuration where there is no mask."""
-    if mask is None:
-        return fwd_config(head_dim, *mask_variant(mask), unmasked=True)
-    return fwd_config(head_dim, *mask_variant(mask), segmented=mask.segmented)
+    """`fwd_config`'s choice for this head dim and mask: its variant and its segmented hint."""
+    return fwd_config(head_dim, *mask_variant(mask), segmented=mask is not None and mask.segmented)
 
 
 @functools.cache

@@ -395,7 +395,6 @@ def test_the_host_only_choices_compile_no_new_kernel():
 
 _SERIALIZATION_CASES = {  # name: (kernel, compile_check arguments)
     "fwd": ("FlashMaskForward", "'bf16', 128, True, 1"),
-    "fwd_unmasked": ("FlashMaskForward", "'bf16', 128, False, 2, unmasked=True"),
     "bwd": ("FlashMaskBackward", "'bf16', 128, False, 2, direction='bwd'"),
     "fwd_value_dim_64": ("FlashMaskForward", "'bf16', 128, False, 4, head_dim_v=64"),
     "fwd_head_dim_192_128": ("FlashMaskForward", "'bf16', 192, True, 2, head_dim_v=128"),

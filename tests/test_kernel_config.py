@@ -59,18 +59,6 @@ def test_head_dim_256_takes_64_key_tiles_and_one_q_buffer():
         assert {fwd_config(d, causal, width).tile_n for d in (64, 128, 192)} == {128}
 
 
-def test_no_mask_at_head_dim_128_takes_176_key_tiles_with_one_q_buffer_and_o_from_registers():
-    """Without a mask every key tile is unmasked: at head dim 128, FA3's non-causal shape (176 keys per
-    turn), one Q buffer (two do not fit beside its K/V stages) and O from registers; at the other head
-    dims, and wherever there is a mask (its partial tiles), the tiles as with one."""
-    config = fwd_config(128, False, 2, unmasked=True)
-    assert (config.tile_n, config.q_buffers, config.o_from_registers, config.num_stages) == (176, 1, True, 2)
-    assert dataclasses.replace(config, tile_n=128, q_buffers=2, o_from_registers=False) == fwd_config(128, False, 2)
-    assert fwd_config(128, True, 1, unmasked=True) == fwd_config(128, True, 1)  # causal: a mask, and it spills
-    for head_dim in (64, 192, 256):
-        assert fwd_config(head_dim, False, 2, unmasked=True) == fwd_config(head_dim, False, 2)
-
-
 def test_the_causal_masks_diagonal_choices_follow_their_bounds_at_128_row_tiles():
     """Diagonal-only tiles on the one-bound causal masks, off-diagonal tiles on the two-bound ones,
     at head dims 128 and 192 (128-row tiles); neither at head dim 64 nor without the causal part."""
@@ -272,8 +260,7 @@ def test_short_grids_take_two_query_stages_on_the_one_bound_causal_masks_at_head
 
 
 def test_the_chosen_forward_for_a_mask_follows_its_variant_and_segmented_hint():
-    """`mask_fwd_config`: `fwd_config` of the mask's variant and hint; no mask is non-causal, width 2,
-    unmasked."""
+    """`mask_fwd_config`: `fwd_config` of the mask's variant and hint; no mask is non-causal, width 2."""
     from flashmask3.optimized.interface import mask_fwd_config
     from flashmask3.reference import ColumnMask, masks
 
@@ -282,8 +269,7 @@ def test_the_chosen_forward_for_a_mask_follows_its_variant_and_segmented_hint():
     assert mask_fwd_config(128, documents).segment_tiles
     plain = ColumnMask(documents.startend_row_indices, True, 1024)
     assert mask_fwd_config(128, plain) == fwd_config(128, True, 1) and not mask_fwd_config(128, plain).segment_tiles
-    assert mask_fwd_config(64, None) == fwd_config(64, False, 2, unmasked=True) == fwd_config(64, False, 2)
-    assert mask_fwd_config(128, None) == fwd_config(128, False, 2, unmasked=True)
+    assert mask_fwd_config(64, None) == fwd_config(64, False, 2)
 
 
 def test_a_masks_configs_take_the_overrides_in_both_directions():
