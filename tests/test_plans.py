@@ -35,6 +35,18 @@ def _train_call(mask: ColumnMask, deterministic: bool = False, heads: int = 16, 
     interface.backward(q, q, k, v, out, lse, mask, 0.1, deterministic)
 
 
+def test_a_call_without_a_mask_validates_none(monkeypatch):
+    """Without a mask the kernels run on a full mask made at every call: made unchecked, since a
+    validation reads the boundaries back, one wait for the GPU per call, forward and backward."""
+    launched = _launches(monkeypatch)
+    monkeypatch.setattr(ColumnMask, "__post_init__", lambda self: pytest.fail("a mask was validated at the call"))
+    q = torch.zeros(1, 1024, 16, 128, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 1024, 4, 128, dtype=torch.bfloat16)
+    out, lse = interface.forward(q, k, v, None, 0.1)
+    interface.backward(q, q, k, v, out, lse, None, 0.1)
+    assert set(launched) == {"fwd", "bwd_pre", "bwd", "bwd_post"}
+
+
 @pytest.mark.parametrize("name, deterministic", [("causal_document", False), ("document", False), ("document", True)])
 def test_a_prepared_mask_launches_with_the_plans_made_where_it_was_built(monkeypatch, name, deterministic):
     """The plans computed on the host mask (`plans.plan_mask`) travel with its copy
