@@ -34,9 +34,9 @@ class FwdConfig:
     # head dim 64 only, 192 (three in round-robin turns; at 128 their registers would not fit).
     tile_m: int
     # Keys per key tile, a multiple of 16 up to 256: 128, or 64 at head dim 256, where a 128-key
-    # tile's scores would not fit in registers beside O's 128 values per thread (above 128 only with
-    # one Q buffer, and the causal builds spill: wider tiles are an ablation). The host's key-block
-    # min/max and the tile lists follow it.
+    # tile's scores would not fit in registers beside O's 128 values per thread (at head dim 128,
+    # from 160 keys only with one Q buffer, and the causal builds spill above 144: wider tiles are
+    # an ablation). The host's key-block min/max and the tile lists follow it.
     tile_n: int
     # K/V pipeline depth: 2 or 3 (each stage is a K and a V buffer in smem; three fit at head dim
     # 64 only: at 128 they would take 260 KB beside two Q buffers, the compile refuses them).

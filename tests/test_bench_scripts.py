@@ -65,6 +65,35 @@ def test_the_full_mask_family_is_timed_and_checked_without_a_mask():
     assert all(called_mask(name, built) is built for name in ("causal", "document", "prefix_lm_causal"))
 
 
+def test_the_full_rows_of_an_ablation_run_without_a_mask(monkeypatch):
+    """`ablate --masks full`: ours runs without a mask in the chosen configuration and each variant's;
+    FLOPs still count the built mask's density."""
+    import torch
+    from flashmask3.optimized import fwd_config
+
+    seen = []
+
+    def fake_forward(q, k, v, mask, softmax_scale, config):
+        seen.append((mask, config))
+        return torch.zeros(2), None
+
+    monkeypatch.setattr(bench_fwd, "cute_forward", fake_forward)
+    monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
+    monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: FakeMask(1.0))
+
+    def fake_times(fn, inputs, warmup, repeats):  # every configuration 2 ms
+        [fn(*x) for x in inputs]
+        return [2.0] * repeats
+
+    monkeypatch.setattr(bench, "gpu_times_ms", fake_times)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    (row,) = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3"])
+    assert {mask for mask, _ in seen} == {None}
+    chosen = fwd_config(128, False, 2)
+    assert {config for _, config in seen} == {chosen, dataclasses.replace(chosen, num_stages=3)}
+    assert row["default_tflops"] == pytest.approx(4 * 16 * 32 * 8192**2 * 128 / 2e-3 / 1e12)
+
+
 def test_ablation_times_each_variant_in_its_configuration(monkeypatch):
     """The plumbing of `ablate` (the kernel itself needs the H200): each variant runs the chosen
     configuration with its changes, the configurations take turns round by round, and a row holds

@@ -469,6 +469,23 @@ def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[lis
     return loop, s_wait, pv_wait
 
 
+@pytest.mark.slow  # compiles and disassembles two forwards, ~40 s
+@pytest.mark.parametrize("tile_n, q_buffers", [(176, 1), (144, 2)])
+def test_key_tiles_wider_than_128_keep_the_pv_gemm_in_flight(tmp_path, tile_n, q_buffers):
+    """Key tiles that are not a multiple of 64 wide (FA3's 176 without a causal mask): S goes to the
+    PV GEMM's A operand one packed cvt per register, else ptxas moves registers between its WGMMAs
+    and serializes them (C7519); the bounds' copies go per 128 keys. No local memory, the WGMMAs in
+    flight (4 arrives in the loop, as at 128 keys)."""
+    config = f"dataclasses.replace(fwd_config(128, False, 2), tile_n={tile_n}, q_buffers={q_buffers})"
+    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
+    name = f"tile_n_{tile_n}"
+    sass = compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', 128, False, 2, {config}", setup)
+    blocks, _ = hot_loop_in_registers(sass, name)
+    loop = [inst for _, block in blocks for inst in block]
+    assert sum("WARPGROUP.ARRIVE" in inst for inst in loop) == 4
+    assert any(f"HGMMA.64x{tile_n}x16" in inst for inst in loop)
+
+
 @pytest.mark.slow  # compiles and disassembles two forwards, ~20 s
 @pytest.mark.parametrize("causal, width", [(True, 1), (False, 4)])
 def test_the_forward_at_head_dim_256_keeps_its_loop_in_registers(tmp_path, causal, width):

@@ -59,6 +59,17 @@ def test_head_dim_256_takes_64_key_tiles_and_one_q_buffer():
         assert {fwd_config(d, causal, width).tile_n for d in (64, 128, 192)} == {128}
 
 
+def test_key_tiles_up_to_256_wide_are_a_configuration_choice():
+    """FA3's 176-key tiles (one Q buffer beside their K/V stages) and others up to 256 are accepted
+    as ablations; the chosen tiles stay at 128 keys (64 at head dim 256), with a mask or without."""
+    wide = dataclasses.replace(fwd_config(128, False, 2), tile_n=176, q_buffers=1, o_from_registers=True)
+    assert (wide.tile_n, wide.q_buffers) == (176, 1)
+    assert dataclasses.replace(wide, tile_n=256).tile_n == 256
+    from flashmask3.optimized.interface import mask_fwd_config
+
+    assert mask_fwd_config(128, None).tile_n == fwd_config(128, False, 2).tile_n == 128
+
+
 def test_the_causal_masks_diagonal_choices_follow_their_bounds_at_128_row_tiles():
     """Diagonal-only tiles on the one-bound causal masks, off-diagonal tiles on the two-bound ones,
     at head dims 128 and 192 (128-row tiles); neither at head dim 64 nor without the causal part."""
