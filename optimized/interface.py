@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import threading
 import time
@@ -364,7 +365,7 @@ def forward(
     sk, hkv = k.shape[1], k.shape[2]
     uniform_work = mask is None  # every work tile sees every key tile: nothing to order
     if mask is None:
-        mask = full_mask(b, sq, sk, q.device)
+        mask = _no_mask(q, sk)
     width = mask.startend_row_indices.shape[-1]
     config = config or mask_fwd_config(d, mask)
     if config.tile_m == 192 and turn_profile is not None:  # three consumer warpgroups at 160 registers each
@@ -434,6 +435,20 @@ def _check_stamp_buffer(
         raise ValueError(f"{name} must be on q's device ({device}), got {buffer.device}")
 
 
+def _no_mask(q: torch.Tensor, seqlen_k: int) -> ColumnMask:
+    """The full mask the kernels run on where the call has none: one kept per (Sq, Sk, device), so
+    its key blocks' min/max (kept per mask) are made once, not at every call; made anew while a
+    CUDA graph is captured, where a kept one would belong to the graph."""
+    if _capturing(q):
+        return full_mask(q.shape[0], q.shape[1], seqlen_k, q.device)
+    return _kept_full_mask(q.shape[1], seqlen_k, q.device)
+
+
+@functools.lru_cache(maxsize=8)
+def _kept_full_mask(seqlen_q: int, seqlen_k: int, device: torch.device) -> ColumnMask:
+    return full_mask(1, seqlen_q, seqlen_k, device)
+
+
 def _capturing(q: torch.Tensor) -> bool:
     """Whether a CUDA graph is being captured on the current stream, where the kernels keep the
     sequence's tiles: a segment plan kept from before would be replayed stale, the backward's plan
@@ -476,7 +491,7 @@ def backward(
     sk, hkv = k.shape[1], k.shape[2]
     uniform_work = mask is None  # every CTA sees every query tile: nothing to order
     if mask is None:
-        mask = full_mask(b, sq, sk, q.device)
+        mask = _no_mask(q, sk)
     width = mask.startend_row_indices.shape[-1]
     config = config or bwd_config(d, mask.causal, width, deterministic)
     if config.segment_steps and timeline is not None:  # its buffer is sized for the sequence's tiles

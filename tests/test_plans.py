@@ -47,6 +47,20 @@ def test_a_call_without_a_mask_validates_none(monkeypatch):
     assert set(launched) == {"fwd", "bwd_pre", "bwd", "bwd_post"}
 
 
+def test_calls_without_a_mask_share_one_stand_in_and_its_key_block_bounds(monkeypatch):
+    """The full mask standing in for no mask is kept per (Sq, Sk, device): later calls launch with
+    the same boundaries and key-block min/max, made once (no small kernels per call); another Sk
+    has its own."""
+    launched = _launches(monkeypatch)
+    q = torch.zeros(1, 1024, 16, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1024, 4, 128, dtype=torch.bfloat16)
+    for keys in (k, k, k[:, :512]):
+        interface.forward(q, keys, keys, None, 0.1)
+    (_, first), (_, second), (_, shorter) = launched["fwd"]
+    assert first[5] is second[5] and first[6] is second[6]  # boundaries, key-block min/max
+    assert shorter[5].shape[2] == 512 and shorter[6] is not first[6]
+
+
 @pytest.mark.parametrize("name, deterministic", [("causal_document", False), ("document", False), ("document", True)])
 def test_a_prepared_mask_launches_with_the_plans_made_where_it_was_built(monkeypatch, name, deterministic):
     """The plans computed on the host mask (`plans.plan_mask`) travel with its copy
