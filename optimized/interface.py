@@ -440,13 +440,13 @@ def _no_mask(q: torch.Tensor, seqlen_k: int) -> ColumnMask:
     its key blocks' min/max (kept per mask) are made once, not at every call; made anew while a
     CUDA graph is captured, where a kept one would belong to the graph."""
     if _capturing(q):
-        return full_mask(q.shape[0], q.shape[1], seqlen_k, q.device)
+        return full_mask(q.shape[1], seqlen_k, q.device)
     return _kept_full_mask(q.shape[1], seqlen_k, q.device)
 
 
 @functools.lru_cache(maxsize=8)
 def _kept_full_mask(seqlen_q: int, seqlen_k: int, device: torch.device) -> ColumnMask:
-    return full_mask(1, seqlen_q, seqlen_k, device)
+    return full_mask(seqlen_q, seqlen_k, device)
 
 
 def _capturing(q: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ from ..reference import PARTIAL, SKIP, ColumnMask
 T = TypeVar("T")
 
 
-def full_mask(batch: int, seqlen_q: int, seqlen_k: int, device) -> ColumnMask:
+def full_mask(seqlen_q: int, seqlen_k: int, device) -> ColumnMask:
     """No masking: non-causal [LTS, UTE] = [Sq, 0] for every key. Built unchecked: its validation
     would wait for the GPU at every call without a mask."""
     idx = torch.empty(1, 1, seqlen_k, 2, dtype=torch.int32, device=device)

@@ -197,7 +197,9 @@ def run_bench(
                 "deterministic": deterministic,
             }
 
-            def cute(q, k, v, ours_mask=called_mask(name, mask)):
+            ours_mask = called_mask(name, mask)
+
+            def cute(q, k, v):
                 return fm.attention(q, k, v, ours_mask, backend="cute", deterministic=deterministic)
 
             ours = output_and_gradients(cute, *inputs[0])

@@ -66,7 +66,7 @@ def test_tile_classes_follow_the_reference_and_check_the_ragged_last_key_tile(se
 
 
 def test_full_mask_has_no_partial_tile_but_the_ragged_one():
-    classes = tile_classes(full_mask(1, 300, 300, "cpu"), 128, 128)
+    classes = tile_classes(full_mask(300, 300, "cpu"), 128, 128)
     assert classes[0, 0].tolist() == [[UNMASKED, UNMASKED, PARTIAL]] * 3
 
 
@@ -75,10 +75,10 @@ def test_the_full_mask_of_a_call_without_a_mask_is_not_validated(monkeypatch):
     validation reads the boundaries back (a wait for the GPU per call), and equal to the checked one."""
     from flashmask3.reference import ColumnMask
 
-    built = full_mask(2, 300, 200, "cpu")
+    built = full_mask(300, 200, "cpu")
     checked = ColumnMask(built.startend_row_indices.clone(), False, 300)
     monkeypatch.setattr(ColumnMask, "__post_init__", lambda self: pytest.fail("validated"))
-    assert full_mask(2, 300, 200, "cpu") == checked
+    assert full_mask(300, 200, "cpu") == checked
 
 
 @pytest.mark.parametrize("name", ["causal", "share_question", "random_eviction"])
@@ -354,7 +354,7 @@ def test_the_split_plan_cuts_the_long_ctas_into_balanced_parts(case):
 def test_the_split_plan_at_32k_tokens_stays_within_its_slots(name, slots_used):
     """32K tokens, 16 query heads on 4 KV heads, tiles 64 x 128, 132 SMs, 4 parts at most, 2% slack,
     528 slots: the slots used, and each CTA's parts summing to its steps."""
-    mask = full_mask(1, 32768, 32768, "cpu") if name == "full" else masks.build(name, 32768, seed=0)
+    mask = full_mask(32768, 32768, "cpu") if name == "full" else masks.build(name, 32768, seed=0)
     table = backward_split_plan(mask, 1, 16, 4, 64, 128, 132, 4, 2, 528)
     cta, lo, hi, split = table.unbind(1)
     assert int((split >= 0).sum()) == slots_used <= 528
