@@ -206,6 +206,34 @@ def test_forward_at_the_other_head_dims_matches_the_reference(name, head_dim, he
     torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["causal", "causal_document", "sliding_window", "share_question", "random_eviction"])
+def test_80_key_tiles_at_head_dim_256_match_the_reference(name):
+    """Head dim 256 in 80-key tiles (FA4's SM90 shape there; one bound per key, causal: what fits
+    in smem beside two K/V stages of 80 keys) into a NaN-poisoned output: within twice the bf16
+    reference's own error of the fp64 one, the key length no multiple of 80, GQA 4 on 2."""
+    from flashmask3.optimized import fwd_config
+    from flashmask3.optimized.interface import forward
+    from flashmask3.reference.attention import forward as reference_forward
+
+    seqlen, head_dim = 1531, 256
+    scale = 1 / math.sqrt(head_dim)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=13, device="cuda")
+    assert mask.causal and mask.startend_row_indices.shape[-1] == 1
+    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=13)
+    config = dataclasses.replace(fwd_config(head_dim, True, 1), tile_n=80)
+    out = torch.full((2, seqlen, 4, head_dim), math.nan, device="cuda").bfloat16()
+    lse = torch.full((2, 4, seqlen), math.nan, device="cuda")
+    forward(q, k, v, mask, scale, out=out, lse=lse, config=config)
+    exact, exact_lse = reference_forward(q, k, v, mask, scale, torch.float64)
+    in_bf16, _ = reference_forward(q, k, v, mask, scale, torch.bfloat16)
+    tolerance = 2 * (in_bf16.double() - exact).abs().max().item() + 1e-3
+    assert not out.isnan().any()
+    assert (out.double() - exact).abs().max().item() <= tolerance
+    seen = exact_lse.isfinite()
+    assert torch.equal(lse.isfinite(), seen)
+    torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (256, 256)])
 @pytest.mark.parametrize("name", ["full", "causal_document", "share_question", "global_sliding_window", "qk_sparse"])
 def test_backward_with_queries_on_rows_matches_the_reference(name, head_dim, head_dim_v):

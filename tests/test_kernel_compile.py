@@ -495,6 +495,20 @@ def test_the_forward_at_head_dim_256_keeps_its_loop_in_registers(tmp_path, causa
     hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', 256, {causal}, {width}"), name)
 
 
+@pytest.mark.slow  # compiles and disassembles one forward, ~10 s
+def test_80_key_tiles_at_head_dim_256_fit_beside_two_stages_and_keep_the_loop_in_registers(tmp_path):
+    """Head dim 256 in 80-key tiles (FA4's SM90 shape there), causal with one bound per key: Q, two
+    K/V stages of 80 keys and the bounds fit in smem (the 1024-aligned tiles first, no padding
+    before them), no local memory, the S GEMM 64 x 80 per warpgroup and the WGMMAs in flight."""
+    config = "dataclasses.replace(fwd_config(256, True, 1), tile_n=80)"
+    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
+    sass = compiled_sass(tmp_path, "hd256_80", "FlashMaskForward", f"'bf16', 256, True, 1, {config}", setup)
+    blocks, _ = hot_loop_in_registers(sass, "hd256_80")
+    loop = [inst for _, block in blocks for inst in block]
+    assert sum("WARPGROUP.ARRIVE" in inst for inst in loop) == 4
+    assert any("HGMMA.64x80x16" in inst for inst in loop)
+
+
 @pytest.mark.slow  # compiles and disassembles two backwards, ~12 s
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_diagonal_steps_keep_the_loop_in_registers(tmp_path, head_dim):
