@@ -52,7 +52,7 @@ from flashmask3.reference import masks
 from flashmask3.verify import random_inputs
 
 from flashmask3 import bench_peers, fa4_timeline
-from flashmask3.bench import git_commit, results_dir
+from flashmask3.bench import called_mask, git_commit, results_dir
 
 EVENTS = tuple(e.name.lower() for e in Event)
 SEGMENTS = tuple(e.name.lower() for e in STEP_SEGMENTS)
@@ -309,7 +309,8 @@ def main() -> None:
     kv_heads = args.kv_heads or heads
     if heads % kv_heads:
         parser.error(f"--kv-heads must divide the query heads ({heads}), got {kv_heads}")
-    mask = masks.build(args.mask, args.seqlen, batch=batch, heads=heads, seed=0, device="cuda")
+    built = masks.build(args.mask, args.seqlen, batch=batch, heads=heads, seed=0, device="cuda")
+    mask = called_mask(args.mask, built)  # ours as users call it: no mask for "full"
     q, k, v, dout = random_inputs(
         batch, args.seqlen, args.seqlen, heads, kv_heads, args.head_dim, torch.bfloat16, "cuda"
     )
@@ -320,7 +321,7 @@ def main() -> None:
     kind = "timeline_bwd" if args.backward else "timeline"
     name = f"{kind}_{args.mask}_{args.seqlen}_b{batch}_h{heads}_kv{kv_heads}" + "".join(f"_{o}" for o in args.kernel)
     name += f"_{args.peer}" if args.peer else ""
-    case = bench_peers.PeerCase(args.mask, mask, batch, heads, scale)
+    case = bench_peers.PeerCase(args.mask, built, batch, heads, scale)
     if args.backward:
         out, lse = forward(q, k, v, mask, scale, config=config)
         stamps = torch.zeros(backward_ctas(k, bwd), len(BwdEvent), dtype=torch.int64, device="cuda")
@@ -342,7 +343,7 @@ def main() -> None:
                 for tensor, mine, theirs in zip("qkv", ours, grads)
             }
             measured["fa4"] = {**differences, **fa4_timeline.summarize_backward(fa4_stamps, sm_count), **fa4_segments}
-            fa4_config = _tile_size_bwd_sm90(args.head_dim, args.head_dim, mask.causal, args.mask == "sliding_window")
+            fa4_config = _tile_size_bwd_sm90(args.head_dim, args.head_dim, built.causal, args.mask == "sliding_window")
             with_step_shape(measured["fa4"], fa4_config.m_block_size, fa4_config.n_block_size)
     else:
         ctas = forward_ctas(q, config)
@@ -374,7 +375,7 @@ def main() -> None:
                 **summarize(fa4_per_sm, rows="sms"),
                 **fa4_segments,
             }
-            fa4_config = _tile_size_fwd_sm90(args.head_dim, args.head_dim, mask.causal, args.mask == "sliding_window")
+            fa4_config = _tile_size_fwd_sm90(args.head_dim, args.head_dim, built.causal, args.mask == "sliding_window")
             with_tile_shape(measured["fa4"], fa4_config.m_block_size, fa4_config.n_block_size)
             panels.append(("FA4: SM", fa4_per_sm))
         draw(panels, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
