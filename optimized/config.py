@@ -35,8 +35,9 @@ class FwdConfig:
     tile_m: int
     # Keys per key tile, a multiple of 16 up to 256: 128, or 64 at head dim 256, where a 128-key
     # tile's scores would not fit in registers beside O's 128 values per thread (at head dim 128,
-    # from 160 keys only with one Q buffer, and the causal builds spill above 144: wider tiles are
-    # an ablation). The host's key-block min/max and the tile lists follow it.
+    # from 160 keys only with one Q buffer, and the causal builds spill above 144; at 256, 80 keys
+    # fit in smem with one bound per key only: wider tiles are an ablation). The host's key-block
+    # min/max and the tile lists follow it.
     tile_n: int
     # K/V pipeline depth: 2 or 3 (each stage is a K and a V buffer in smem; three fit at head dim
     # 64 only: at 128 they would take 260 KB beside two Q buffers, the compile refuses them).
@@ -282,7 +283,9 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     two Q buffers, -2 to -3% on the sliding window and share-question, and its causal builds hold
     registers in local memory, so not there). 128-key tiles at head dim 128 also without a mask: FA3's
     176 (one Q buffer, O from registers) measured -2.0 to +4.5% against them there, on an H100 in
-    four runs, and -1 to -10% on the masks with partial tiles."""
+    four runs, and -1 to -10% on the masks with partial tiles; at head dim 256 FA4's 80-key tiles
+    (causal masks with one bound per key: what fits in smem) +1.5% on causal, -6% on the sliding
+    window and within 0.3% on causal documents and share-question (an H100, 8K)."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
