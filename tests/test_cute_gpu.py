@@ -206,32 +206,40 @@ def test_forward_at_the_other_head_dims_matches_the_reference(name, head_dim, he
     torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["causal", "causal_document", "sliding_window", "share_question", "random_eviction"])
-def test_80_key_tiles_at_head_dim_256_match_the_reference(name):
-    """Head dim 256 in 80-key tiles (FA4's SM90 shape there; one bound per key, causal: what fits
-    in smem beside two K/V stages of 80 keys) into a NaN-poisoned output: within twice the bf16
-    reference's own error of the fp64 one, the key length no multiple of 80, GQA 4 on 2."""
+def assert_the_forward_matches_the_reference(name: str, head_dim: int, head_dim_v: int, seed: int, change, **build):
+    """The forward of mask `name` (`masks.build(..., **build)`: 1,531 rows, 2 sequences, GQA 4 on
+    2, bf16) under its chosen configuration changed by `change(config)`, into NaN-poisoned out and
+    LSE: out within twice the bf16 reference's own error of the fp64 one, every seen row's LSE."""
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward
     from flashmask3.reference.attention import forward as reference_forward
 
-    seqlen, head_dim = 1531, 256
-    scale = 1 / math.sqrt(head_dim)
-    mask = masks.build(name, seqlen, batch=2, heads=4, seed=13, device="cuda")
-    assert mask.causal and mask.startend_row_indices.shape[-1] == 1
-    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=13)
-    config = dataclasses.replace(fwd_config(head_dim, True, 1), tile_n=80)
-    out = torch.full((2, seqlen, 4, head_dim), math.nan, device="cuda").bfloat16()
+    seqlen, scale = 1531, 1 / math.sqrt(head_dim)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=seed, device="cuda", **build)
+    q, k, v, _ = random_inputs(
+        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=seed, head_dim_v=head_dim_v
+    )
+    config = change(fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]))
+    out = torch.full((2, seqlen, 4, head_dim_v), math.nan, device="cuda").bfloat16()
     lse = torch.full((2, 4, seqlen), math.nan, device="cuda")
     forward(q, k, v, mask, scale, out=out, lse=lse, config=config)
     exact, exact_lse = reference_forward(q, k, v, mask, scale, torch.float64)
     in_bf16, _ = reference_forward(q, k, v, mask, scale, torch.bfloat16)
     tolerance = 2 * (in_bf16.double() - exact).abs().max().item() + 1e-3
-    assert not out.isnan().any()
+    assert not out.isnan().any() and not lse.isnan().any()
     assert (out.double() - exact).abs().max().item() <= tolerance
     seen = exact_lse.isfinite()
     assert torch.equal(lse.isfinite(), seen)
     torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["causal", "causal_document", "sliding_window", "share_question", "random_eviction"])
+def test_80_key_tiles_at_head_dim_256_match_the_reference(name):
+    """Head dim 256 in 80-key tiles (FA4's SM90 shape there; causal masks with one bound per key:
+    what fits in smem beside two K/V stages of 80 keys), 1,531 keys (no multiple of 80), against
+    the reference."""
+    assert masks.build(name, 256, batch=1, heads=1, seed=0).startend_row_indices.shape[-1] == 1
+    assert_the_forward_matches_the_reference(name, 256, 256, 13, lambda c: dataclasses.replace(c, tile_n=80))
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (256, 256)])
@@ -536,29 +544,15 @@ def test_fmax_row_max_gives_the_default_forwards_numbers(name):
 def test_segment_tiles_match_the_reference(name, num_docs, head_dim, head_dim_v):
     """`segment_tiles`: the forward on segment-aligned virtual rows (per-batch masks with their own
     segments; the plan's fixed length leaves granules with no real row, which the mask role draws
-    past; a segment's last tile stored row by row) into
-    NaN-poisoned outputs: within twice the bf16 reference's own error of the fp64 one, every real
-    row's LSE, GQA 4 on 2, a ragged length."""
-    from flashmask3.optimized import fwd_config
-    from flashmask3.optimized.interface import forward
-    from flashmask3.reference.attention import forward as reference_forward
-
-    seqlen, scale = 1531, 1 / math.sqrt(head_dim)
-    mask = masks.build(name, seqlen, batch=2, heads=4, seed=5, device="cuda", num_docs=num_docs)
-    q, k, v, _ = random_inputs(2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=5, head_dim_v=head_dim_v)
-    config = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
-    config = dataclasses.replace(config, tile_m=128, segment_tiles=True)
-    out = torch.full((2, seqlen, 4, head_dim_v), math.nan, device="cuda").bfloat16()
-    lse = torch.full((2, 4, seqlen), math.nan, device="cuda")
-    forward(q, k, v, mask, scale, out=out, lse=lse, config=config)
-    exact, exact_lse = reference_forward(q, k, v, mask, scale, torch.float64)
-    in_bf16, _ = reference_forward(q, k, v, mask, scale, torch.bfloat16)
-    tolerance = 2 * (in_bf16.double() - exact).abs().max().item() + 1e-3
-    assert not out.isnan().any() and not lse.isnan().any()
-    assert (out.double() - exact).abs().max().item() <= tolerance
-    seen = exact_lse.isfinite()
-    assert torch.equal(lse.isfinite(), seen)
-    torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
+    past; a segment's last tile stored row by row), against the reference."""
+    assert_the_forward_matches_the_reference(
+        name,
+        head_dim,
+        head_dim_v,
+        5,
+        lambda c: dataclasses.replace(c, tile_m=128, segment_tiles=True),
+        num_docs=num_docs,
+    )
 
 
 def assert_a_field_keeps_the_forwards_numbers(field: str, name: str, head_dim, head_dim_v, seqlen, seed: int):
