@@ -469,17 +469,24 @@ def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[lis
     return loop, s_wait, pv_wait
 
 
-@pytest.mark.slow  # compiles and disassembles two forwards, ~40 s
-@pytest.mark.parametrize("tile_n, q_buffers", [(176, 1), (144, 2)])
-def test_key_tiles_wider_than_128_keep_the_pv_gemm_in_flight(tmp_path, tile_n, q_buffers):
-    """Key tiles that are not a multiple of 64 wide (FA3's 176 without a causal mask): S goes to the
-    PV GEMM's A operand one packed cvt per register, else ptxas moves registers between its WGMMAs
-    and serializes them (C7519); the bounds' copies go per 128 keys. No local memory, the WGMMAs in
-    flight (4 arrives in the loop, as at 128 keys)."""
-    config = f"dataclasses.replace(fwd_config(128, False, 2), tile_n={tile_n}, q_buffers={q_buffers})"
+@pytest.mark.slow  # compiles and disassembles three forwards, ~50 s
+@pytest.mark.parametrize(
+    "head_dim, causal, width, tile_n, q_buffers",
+    [(128, False, 2, 176, 1), (128, False, 2, 144, 2), (256, True, 1, 80, 1)],
+)
+def test_key_tiles_not_a_multiple_of_64_keep_the_pv_gemm_in_flight(
+    tmp_path, head_dim, causal, width, tile_n, q_buffers
+):
+    """Key tiles that are not a multiple of 64 wide (FA3's 176 at head dim 128 without a causal
+    mask, FA4's 80 at 256): S goes to the PV GEMM's A operand one packed cvt per register, else
+    ptxas moves registers between its WGMMAs and serializes them (C7519); the bounds' copies go per
+    128 keys. At 256, Q, two K/V stages of 80 keys and one bound per key fit in smem (the
+    1024-aligned tiles first, no padding before them). No local memory, the WGMMAs in flight (4
+    arrives in the loop, as at 128 keys)."""
+    config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), tile_n={tile_n}, q_buffers={q_buffers})"
     setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    name = f"tile_n_{tile_n}"
-    sass = compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', 128, False, 2, {config}", setup)
+    name = f"d{head_dim}_tile_n_{tile_n}"
+    sass = compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', {head_dim}, {causal}, {width}, {config}", setup)
     blocks, _ = hot_loop_in_registers(sass, name)
     loop = [inst for _, block in blocks for inst in block]
     assert sum("WARPGROUP.ARRIVE" in inst for inst in loop) == 4
@@ -493,20 +500,6 @@ def test_the_forward_at_head_dim_256_keeps_its_loop_in_registers(tmp_path, causa
     storage fits (the compile checks it), no local memory, the WGMMAs in flight."""
     name = f"hd256_{causal}_{width}"
     hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', 256, {causal}, {width}"), name)
-
-
-@pytest.mark.slow  # compiles and disassembles one forward, ~10 s
-def test_80_key_tiles_at_head_dim_256_fit_beside_two_stages_and_keep_the_loop_in_registers(tmp_path):
-    """Head dim 256 in 80-key tiles (FA4's SM90 shape there), causal with one bound per key: Q, two
-    K/V stages of 80 keys and the bounds fit in smem (the 1024-aligned tiles first, no padding
-    before them), no local memory, the S GEMM 64 x 80 per warpgroup and the WGMMAs in flight."""
-    config = "dataclasses.replace(fwd_config(256, True, 1), tile_n=80)"
-    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    sass = compiled_sass(tmp_path, "hd256_80", "FlashMaskForward", f"'bf16', 256, True, 1, {config}", setup)
-    blocks, _ = hot_loop_in_registers(sass, "hd256_80")
-    loop = [inst for _, block in blocks for inst in block]
-    assert sum("WARPGROUP.ARRIVE" in inst for inst in loop) == 4
-    assert any("HGMMA.64x80x16" in inst for inst in loop)
 
 
 @pytest.mark.slow  # compiles and disassembles two backwards, ~12 s

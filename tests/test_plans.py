@@ -36,8 +36,8 @@ def _train_call(mask: ColumnMask, deterministic: bool = False, heads: int = 16, 
 
 
 def test_a_call_without_a_mask_validates_none(monkeypatch):
-    """Without a mask the kernels run on a full mask made at every call: made unchecked, since a
-    validation reads the boundaries back, one wait for the GPU per call, forward and backward."""
+    """Without a mask the kernels run on a stand-in full mask: made unchecked, since a validation
+    reads the boundaries back, one wait for the GPU per call, forward and backward."""
     launched = _launches(monkeypatch)
     monkeypatch.setattr(ColumnMask, "__post_init__", lambda self: pytest.fail("a mask was validated at the call"))
     q = torch.zeros(1, 1024, 16, 128, dtype=torch.bfloat16)

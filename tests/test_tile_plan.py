@@ -71,8 +71,8 @@ def test_full_mask_has_no_partial_tile_but_the_ragged_one():
 
 
 def test_the_full_mask_of_a_call_without_a_mask_is_not_validated(monkeypatch):
-    """The kernels stand a full mask in for no mask at every call: built unchecked, since the
-    validation reads the boundaries back (a wait for the GPU per call), and equal to the checked one."""
+    """The kernels stand a full mask in for no mask: built unchecked, since the validation reads
+    the boundaries back (a wait for the GPU per call), and equal to the checked one."""
     from flashmask3.reference import ColumnMask
 
     built = full_mask(300, 200, "cpu")
