@@ -67,6 +67,10 @@ class FwdConfig:
     # reduction, which lowers to NaN-propagating compares and selects on the softmax's critical path
     # (the same numbers bit for bit: the scores are never NaN).
     fmax_row_max: bool
+    # O rescaled only when a key tile raises a row's max by more than 2^8 (`softmax.py`): until
+    # then the probabilities are taken against the old max, and a turn whose warp has no such row
+    # skips the rescale's multiplies, which wait for the warpgroup's own PV GEMM.
+    lazy_rescale: bool
     # Causal masks: a key tile that no key's bounds reach (only the diagonal cuts it) is listed as
     # such and masked by the causal comparison alone, without its bounds' cp.async, wait and barrier.
     diagonal_tiles: bool
@@ -299,6 +303,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         ),
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
+        lazy_rescale=False,
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=head_dim == 128 and segmented,

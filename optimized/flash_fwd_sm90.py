@@ -59,7 +59,7 @@ from .mask_role import (
     entry_tile,
     list_work_tiles,
 )
-from .softmax import rescale_rows, softmax_finalize, softmax_rescore
+from .softmax import rescale_rows, softmax_finalize, softmax_rescore, warp_rows_moved
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
 from .timeline import TURN_SEGMENTS, Event, SegmentProfile, Timeline, TurnEvent
 
@@ -111,6 +111,7 @@ class FlashMaskForwardSm90:
         self.off_diagonal_tiles = config.off_diagonal_tiles and causal
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
+        self.lazy_rescale = config.lazy_rescale
         self.segment_tiles = config.segment_tiles
         self.o_from_registers = config.o_from_registers
         self.num_consumer_wgs = config.num_consumer_wgs
@@ -738,13 +739,15 @@ class FlashMaskForwardSm90:
                     pipe_k.consumer_release(k_state)
                     k_state.advance()
                 clock = turn_profile.mark(clock, TurnEvent.MASK)
-                correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)
+                correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max, self.lazy_rescale)
+                moved = warp_rows_moved(correction) if const_expr(self.lazy_rescale) else True
                 clock = turn_profile.mark(clock, TurnEvent.SOFTMAX)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
                 v_state.advance()
                 clock = turn_profile.mark(clock, TurnEvent.WAIT_PV)
-                rescale_rows(acc_O, correction)
+                if moved:
+                    rescale_rows(acc_O, correction)
                 self.scores_to_operand(acc_S, tOrP)
                 clock = turn_profile.mark(clock, TurnEvent.RESCALE)
                 turn_profile.add_pass()

@@ -12,6 +12,11 @@ from cutlass import Float32
 
 from .layout import acc_rows_view
 
+RESCALE_THRESHOLD_LOG2 = 8.0
+"""With lazy rescaling a row's running max moves only when a key tile raises it by more than this
+(base 2): until then the probabilities are taken against the old max, so they stay below 2^8, exact
+in fp32 sums and in a 16-bit P (FA4's Blackwell forward uses the same bound)."""
+
 
 @cute.jit
 def _row_max_by_fmax(s_rows: cute.Tensor, r: int, start: Float32) -> Float32:
@@ -34,18 +39,26 @@ def _rescore_row(
     row_sum: cute.Tensor,
     scale_log2: Float32,
     fmax_row_max: cutlass.Constexpr[bool],
+    lazy_rescale: cutlass.Constexpr[bool],
 ):
     """Row r of the scores to exp2(s * scale - new max) in place, its running max and sum updated;
     returns the factor the row of O must be rescaled by. A row with no visible key yet keeps max
-    -inf and probabilities 0."""
+    -inf and probabilities 0. `lazy_rescale`: the max stays where it was unless the tile raises it
+    by more than `RESCALE_THRESHOLD_LOG2`, and the factor is then exactly 1."""
     row = s_rows[r, None].load()
     if cutlass.const_expr(fmax_row_max):
         new_max = _row_max_by_fmax(s_rows, r, row_max[r])
     else:
         new_max = row.reduce(cute.ReductionOp.MAX, row_max[r], 0)
     new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
+    kept = False
+    if cutlass.const_expr(lazy_rescale):  # from -inf the difference is inf or NaN: never kept
+        kept = (new_max - row_max[r]) * scale_log2 <= RESCALE_THRESHOLD_LOG2
+        new_max = row_max[r] if kept else new_max
     safe_max = 0.0 if new_max == -Float32.inf else new_max
     correction = cute.math.exp2((row_max[r] - safe_max) * scale_log2, fastmath=True)
+    if cutlass.const_expr(lazy_rescale):
+        correction = 1.0 if kept else correction
     p = cute.math.exp2(row * scale_log2 - safe_max * scale_log2, fastmath=True)
     s_rows[r, None].store(p)
     row_sum[r] = row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
@@ -60,14 +73,15 @@ def softmax_rescore(
     row_sum: cute.Tensor,
     scale_log2: Float32,
     fmax_row_max: cutlass.Constexpr[bool] = False,
+    lazy_rescale: cutlass.Constexpr[bool] = False,
 ) -> cute.Tensor:
     """Turn scores into probabilities in place for the new row maxima, without touching O (which a
     GEMM may still be writing): returns the per-row factors for `rescale_rows`. `fmax_row_max`: the
-    row maxima by `_row_max_by_fmax`."""
+    row maxima by `_row_max_by_fmax`; `lazy_rescale`: see `_rescore_row`."""
     s_rows = acc_rows_view(acc_S)
     correction = cute.make_rmem_tensor_like(row_max, Float32)
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        correction[r] = _rescore_row(s_rows, r, row_max, row_sum, scale_log2, fmax_row_max)
+        correction[r] = _rescore_row(s_rows, r, row_max, row_sum, scale_log2, fmax_row_max, lazy_rescale)
     return correction
 
 
@@ -76,6 +90,16 @@ def rescale_rows(acc_O: cute.Tensor, correction: cute.Tensor) -> None:
     o_rows = acc_rows_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(correction)):
         o_rows[r, None].store(o_rows[r, None].load() * correction[r])
+
+
+@cute.jit
+def warp_rows_moved(correction: cute.Tensor) -> cutlass.Boolean:
+    """Whether any row of the warp has a factor other than 1 (one vote): with lazy rescaling, the
+    turns where O needs no rescale skip it, which after the first key tiles is nearly all."""
+    moved = correction[0] != 1.0
+    for r in cutlass.range_constexpr(1, cute.size(correction)):
+        moved = moved | (correction[r] != 1.0)
+    return cute.arch.vote_any_sync(moved)
 
 
 @cute.jit

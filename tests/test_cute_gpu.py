@@ -206,10 +206,13 @@ def test_forward_at_the_other_head_dims_matches_the_reference(name, head_dim, he
     torch.testing.assert_close(lse.double()[seen], exact_lse[seen], rtol=0, atol=1e-3)
 
 
-def assert_the_forward_matches_the_reference(name: str, head_dim: int, head_dim_v: int, seed: int, change, **build):
+def assert_the_forward_matches_the_reference(
+    name: str, head_dim: int, head_dim_v: int, seed: int, change, keys=None, **build
+):
     """The forward of mask `name` (`masks.build(..., **build)`: 1,531 rows, 2 sequences, GQA 4 on
     2, bf16) under its chosen configuration changed by `change(config)`, into NaN-poisoned out and
-    LSE: out within twice the bf16 reference's own error of the fp64 one, every seen row's LSE."""
+    LSE: out within twice the bf16 reference's own error of the fp64 one, every seen row's LSE.
+    `keys`: a function of the random K giving the K to use instead."""
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward
     from flashmask3.reference.attention import forward as reference_forward
@@ -219,6 +222,7 @@ def assert_the_forward_matches_the_reference(name: str, head_dim: int, head_dim_
     q, k, v, _ = random_inputs(
         2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=seed, head_dim_v=head_dim_v
     )
+    k = k if keys is None else keys(k)
     config = change(fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1]))
     out = torch.full((2, seqlen, 4, head_dim_v), math.nan, device="cuda").bfloat16()
     lse = torch.full((2, 4, seqlen), math.nan, device="cuda")
@@ -240,6 +244,25 @@ def test_80_key_tiles_at_head_dim_256_match_the_reference(name):
     the reference."""
     assert masks.build(name, 256, batch=1, heads=1, seed=0).startend_row_indices.shape[-1] == 1
     assert_the_forward_matches_the_reference(name, 256, 256, 13, lambda c: dataclasses.replace(c, tile_n=80))
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (256, 256), (192, 128)])
+@pytest.mark.parametrize("name", ["full", "causal", "causal_document", "sliding_window", "share_question"])
+def test_lazy_rescale_matches_the_reference_where_row_maxima_jump(name, head_dim, head_dim_v):
+    """`lazy_rescale` on keys whose scores swing by up to 7x from one 64-key block to the next (the
+    row maxima jump past the threshold and fall back again, many times per row) and on plain random
+    keys (a row's max moves past it in its first key tiles only)."""
+    swing = torch.tensor([1.0, 7.0, 2.0, 5.0, 0.5, 3.0], device="cuda")
+
+    def swinging(k):
+        blocks = torch.arange(k.shape[1], device="cuda") // 64
+        return (k.float() * swing[blocks % len(swing)][None, :, None, None]).bfloat16()
+
+    def lazy(config):
+        return dataclasses.replace(config, lazy_rescale=True)
+
+    for keys in (swinging, None):
+        assert_the_forward_matches_the_reference(name, head_dim, head_dim_v, 23, lazy, keys=keys)
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (256, 256)])
