@@ -28,7 +28,11 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         diagonal, off_diagonal = causal and width == 1, causal and width == 2
         assert fwd_config(64, causal, width) == dataclasses.replace(chosen, tile_m=192, late_k_release=False)
         assert fwd_config(128, causal, width) == dataclasses.replace(
-            chosen, fmax_row_max=not causal, diagonal_tiles=diagonal, off_diagonal_tiles=off_diagonal
+            chosen,
+            fmax_row_max=not causal,
+            lazy_rescale=not causal,
+            diagonal_tiles=diagonal,
+            off_diagonal_tiles=off_diagonal,
         )
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
@@ -47,6 +51,7 @@ def test_head_dim_192_takes_one_q_buffer_and_longest_first_only_on_short_lists()
     for causal, width in ((True, 1), (False, 2)):
         config = fwd_config(192, causal, width)
         assert (config.tile_m, config.q_buffers, config.late_k_release, config.fmax_row_max) == (128, 1, True, False)
+        assert not config.lazy_rescale
         assert config.longest_tiles_first_waves == 64 < fwd_config(128, causal, width).longest_tiles_first_waves
 
 
@@ -56,7 +61,7 @@ def test_head_dim_256_takes_64_key_tiles_and_one_q_buffer():
     for causal, width in ((True, 1), (False, 4)):
         config = fwd_config(256, causal, width)
         assert (config.tile_m, config.tile_n, config.q_buffers, config.num_stages) == (128, 64, 1, 2)
-        assert config.longest_tiles_first_waves == 64
+        assert config.longest_tiles_first_waves == 64 and config.lazy_rescale
         assert {fwd_config(d, causal, width).tile_n for d in (64, 128, 192)} == {128}
 
 
