@@ -455,12 +455,13 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
 
 
 def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[list[str], int, int]:
-    """The forward's key-tile loop (head dim 128, non-causal, width 2) with one `FwdConfig` field changed, checked
-    free of local memory and of serialized WGMMAs: its instructions and the positions of the wait for
-    S_j (`wait_group 1`) and then for the warpgroup's own PV GEMM (`wait_group 0`)."""
-    config = f"dataclasses.replace(fwd_config(128, False, 2), {field}={value})"
+    """The forward's key-tile loop (head dim 128, causal, width 1: O rescaled at every turn) with one
+    `FwdConfig` field changed, checked free of local memory and of serialized WGMMAs: its
+    instructions and the positions of the wait for S_j (`wait_group 1`) and then for the
+    warpgroup's own PV GEMM (`wait_group 0`)."""
+    config = f"dataclasses.replace(fwd_config(128, True, 1), {field}={value})"
     setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    args = f"'bf16', 128, False, 2, {config}"
+    args = f"'bf16', 128, True, 1, {config}"
     name = f"{field}_{value}"
     blocks, _ = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", args, setup), name)
     loop = [inst for _, block in blocks for inst in block]
@@ -541,7 +542,7 @@ def test_128_row_steps_at_head_dim_64_keep_the_step_in_registers(tmp_path, causa
 
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
 def test_late_k_release_puts_the_pv_wait_below_the_softmax(tmp_path):
-    """`late_k_release`: in the forward's key-tile loop (head dim 128, no mask), the exponentials
+    """`late_k_release`: in the forward's key-tile loop (head dim 128, causal), the exponentials
     between the wait for S_j (`wait_group 1`) and the wait for the warpgroup's own PV GEMM
     (`wait_group 0`) run while that GEMM does: none of the 66 per tile in the default build, most
     with the K stage released after the mask; no local memory either way."""
@@ -565,6 +566,24 @@ def test_fmax_row_max_drops_the_nan_compares_from_the_loop(tmp_path):
 
     (compares, _), (compares_fmax, under_pv) = loop_counts(False), loop_counts(True)
     assert compares_fmax <= compares - 6 and under_pv >= 40
+
+
+@pytest.mark.slow  # compiles and disassembles one forward, ~10 s
+def test_the_lazy_rescale_puts_os_multiplies_behind_one_vote(tmp_path):
+    """`lazy_rescale` (the default at head dim 256): after the wait for the warpgroup's own PV GEMM,
+    O's 128 multiplies per thread run only past a warp vote's branch, so a turn whose rows all kept
+    their max issues none of them; no local memory, the WGMMAs in flight."""
+    setup = "from flashmask3.optimized import fwd_config"
+    sass = compiled_sass(
+        tmp_path, "lazy_256", "FlashMaskForward", "'bf16', 256, True, 1, fwd_config(256, True, 1)", setup
+    )
+    blocks, _ = hot_loop_in_registers(sass, "lazy 256")
+    loop = [inst for _, block in blocks for inst in block]
+    vote = next(i for i, inst in enumerate(loop) if "VOTE.ANY" in inst)
+    branch = next(i for i in range(vote, len(loop)) if " BRA " in loop[i] and "@" in loop[i])
+    pv_wait = max(i for i in range(vote) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop[i])
+    assert sum("FMUL" in inst for inst in loop[pv_wait:branch]) <= 8
+    assert sum("FMUL" in inst for inst in loop[branch : branch + 160]) >= 120
 
 
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
