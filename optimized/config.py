@@ -71,6 +71,11 @@ class FwdConfig:
     # then the probabilities are taken against the old max, and a turn whose warp has no such row
     # skips the rescale's multiplies, which wait for the warpgroup's own PV GEMM.
     lazy_rescale: bool
+    # With `lazy_rescale`, the decision to rescale taken over the warpgroup (a barrier reduction)
+    # instead of the warp (a vote), so the PV wait can sit inside both arms of the branch: ptxas
+    # then keeps every exponential of the turn above it (at 128 with the warp vote, 22 of them move
+    # below it, which costs the causal masks what the skipped multiplies gain).
+    warpgroup_rescale_vote: bool
     # Causal masks: a key tile that no key's bounds reach (only the diagonal cuts it) is listed as
     # such and masked by the causal comparison alone, without its bounds' cp.async, wait and barrier.
     diagonal_tiles: bool
@@ -105,6 +110,8 @@ class FwdConfig:
                 "segment_tiles needs tile_m=128 and a tile_n dividing 128 (a tile within one 128-row granule), "
                 f"got tile_m={self.tile_m}, tile_n={self.tile_n}"
             )
+        if self.warpgroup_rescale_vote and not self.lazy_rescale:
+            raise ValueError("warpgroup_rescale_vote needs lazy_rescale=True (it decides when O is rescaled)")
         if self.late_k_release and self.tile_m != 128:
             raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
         if self.o_from_registers and (self.q_buffers != 1 or self.tile_m != 128):
@@ -310,6 +317,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         fmax_row_max=head_dim == 128 and not causal,
         lazy_rescale=(not causal and mask_width == 2 and head_dim in (128, 256))
         or (causal and mask_width == 1 and head_dim == 256),
+        warpgroup_rescale_vote=False,
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=head_dim == 128 and segmented,

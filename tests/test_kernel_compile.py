@@ -454,17 +454,22 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         hot_loop_in_registers(compiled_sass(tmp_path, name, kernel, args), name)
 
 
+def forward_hot_loop(tmp_path, name: str, head_dim: int, causal: bool, width: int, changes: str) -> list[str]:
+    """The instructions of the forward's key-tile loop under `fwd_config(head_dim, causal, width)`
+    with `changes` (`dataclasses.replace` keywords, as source text), checked free of local memory
+    and of serialized WGMMAs."""
+    config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), {changes})"
+    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
+    args = f"'bf16', {head_dim}, {causal}, {width}, {config}"
+    blocks, _ = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", args, setup), name)
+    return [inst for _, block in blocks for inst in block]
+
+
 def forward_loop_with_one_change(tmp_path, field: str, value: bool) -> tuple[list[str], int, int]:
     """The forward's key-tile loop (head dim 128, causal, width 1: O rescaled at every turn) with one
-    `FwdConfig` field changed, checked free of local memory and of serialized WGMMAs: its
-    instructions and the positions of the wait for S_j (`wait_group 1`) and then for the
-    warpgroup's own PV GEMM (`wait_group 0`)."""
-    config = f"dataclasses.replace(fwd_config(128, True, 1), {field}={value})"
-    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    args = f"'bf16', 128, True, 1, {config}"
-    name = f"{field}_{value}"
-    blocks, _ = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", args, setup), name)
-    loop = [inst for _, block in blocks for inst in block]
+    `FwdConfig` field changed (`forward_hot_loop`): its instructions and the positions of the wait
+    for S_j (`wait_group 1`) and then for the warpgroup's own PV GEMM (`wait_group 0`)."""
+    loop = forward_hot_loop(tmp_path, f"{field}_{value}", 128, True, 1, f"{field}={value}")
     s_wait = next(i for i, inst in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in inst)
     pv_wait = next(i for i, inst in enumerate(loop) if i > s_wait and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst)
     return loop, s_wait, pv_wait
@@ -484,12 +489,8 @@ def test_key_tiles_not_a_multiple_of_64_keep_the_pv_gemm_in_flight(
     128 keys. At 256, Q, two K/V stages of 80 keys and one bound per key fit in smem (the
     1024-aligned tiles first, no padding before them). No local memory, the WGMMAs in flight (4
     arrives in the loop, as at 128 keys)."""
-    config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), tile_n={tile_n}, q_buffers={q_buffers})"
-    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    name = f"d{head_dim}_tile_n_{tile_n}"
-    sass = compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', {head_dim}, {causal}, {width}, {config}", setup)
-    blocks, _ = hot_loop_in_registers(sass, name)
-    loop = [inst for _, block in blocks for inst in block]
+    changes = f"tile_n={tile_n}, q_buffers={q_buffers}"
+    loop = forward_hot_loop(tmp_path, f"d{head_dim}_tile_n_{tile_n}", head_dim, causal, width, changes)
     assert sum("WARPGROUP.ARRIVE" in inst for inst in loop) == 4
     assert any(f"HGMMA.64x{tile_n}x16" in inst for inst in loop)
 
@@ -584,6 +585,22 @@ def test_the_lazy_rescale_puts_os_multiplies_behind_one_vote(tmp_path):
     pv_wait = max(i for i in range(vote) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop[i])
     assert sum("FMUL" in inst for inst in loop[pv_wait:branch]) <= 8
     assert sum("FMUL" in inst for inst in loop[branch : branch + 160]) >= 120
+
+
+@pytest.mark.slow  # compiles and disassembles two forwards, ~20 s
+@pytest.mark.parametrize("head_dim, causal, width", [(128, True, 1), (256, True, 1)])
+def test_a_warpgroup_rescale_vote_keeps_every_exponential_above_the_pv_wait(tmp_path, head_dim, causal, width):
+    """`warpgroup_rescale_vote`: the lazy rescale decided by a barrier reduction over the
+    warpgroup, the PV wait in both arms of its branch: every exponential of the turn's softmax
+    (2 per score column pair, tile_n / 2 per row) issues before that wait, against 26 of 66 with
+    the warp vote at 128; no local memory, the WGMMAs in flight."""
+    changes = "lazy_rescale=True, warpgroup_rescale_vote=True"
+    loop = forward_hot_loop(tmp_path, f"warpgroup_vote_{head_dim}", head_dim, causal, width, changes)
+    vote = next(i for i, inst in enumerate(loop) if "BAR.RED.OR" in inst)
+    s_wait = max(i for i in range(vote) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in loop[i])
+    pv_wait = next(i for i in range(vote, len(loop)) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop[i])
+    scores_per_thread = (128 if head_dim == 128 else 64) // 2
+    assert sum("MUFU.EX2" in inst for inst in loop[s_wait:pv_wait]) >= scores_per_thread
 
 
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
