@@ -746,7 +746,7 @@ class FlashMaskForwardSm90:
                 if const_expr(self.warpgroup_rescale_vote):
                     clock = turn_profile.mark(clock, TurnEvent.SOFTMAX)
                     # The PV wait in both arms: ptxas cannot lift it above the exponentials.
-                    if rows_moved(correction, True, self.rescale_barrier + wg):
+                    if rows_moved(correction, per_warpgroup=True, barrier_id=self.rescale_barrier + wg):
                         warpgroup.wait_group(0)
                         rescale_rows(acc_O, correction)
                     else:

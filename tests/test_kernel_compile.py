@@ -574,12 +574,10 @@ def test_the_lazy_rescale_puts_os_multiplies_behind_one_vote(tmp_path):
     """`lazy_rescale` (the default at head dim 256): after the wait for the warpgroup's own PV GEMM,
     O's 128 multiplies per thread run only past a warp vote's branch, so a turn whose rows all kept
     their max issues none of them; no local memory, the WGMMAs in flight."""
-    setup = "from flashmask3.optimized import fwd_config"
-    sass = compiled_sass(
-        tmp_path, "lazy_256", "FlashMaskForward", "'bf16', 256, True, 1, fwd_config(256, True, 1)", setup
-    )
-    blocks, _ = hot_loop_in_registers(sass, "lazy 256")
-    loop = [inst for _, block in blocks for inst in block]
+    from flashmask3.optimized import fwd_config
+
+    assert fwd_config(256, True, 1).lazy_rescale  # the default's kernel
+    loop = forward_hot_loop(tmp_path, "lazy_256", 256, True, 1, "lazy_rescale=True")
     vote = next(i for i, inst in enumerate(loop) if "VOTE.ANY" in inst)
     branch = next(i for i in range(vote, len(loop)) if " BRA " in loop[i] and "@" in loop[i])
     pv_wait = max(i for i in range(vote) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop[i])
