@@ -71,11 +71,6 @@ class FwdConfig:
     # then the probabilities are taken against the old max, and a turn whose warp has no such row
     # skips the rescale's multiplies, which wait for the warpgroup's own PV GEMM.
     lazy_rescale: bool
-    # With `lazy_rescale`, the decision to rescale taken over the warpgroup (a barrier reduction)
-    # instead of the warp (a vote), so the PV wait can sit inside both arms of the branch: ptxas
-    # then keeps every exponential of the turn above it (at 128 with the warp vote, 22 of them move
-    # below it, which costs the causal masks what the skipped multiplies gain).
-    warpgroup_rescale_vote: bool
     # Causal masks: a key tile that no key's bounds reach (only the diagonal cuts it) is listed as
     # such and masked by the causal comparison alone, without its bounds' cp.async, wait and barrier.
     diagonal_tiles: bool
@@ -110,8 +105,6 @@ class FwdConfig:
                 "segment_tiles needs tile_m=128 and a tile_n dividing 128 (a tile within one 128-row granule), "
                 f"got tile_m={self.tile_m}, tile_n={self.tile_n}"
             )
-        if self.warpgroup_rescale_vote and not self.lazy_rescale:
-            raise ValueError("warpgroup_rescale_vote needs lazy_rescale=True (it decides when O is rescaled)")
         if self.late_k_release and self.tile_m != 128:
             raise ValueError(f"late_k_release needs tile_m=128 (at more rows ptxas spills), got tile_m={self.tile_m}")
         if self.o_from_registers and (self.q_buffers != 1 or self.tile_m != 128):
@@ -280,11 +273,12 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     thread and two K/V stages in smem); at head dim 128 the row maxima by fmax
     chains on the non-causal variants (+0.9-2.4% on full and document; -0.1 to -2.4% on the causal
     masks, so not there); O rescaled lazily (only when a row's max moves by more than 2^8) on
-    the variants where it was measured and checked on a GPU: at head dim 256 the causal
-    one-bound and non-causal two-bound masks (+5-11% on five masks at 8K, on an H100), at 128
-    the non-causal two-bound ones (full and documents +2.7-5.0%); not on the causal masks at 128
-    (-0.3 to -1.6%, where ptxas exposes more of the exponentials) nor at 192/128 (-6% on causal
-    documents); on the causal masks with one bound per key, the tiles only the diagonal cuts
+    the variants where it was measured and checked on a GPU: at head dim 256 the causal one- and
+    two-bound and the non-causal two-bound masks (+5-11% on five masks at 8K, share-question +2-6%,
+    on an H100), at 128 the non-causal two-bound ones (full and documents +2.7-5.0%); not on the
+    causal masks at 128 (-1.6 to +1%, where ptxas exposes more of the exponentials; deciding over
+    the warpgroup instead of the warp, with a barrier, lost 9-15%) nor at 192/128 (-6 to -1.5% on
+    causal documents); on the causal masks with one bound per key, the tiles only the diagonal cuts
     masked without their bounds (sliding window +5.2% at 8K, +0.9-1.1% at 32K, the others within
     +-0.7%; on causal_blockwise, two bounds, -0.9% at 32K, so not there; not at 192-row tiles
     either, whose consumers it makes spill more); on the causal masks with two bounds per key at
@@ -316,8 +310,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
         lazy_rescale=(not causal and mask_width == 2 and head_dim in (128, 256))
-        or (causal and mask_width == 1 and head_dim == 256),
-        warpgroup_rescale_vote=False,
+        or (causal and mask_width in (1, 2) and head_dim == 256),
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=head_dim == 128 and segmented,

@@ -59,15 +59,14 @@ from .mask_role import (
     entry_tile,
     list_work_tiles,
 )
-from .softmax import rescale_rows, rows_moved, softmax_finalize, softmax_rescore
+from .softmax import rescale_rows, softmax_finalize, softmax_rescore, warp_rows_moved
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
 from .timeline import TURN_SEGMENTS, Event, SegmentProfile, Timeline, TurnEvent
 
 LOG2_E = math.log2(math.e)
 # Named barriers (0 is sync_threads), with n consumer warpgroups: 1..n whose turn on the tensor
 # cores; n + 1 the consumers' epilogue (`epilogue_barrier`); n + 2 onwards a warpgroup's prefetched
-# column bounds are in smem (`bounds_barrier`); 2n + 2 onwards a warpgroup's rescale decision
-# (`rescale_barrier`, with `warpgroup_rescale_vote`).
+# column bounds are in smem (`bounds_barrier`).
 _MMA_TURN = 1
 
 
@@ -113,7 +112,6 @@ class FlashMaskForwardSm90:
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
         self.lazy_rescale = config.lazy_rescale
-        self.warpgroup_rescale_vote = config.warpgroup_rescale_vote
         self.segment_tiles = config.segment_tiles
         self.o_from_registers = config.o_from_registers
         self.num_consumer_wgs = config.num_consumer_wgs
@@ -126,7 +124,6 @@ class FlashMaskForwardSm90:
             self.producer_regs, self.consumer_regs = 32, 232
         self.epilogue_barrier = _MMA_TURN + self.num_consumer_wgs
         self.bounds_barrier = self.epilogue_barrier + 1
-        self.rescale_barrier = self.bounds_barrier + self.num_consumer_wgs
 
     @cute.jit
     def __call__(
@@ -743,26 +740,14 @@ class FlashMaskForwardSm90:
                     k_state.advance()
                 clock = turn_profile.mark(clock, TurnEvent.MASK)
                 correction = softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max, self.lazy_rescale)
-                if const_expr(self.warpgroup_rescale_vote):
-                    clock = turn_profile.mark(clock, TurnEvent.SOFTMAX)
-                    # The PV wait in both arms: ptxas cannot lift it above the exponentials.
-                    if rows_moved(correction, per_warpgroup=True, barrier_id=self.rescale_barrier + wg):
-                        warpgroup.wait_group(0)
-                        rescale_rows(acc_O, correction)
-                    else:
-                        warpgroup.wait_group(0)
-                    pipe_v.consumer_release(v_state)
-                    v_state.advance()
-                    clock = turn_profile.mark(clock, TurnEvent.WAIT_PV)
-                else:
-                    moved = rows_moved(correction) if const_expr(self.lazy_rescale) else True
-                    clock = turn_profile.mark(clock, TurnEvent.SOFTMAX)
-                    warpgroup.wait_group(0)
-                    pipe_v.consumer_release(v_state)
-                    v_state.advance()
-                    clock = turn_profile.mark(clock, TurnEvent.WAIT_PV)
-                    if moved:
-                        rescale_rows(acc_O, correction)
+                moved = warp_rows_moved(correction) if const_expr(self.lazy_rescale) else True
+                clock = turn_profile.mark(clock, TurnEvent.SOFTMAX)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(v_state)
+                v_state.advance()
+                clock = turn_profile.mark(clock, TurnEvent.WAIT_PV)
+                if moved:
+                    rescale_rows(acc_O, correction)
                 self.scores_to_operand(acc_S, tOrP)
                 clock = turn_profile.mark(clock, TurnEvent.RESCALE)
                 turn_profile.add_pass()

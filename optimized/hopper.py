@@ -9,9 +9,8 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, nvvm
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 SMEM_PER_CTA = 232448
@@ -152,20 +151,3 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor) -> None:
                 asm_dialect=llvm.AsmDialect.AD_ATT,
             )
         )
-
-
-@dsl_user_op
-def warpgroup_any(pred: cutlass.Boolean, barrier_id: Int32, *, loc=None, ip=None) -> cutlass.Boolean:
-    """`pred` OR-ed over the 128 threads of the calling warpgroup (`bar.red.or` on named barrier
-    `barrier_id`, which only that warpgroup may use): a condition the whole warpgroup takes alike,
-    as a branch around `wgmma.wait_group` must be."""
-    result = nvvm.barrier_cta_red(
-        cutlass.Boolean(pred).ir_value(loc=loc, ip=ip),
-        Int32(barrier_id).ir_value(loc=loc, ip=ip),
-        nvvm.BarrierReduction.OR,
-        thread_count=Int32(128).ir_value(loc=loc, ip=ip),
-        aligned=True,
-        loc=loc,
-        ip=ip,
-    )
-    return cutlass.Boolean(result)

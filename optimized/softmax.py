@@ -8,9 +8,8 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
-from .hopper import warpgroup_any
 from .layout import acc_rows_view
 
 RESCALE_THRESHOLD_LOG2 = 8.0
@@ -94,20 +93,13 @@ def rescale_rows(acc_O: cute.Tensor, correction: cute.Tensor) -> None:
 
 
 @cute.jit
-def rows_moved(
-    correction: cute.Tensor, per_warpgroup: cutlass.Constexpr[bool] = False, barrier_id: Int32 = 0
-) -> cutlass.Boolean:
-    """Whether any row has a factor other than 1: with lazy rescaling, the turns where O needs no
-    rescale skip it, which after the first key tiles is nearly all. Over the warp's rows (one
-    vote), or `per_warpgroup` over the warpgroup's (`warpgroup_any` on named barrier `barrier_id`)."""
+def warp_rows_moved(correction: cute.Tensor) -> cutlass.Boolean:
+    """Whether any row of the warp has a factor other than 1 (one vote): with lazy rescaling, the
+    turns where O needs no rescale skip it, which after the first key tiles is nearly all."""
     moved = correction[0] != 1.0
     for r in cutlass.range_constexpr(1, cute.size(correction)):
         moved = moved | (correction[r] != 1.0)
-    if cutlass.const_expr(per_warpgroup):
-        moved = warpgroup_any(moved, barrier_id)
-    else:
-        moved = cute.arch.vote_any_sync(moved)
-    return moved
+    return cute.arch.vote_any_sync(moved)
 
 
 @cute.jit

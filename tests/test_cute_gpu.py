@@ -246,14 +246,12 @@ def test_80_key_tiles_at_head_dim_256_match_the_reference(name):
     assert_the_forward_matches_the_reference(name, 256, 256, 13, lambda c: dataclasses.replace(c, tile_n=80))
 
 
-@pytest.mark.parametrize("warpgroup_vote", [False, True])
 @pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (256, 256), (192, 128)])
 @pytest.mark.parametrize("name", ["full", "causal", "causal_document", "sliding_window", "share_question"])
-def test_lazy_rescale_matches_the_reference_where_row_maxima_jump(name, head_dim, head_dim_v, warpgroup_vote):
-    """`lazy_rescale`, decided per warp or per warpgroup, on keys whose scores swing by up to 7x
-    from one 64-key block to the next (the row maxima jump past the threshold and fall back again,
-    many times per row) and on plain random keys (a row's max moves past it in its first key tiles
-    only)."""
+def test_lazy_rescale_matches_the_reference_where_row_maxima_jump(name, head_dim, head_dim_v):
+    """`lazy_rescale` on keys whose scores swing by up to 7x from one 64-key block to the next (the
+    row maxima jump past the threshold and fall back again, many times per row) and on plain random
+    keys (a row's max moves past it in its first key tiles only)."""
     swing = torch.tensor([1.0, 7.0, 2.0, 5.0, 0.5, 3.0], device="cuda")
 
     def swinging(k):
@@ -261,7 +259,7 @@ def test_lazy_rescale_matches_the_reference_where_row_maxima_jump(name, head_dim
         return (k.float() * swing[blocks % len(swing)][None, :, None, None]).bfloat16()
 
     def lazy(config):
-        return dataclasses.replace(config, lazy_rescale=True, warpgroup_rescale_vote=warpgroup_vote)
+        return dataclasses.replace(config, lazy_rescale=True)
 
     for keys in (swinging, None):
         assert_the_forward_matches_the_reference(name, head_dim, head_dim_v, 23, lazy, keys=keys)

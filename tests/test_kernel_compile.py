@@ -585,22 +585,6 @@ def test_the_lazy_rescale_puts_os_multiplies_behind_one_vote(tmp_path):
     assert sum("FMUL" in inst for inst in loop[branch : branch + 160]) >= 120
 
 
-@pytest.mark.slow  # compiles and disassembles two forwards, ~20 s
-@pytest.mark.parametrize("head_dim, causal, width", [(128, True, 1), (256, True, 1)])
-def test_a_warpgroup_rescale_vote_keeps_every_exponential_above_the_pv_wait(tmp_path, head_dim, causal, width):
-    """`warpgroup_rescale_vote`: the lazy rescale decided by a barrier reduction over the
-    warpgroup, the PV wait in both arms of its branch: every exponential of the turn's softmax
-    (2 per score column pair, tile_n / 2 per row) issues before that wait, against 26 of 66 with
-    the warp vote at 128; no local memory, the WGMMAs in flight."""
-    changes = "lazy_rescale=True, warpgroup_rescale_vote=True"
-    loop = forward_hot_loop(tmp_path, f"warpgroup_vote_{head_dim}", head_dim, causal, width, changes)
-    vote = next(i for i, inst in enumerate(loop) if "BAR.RED.OR" in inst)
-    s_wait = max(i for i in range(vote) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in loop[i])
-    pv_wait = next(i for i in range(vote, len(loop)) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop[i])
-    scores_per_thread = (128 if head_dim == 128 else 64) // 2
-    assert sum("MUFU.EX2" in inst for inst in loop[s_wait:pv_wait]) >= scores_per_thread
-
-
 @pytest.mark.slow  # compiles and disassembles two forwards, ~10 s
 def test_only_the_mask_role_reads_the_longest_first_order(tmp_path):
     """With the longest-first order the work-tile headers carry the work tile, looked up once by the

@@ -19,7 +19,6 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         late_k_release=True,
         fmax_row_max=False,
         lazy_rescale=False,
-        warpgroup_rescale_vote=False,
         diagonal_tiles=False,
         off_diagonal_tiles=False,
         segment_tiles=False,
@@ -59,7 +58,7 @@ def test_head_dim_192_takes_one_q_buffer_and_longest_first_only_on_short_lists()
 def test_head_dim_256_takes_64_key_tiles_and_one_q_buffer():
     """Gemma's head dim 256: O's 128 registers per thread leave room for a 64-key tile's scores, and
     one Q buffer beside two K/V stages fits in shared memory; the other head dims keep 128 keys."""
-    for causal, width in ((True, 1), (False, 4)):
+    for causal, width in ((True, 1), (True, 2), (False, 4)):
         config = fwd_config(256, causal, width)
         assert (config.tile_m, config.tile_n, config.q_buffers, config.num_stages) == (128, 64, 1, 2)
         assert config.longest_tiles_first_waves == 64 and config.lazy_rescale == (width < 4)
@@ -188,7 +187,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "late_k_release": bool,
         "fmax_row_max": bool,
         "lazy_rescale": bool,
-        "warpgroup_rescale_vote": bool,
         "diagonal_tiles": bool,
         "off_diagonal_tiles": bool,
         "segment_tiles": bool,
@@ -220,7 +218,6 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         late_k_release=False,
         fmax_row_max=False,
         lazy_rescale=False,
-        warpgroup_rescale_vote=False,
         diagonal_tiles=False,
         off_diagonal_tiles=False,
         segment_tiles=False,
