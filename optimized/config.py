@@ -273,12 +273,12 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     thread and two K/V stages in smem); at head dim 128 the row maxima by fmax
     chains on the non-causal variants (+0.9-2.4% on full and document; -0.1 to -2.4% on the causal
     masks, so not there); O rescaled lazily (only when a row's max moves by more than 2^8) on
-    the variants where it was measured and checked on a GPU: at head dim 256 the causal one- and
-    two-bound and the non-causal two-bound masks (+5-11% on five masks at 8K, share-question +2-6%,
-    on an H100), at 128 the non-causal two-bound ones (full and documents +2.7-5.0%); not on the
-    causal masks at 128 (-1.6 to +1%, where ptxas exposes more of the exponentials; deciding over
-    the warpgroup instead of the warp, with a barrier, lost 9-15%) nor at 192/128 (-6 to -1.5% on
-    causal documents); on the causal masks with one bound per key, the tiles only the diagonal cuts
+    the variants where it was measured and checked on a GPU: at head dim 256 the causal one-bound
+    and the non-causal two-bound masks (+4-11% on six masks at 8K, on an H100), at 128 the
+    non-causal two-bound ones (full and documents +2.7-5.0%); not on the causal masks at 128 (-1.6
+    to +1%, where ptxas exposes more of the exponentials; deciding over the warpgroup instead of
+    the warp, with a barrier, lost 9-15%) nor at 192/128 (-6 to -1.5% on causal documents); on
+    the causal masks with one bound per key, the tiles only the diagonal cuts
     masked without their bounds (sliding window +5.2% at 8K, +0.9-1.1% at 32K, the others within
     +-0.7%; on causal_blockwise, two bounds, -0.9% at 32K, so not there; not at 192-row tiles
     either, whose consumers it makes spill more); on the causal masks with two bounds per key at
@@ -310,7 +310,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
         lazy_rescale=(not causal and mask_width == 2 and head_dim in (128, 256))
-        or (causal and mask_width in (1, 2) and head_dim == 256),
+        or (causal and mask_width == 1 and head_dim == 256),
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=head_dim == 128 and segmented,
