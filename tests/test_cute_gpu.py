@@ -247,9 +247,22 @@ def test_80_key_tiles_at_head_dim_256_match_the_reference(name):
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (256, 256), (192, 128)])
-@pytest.mark.parametrize("name", ["full", "causal", "causal_document", "sliding_window", "share_question"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "full",
+        "causal",
+        "causal_document",
+        "sliding_window",
+        "share_question",
+        "causal_blockwise",
+        "qk_sparse",
+        "global_sliding_window",
+    ],
+)
 def test_lazy_rescale_matches_the_reference_where_row_maxima_jump(name, head_dim, head_dim_v):
-    """`lazy_rescale` on keys whose scores swing by up to 7x from one 64-key block to the next (the
+    """`lazy_rescale` on every mask variant (causal with one and two bounds per key, non-causal with
+    two and four), on keys whose scores swing by up to 7x from one 64-key block to the next (the
     row maxima jump past the threshold and fall back again, many times per row) and on plain random
     keys (a row's max moves past it in its first key tiles only)."""
     swing = torch.tensor([1.0, 7.0, 2.0, 5.0, 0.5, 3.0], device="cuda")
