@@ -277,7 +277,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     and the non-causal two-bound masks (+4-11% on six masks at 8K, on an H100), at 128 the
     non-causal two-bound ones (full and documents +2.7-5.0%); not on the causal masks at 128 (-1.6
     to +1%, where ptxas exposes more of the exponentials; deciding over the warpgroup instead of
-    the warp, with a barrier, lost 9-15%) nor at 192/128 (-6 to -1.5% on causal documents); on
+    the warp, with a barrier, lost 9-10%) nor at 192/128 (-6 to -1.5% on causal documents); on
     the causal masks with one bound per key, the tiles only the diagonal cuts
     masked without their bounds (sliding window +5.2% at 8K, +0.9-1.1% at 32K, the others within
     +-0.7%; on causal_blockwise, two bounds, -0.9% at 32K, so not there; not at 192-row tiles
