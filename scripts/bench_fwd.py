@@ -358,12 +358,19 @@ def run_ablation(
 
 
 def ablation_table(rows: list[dict], variants: list[str]) -> str:
-    """TFLOP/s of the default and of each variant (with its largest difference from the default)."""
-    lines = [f"{'mask':24s} {'S':>6s} {'default':>8s} " + " ".join(f"{v[-24:]:>24s}" for v in variants)]
+    """TFLOP/s of the default and of each variant (with its largest difference from the default),
+    each followed by "@" and its median SM clock in MHz where NVML read one: on a card at its
+    power cap, two runs of one kernel differ by as much as their clocks do (6% measured)."""
+
+    def timed(row: dict, contender: str) -> str:
+        mhz = row.get(f"{contender}_sm_mhz")
+        return f"{row[contender + '_tflops']:.0f}" + (f"@{mhz:.0f}" if mhz else "")
+
+    lines = [f"{'mask':24s} {'S':>6s} {'default':>9s} " + " ".join(f"{v[-25:]:>25s}" for v in variants)]
     for r in rows:
         lines.append(
-            f"{r['mask']:24s} {r['seqlen']:6d} {r['default_tflops']:8.0f} "
-            + " ".join(f"{r[v + '_tflops']:14.0f} d={r[v + '_max_diff']:7.1e}" for v in variants)
+            f"{r['mask']:24s} {r['seqlen']:6d} {timed(r, 'default'):>9s} "
+            + " ".join(f"{timed(r, v):>15s} d={r[v + '_max_diff']:7.1e}" for v in variants)
         )
     return "\n".join(lines)
 
