@@ -135,10 +135,8 @@ def test_ablation_times_each_variant_in_its_configuration(monkeypatch):
     assert "persistent=false" in bench_fwd.ablation_table(rows, ["num_stages=3", "persistent=false"])
     row.update({"default_sm_mhz": 1500.0, "persistent=false_sm_mhz": 1410.0})  # as NVML read them
     line = bench_fwd.ablation_table(rows, ["num_stages=3", "persistent=false"]).splitlines()[1].split()
-    assert line[2:] == [f"{row['default_tflops']:.0f}@1500", f"{row['num_stages=3_tflops']:.0f}", "d=1.0e+00"] + [
-        f"{row['persistent=false_tflops']:.0f}@1410",
-        "d=0.0e+00",
-    ]
+    default, stages, persistent = (row[f"{c}_tflops"] for c in ("default", "num_stages=3", "persistent=false"))
+    assert line[2:] == [f"{default:.0f}@1500", f"{stages:.0f}", "d=1.0e+00", f"{persistent:.0f}@1410", "d=0.0e+00"]
 
 
 def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monkeypatch):

@@ -454,14 +454,23 @@ def test_default_kernels_keep_their_wgmmas_in_flight(tmp_path):
         hot_loop_in_registers(compiled_sass(tmp_path, name, kernel, args), name)
 
 
-def forward_hot_loop(tmp_path, name: str, head_dim: int, causal: bool, width: int, changes: str) -> list[str]:
-    """The instructions of the forward's key-tile loop under `fwd_config(head_dim, causal, width)`
-    with `changes` (`dataclasses.replace` keywords, as source text), checked free of local memory
-    and of serialized WGMMAs."""
+def changed_forward_sass(
+    tmp_path, name: str, head_dim: int, causal: bool, width: int, changes: str, head_dim_v: int | None = None
+) -> str:
+    """The SASS of the bf16 forward under `fwd_config(head_dim, causal, width)` with `changes`
+    (`dataclasses.replace` keywords, as source text), V of `head_dim_v` where given."""
     config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), {changes})"
     setup = "import dataclasses; from flashmask3.optimized import fwd_config"
     args = f"'bf16', {head_dim}, {causal}, {width}, {config}"
-    blocks, _ = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", args, setup), name)
+    if head_dim_v is not None:
+        args += f", head_dim_v={head_dim_v}"
+    return compiled_sass(tmp_path, name, "FlashMaskForward", args, setup)
+
+
+def forward_hot_loop(tmp_path, name: str, head_dim: int, causal: bool, width: int, changes: str) -> list[str]:
+    """The instructions of the forward's key-tile loop under `changed_forward_sass`'s configuration,
+    checked free of local memory and of serialized WGMMAs."""
+    blocks, _ = hot_loop_in_registers(changed_forward_sass(tmp_path, name, head_dim, causal, width, changes), name)
     return [inst for _, block in blocks for inst in block]
 
 
@@ -593,9 +602,7 @@ def test_only_the_mask_role_reads_the_longest_first_order(tmp_path):
     WGMMAs stay in flight."""
 
     def build(waves: int) -> str:
-        config = f"dataclasses.replace(fwd_config(128, True, 1), longest_tiles_first_waves={waves})"
-        setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-        return compiled_sass(tmp_path, f"waves_{waves}", "FlashMaskForward", f"'bf16', 128, True, 1, {config}", setup)
+        return changed_forward_sass(tmp_path, f"waves_{waves}", 128, True, 1, f"longest_tiles_first_waves={waves}")
 
     index_order, longest_first = build(0), build(128)
     loads = [sum("LDG" in line for line in sass.splitlines()) for sass in (index_order, longest_first)]
@@ -612,10 +619,8 @@ def test_segment_tiles_keep_the_loop_in_registers(tmp_path, head_dim, causal, wi
     row): no local memory, the loop's WGMMAs in flight, as many as the sequence tiles' loop, and
     the row-by-row store's 16-byte global stores (STG.E.128) beside the TMA store; at 256, whose O
     leaves from registers (8-byte stores, a segment's rows predicated), neither."""
-    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
-    config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), segment_tiles=True)"
     name = f"segments_{head_dim}_{causal}_{width}"
-    sass = compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', {head_dim}, {causal}, {width}, {config}", setup)
+    sass = changed_forward_sass(tmp_path, name, head_dim, causal, width, "segment_tiles=True")
     _, summary = hot_loop_in_registers(sass, name)
     hgmma = {128: 32, 256: 40}[head_dim]
     assert f" {hgmma} HGMMA" in summary, summary
@@ -634,15 +639,12 @@ def test_o_from_registers_keeps_the_loop_and_stores_8_bytes(tmp_path, head_dim, 
     local memory, the loop's WGMMAs in flight, as many as the staged build's; no stmatrix and no
     TMA store of O, but two rows of Dv / 16 8-byte stores per thread (quads of lanes 32 contiguous
     bytes of a row each), one quad shuffle more than the staged build per store."""
-    setup = "import dataclasses; from flashmask3.optimized import fwd_config"
     head_dim_v = 128 if head_dim == 192 else head_dim
 
     def sass_of(on: bool) -> list[str]:
-        config = f"dataclasses.replace(fwd_config({head_dim}, {causal}, {width}), o_from_registers={on}"
-        config += ", segment_tiles=True)" if segments else ")"
-        args = f"'bf16', {head_dim}, {causal}, {width}, {config}, head_dim_v={head_dim_v}"
+        changes = f"o_from_registers={on}" + (", segment_tiles=True" if segments else "")
         name = f"o_from_registers_{head_dim}_{causal}_{width}_{on}"
-        return compiled_sass(tmp_path, name, "FlashMaskForward", args, setup).splitlines()
+        return changed_forward_sass(tmp_path, name, head_dim, causal, width, changes, head_dim_v).splitlines()
 
     sass, staged = sass_of(True), sass_of(False)
     _, summary = hot_loop_in_registers("\n".join(sass), "o_from_registers")
