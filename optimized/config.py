@@ -273,8 +273,9 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     thread and two K/V stages in smem); at head dim 128 the row maxima by fmax
     chains on the non-causal variants (+0.9-2.4% on full and document; -0.1 to -2.4% on the causal
     masks, so not there); O rescaled lazily (only when a row's max moves by more than 2^8) on
-    the variants where it was measured and checked on a GPU: at head dim 256 the causal one-bound
-    and the non-causal two-bound masks (+4-11% on six masks at 8K, on an H100), at 128 the
+    the variants where it was measured and checked on a GPU: at head dim 256 every variant (+4-11%
+    on six masks with one or two bounds at 8K, +7-8% on causal blockwise and qk-sparse, +3.8% on the
+    global sliding window, on an H100), at 128 the
     non-causal two-bound ones (full and documents +2.7-5.0%); not on the causal masks at 128 (-1.6
     to +1%, where ptxas exposes more of the exponentials; deciding over the warpgroup instead of
     the warp, with a barrier, lost 9-10%) nor at 192/128 (-6 to -1.5% on causal documents); on
@@ -285,9 +286,10 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     128-row tiles, the partial tiles the diagonal does not cut masked by their bounds alone
     (causal_blockwise +0.7-1.7% at 8K and 32K, qk_sparse -0.2 to -0.4%; with one bound it gains
     on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%); at
-    head dim 128 on segmented masks, the tiles aligned to the segments (`segments.py`, planned
-    without a host sync; on an H100 +1.5-8.0% on the four document masks at 8K and 32K, but -1 to
-    -3.4% on masks without segments, hence only on the hint); at head dims 192 and 256, O stored
+    head dims 128 and 256 on segmented masks, the tiles aligned to the segments (`segments.py`,
+    planned without a host sync; on an H100 +1.5-8.0% on the four document masks at 8K and 32K at
+    128, +4.3% on documents and +17.6% on causal documents at 256, but -1 to -3.4% on masks without
+    segments, hence only on the hint); at head dims 192 and 256, O stored
     from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.1-6.0% at 256,
     +1.0-4.6% at 192/128 on full, causal, causal documents and documents; at 128, measured with
     two Q buffers, -2 to -3% on the sliding window and share-question, and its causal builds hold
@@ -309,11 +311,10 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         ),
         late_k_release=tile_m == 128,
         fmax_row_max=head_dim == 128 and not causal,
-        lazy_rescale=(not causal and mask_width == 2 and head_dim in (128, 256))
-        or (causal and mask_width == 1 and head_dim == 256),
+        lazy_rescale=head_dim == 256 or (head_dim == 128 and not causal and mask_width == 2),
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
-        segment_tiles=head_dim == 128 and segmented,
+        segment_tiles=head_dim in (128, 256) and segmented,
         o_from_registers=head_dim > 128,
     )
 

@@ -37,11 +37,13 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
 
-def test_segmented_masks_take_segment_tiles_at_head_dim_128_only():
+def test_segmented_masks_take_segment_tiles_at_head_dims_128_and_256():
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
-        plain = fwd_config(128, causal, width)
-        assert fwd_config(128, causal, width, segmented=True) == dataclasses.replace(plain, segment_tiles=True)
-        for head_dim in (64, 192, 256):
+        for head_dim in (128, 256):
+            plain = fwd_config(head_dim, causal, width)
+            segmented = fwd_config(head_dim, causal, width, segmented=True)
+            assert segmented == dataclasses.replace(plain, segment_tiles=True)
+        for head_dim in (64, 192):
             assert fwd_config(head_dim, causal, width, segmented=True) == fwd_config(head_dim, causal, width)
 
 
@@ -61,7 +63,7 @@ def test_head_dim_256_takes_64_key_tiles_and_one_q_buffer():
     for causal, width in ((True, 1), (False, 4)):
         config = fwd_config(256, causal, width)
         assert (config.tile_m, config.tile_n, config.q_buffers, config.num_stages) == (128, 64, 1, 2)
-        assert config.longest_tiles_first_waves == 64 and config.lazy_rescale == (width < 4)
+        assert config.longest_tiles_first_waves == 64 and config.lazy_rescale
         assert {fwd_config(d, causal, width).tile_n for d in (64, 128, 192)} == {128}
 
 
