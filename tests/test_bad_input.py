@@ -401,6 +401,7 @@ def test_mask_params_must_be_given_by_name(tmp_path):
         (["backend=nope"], "error: unknown backend 'nope'; accepted: auto, reference, cute, sdpa, flex"),
         (["dtype=bf17"], "error: dtype must be one of bf16, fp16, fp32, fp64, got 'bf17'"),
         (["head_dim=abc"], "error: head_dim must be an int >= 1, got 'abc'"),
+        (["head_dim_v=0"], "error: head_dim_v must be an int >= 1, got '0'"),
         (["seqlens=1000,"], "error: each of seqlens must be an int >= 2, got ''"),
         (["kv_heads=3"], "error: heads must be a multiple of kv_heads (GQA), got heads=4 kv_heads=3"),
         (["backward=maybe"], "error: backward must be true or false, got 'maybe'"),

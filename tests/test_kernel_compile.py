@@ -140,19 +140,20 @@ def test_the_backward_with_queries_on_rows_keeps_its_wgmmas_in_flight(
     assert f"{46 if head_dim == 192 else 51} HGMMA" in summary
 
 
-@pytest.mark.slow  # compiles and disassembles two backwards, ~20 s
+@pytest.mark.slow  # compiles and disassembles three backwards, ~30 s
 def test_the_backward_with_queries_on_rows_builds_deterministic_and_profiled(tmp_path):
-    """The deterministic build at 256 (a per-query-tile semaphore before each dQ add) and the profiled
-    build at 192/128 (clock reads around each step's segments): both in registers, with the step's
-    WGMMAs, the profiled one reading the SM clock."""
+    """The deterministic build at 256 and at 192/128 (a per-query-tile semaphore before each dQ add)
+    and the profiled build at 192/128 (clock reads around each step's segments): all in registers,
+    with the step's WGMMAs, the profiled one alone reading the SM clock."""
     for name, head_dim, args in (
-        ("deterministic", 256, "'bf16', 256, False, 4, direction='bwd', deterministic=True"),
-        ("profiled", 192, "'bf16', 192, True, 1, direction='bwd', timeline=True, head_dim_v=128"),
+        ("deterministic_256", 256, "'bf16', 256, False, 4, direction='bwd', deterministic=True"),
+        ("deterministic_192", 192, "'bf16', 192, True, 2, direction='bwd', deterministic=True, head_dim_v=128"),
+        ("profiled_192", 192, "'bf16', 192, True, 1, direction='bwd', timeline=True, head_dim_v=128"),
     ):
         sass = compiled_sass(tmp_path, name, "FlashMaskBackward", args)
         assert "STL" not in sass and "LDL" not in sass
         assert sass.count("HGMMA") == (51 if head_dim == 256 else 46), name
-        assert ("SR_CLOCKLO" in sass) == (name == "profiled")
+        assert ("SR_CLOCKLO" in sass) == name.startswith("profiled")
 
 
 @pytest.mark.slow  # compiles and disassembles twenty backwards, ~2 min
@@ -513,6 +514,23 @@ def test_the_forward_at_head_dim_256_keeps_its_loop_in_registers(tmp_path, causa
     hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', 256, {causal}, {width}"), name)
 
 
+@pytest.mark.slow  # compiles and disassembles two forwards, ~20 s
+@pytest.mark.parametrize("head_dim, head_dim_v, causal, width", [(192, 128, True, 2), (256, 256, False, 2)])
+def test_the_fp16_forward_at_head_dims_192_and_256_keeps_its_loop_in_registers(
+    tmp_path, head_dim, head_dim_v, causal, width
+):
+    """fp16 at q/k 192 with v 128 and at 256 (the bf16 builds' loops are checked above and in
+    `test_o_from_registers_keeps_the_loop_and_stores_8_bytes`): no local memory, the loop's 40
+    WGMMAs in flight, each an fp16 one (bf16's carry a .BF16 suffix)."""
+    name = f"fp16_{head_dim}_{causal}_{width}"
+    args = f"'fp16', {head_dim}, {causal}, {width}, head_dim_v={head_dim_v}"
+    sass = compiled_sass(tmp_path, name, "FlashMaskForward", args)
+    _, summary = hot_loop_in_registers(sass, name)
+    assert " 40 HGMMA" in summary, summary
+    wgmmas = [line for line in sass.splitlines() if "HGMMA." in line]
+    assert wgmmas and not any(".BF16" in line for line in wgmmas)
+
+
 @pytest.mark.slow  # compiles and disassembles two backwards, ~12 s
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_diagonal_steps_keep_the_loop_in_registers(tmp_path, head_dim):
@@ -817,7 +835,7 @@ def test_the_timeline_needs_a_row_per_cta_of_the_virtual_grid_with_segment_tiles
     )  # (dtype, d, causal, width, config, tensors)
 
 
-@pytest.mark.slow  # compiles 23 configurations, ~40 s
+@pytest.mark.slow  # compiles 46 configurations, ~2 min
 def test_the_kernels_machine_code_is_as_recorded():
     """Each configuration the host chooses compiles to the machine code recorded in
     tools/sass_fingerprints.json: a refactor leaves them, a kernel change names the ones it touched

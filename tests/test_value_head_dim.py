@@ -1,10 +1,11 @@
 """A value head dim Dv other than the query/key head dim D (DeepSeek's MLA: 192 / 128): q [B, Sq, Hq, D],
 k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv]. The fp64 reference against textbook
-attention (forward, LSE, gradients, gradcheck, sinks), sdpa and flex against the reference, the
-cute backend's head dims (its forward at (128, 64) too, gradients at (192, 128)) and auto's
-fallback, and the other entry points (varlen, Paddle, Hugging
-Face's DeepSeek-V3, context parallelism)."""
+attention (forward, LSE, gradients, gradcheck, sinks), sdpa and flex against the reference (also
+through verify's suite and command line), the cute backend's head dims (its forward at (128, 64)
+too, gradients at (192, 128)) and auto's fallback, and the other entry points (varlen, Paddle,
+Hugging Face's DeepSeek-V3, context parallelism)."""
 
+import importlib
 import math
 import re
 from types import SimpleNamespace
@@ -13,10 +14,13 @@ import pytest
 import torch
 from conftest import dense_attention, random_column_mask
 from flashmask3.reference import ColumnMask, masks, reference_attention
-from flashmask3.verify import compare, random_inputs, random_sinks
+from flashmask3.verify import compare, random_inputs, random_sinks, run_suite
+from flashmask3.verify.__main__ import main as verify_main
 
 import flashmask3 as fm
 import flashmask3.api as api
+
+compare_mod = importlib.import_module("flashmask3.verify.compare")
 
 
 def inputs(batch, sq, sk, hq, hkv, d, dv, seed=0, dtype=torch.float64):
@@ -157,11 +161,37 @@ def test_verify_compare_passes_with_another_value_head_dim(backend):
     assert report.passed and set(report.errors) == {"out", "lse", "dq", "dk", "dv"}, report.failures()
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_the_verify_suite_and_its_command_line_take_another_value_head_dim(backend, monkeypatch, capsys):
+    """run_suite(head_dim=192, head_dim_v=128) and `head_dim_v=128` on the command line: every
+    backend call gets v and gives out of head dim 128, and each case passes with a real error."""
+    real, out_shapes = compare_mod.attention, []
+
+    def recording(q, k, v, mask, **kw):
+        out, lse = real(q, k, v, mask, **kw)
+        out_shapes.append((v.shape[-1], tuple(out.shape)))
+        return out, lse
+
+    monkeypatch.setattr(compare_mod, "attention", recording)
+    cases = run_suite(
+        backend, ["causal_document", "share_question"], seqlens=[130], dtype="bf16", head_dim=192, head_dim_v=128
+    )
+    assert [c.mask for c in cases] == ["causal_document", "share_question"]
+    for report in (c.report for c in cases):
+        assert report.passed and set(report.errors) == {"out", "lse", "dq", "dk", "dv"}, report.failures()
+        assert 1e-4 < report.errors["out"] < 2e-2  # bf16's rounding against the fp64 reference
+    assert out_shapes == [(128, (1, 130, 4, 128))] * 2
+    argv = [f"backend={backend}", "masks=causal", "seqlens=97", "head_dim=192", "head_dim_v=128"]
+    assert verify_main(argv) == 0 and "1 passed, 0 failed" in capsys.readouterr().out
+    assert out_shapes[-1] == (128, (1, 97, 4, 128))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "flex", "sdpa"])
+@pytest.mark.parametrize("backend", ["auto", "cute", "flex", "sdpa"])
 def test_gpu_backends_pass_verify_at_mlas_head_dims(backend):
-    """q/k head dim 192, v 128 in bf16 on CUDA: auto (which falls back to flex), flex and sdpa within
-    verify's tolerance of the fp64 reference, gradients included."""
+    """q/k head dim 192, v 128 in bf16 on CUDA: cute, auto (which takes cute at this pair, its
+    gradients too: `unsupported_reason`), flex and sdpa within verify's tolerance of the fp64
+    reference, gradients included."""
     q, k, v, dout = random_inputs(1, 1000, 1000, 4, 2, 192, torch.bfloat16, "cuda", seed=1, head_dim_v=128)
     report = compare(backend, q, k, v, masks.build("causal_document", 1000, device="cuda"), dout)
     assert report.passed and set(report.errors) == {"out", "lse", "dq", "dk", "dv"}, report.failures()

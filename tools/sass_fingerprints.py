@@ -6,7 +6,7 @@
 A change that must leave today's kernels as they are (a refactor, plumbing for new head dims or
 tile shapes) is checked by their code: each configuration the host chooses (`fwd_config` /
 `bwd_config` at head dim 64 and 128, the four mask variants; the forward at 128 on segmented
-masks; the deterministic backward; fp16;
+masks; the deterministic backward and fp16 at 128, 192 with v 128 and 256;
 the forward and the backward at q/k 192 with v 128 and at head dim 256) is
 compiled as `compile_check` does, and the sha256 of each kernel's `.text` sections (the SASS, read
 from the cubin's ELF, so no disassembler is involved) is compared with the recorded one. A change
@@ -49,13 +49,14 @@ def cases() -> dict[str, dict]:
         direction="bwd",
         config=bwd_config(128, True, 1).for_short_grid(),
     )
-    chosen["bwd bf16 d128 causal w1 deterministic"] = dict(
-        dtype="bf16", head_dim=128, causal=True, width=1, direction="bwd", deterministic=True
-    )
-    for direction in ("fwd", "bwd"):
-        chosen[f"{direction} fp16 d128 causal w1"] = dict(
-            dtype="fp16", head_dim=128, causal=True, width=1, direction=direction
+    for head_dim, head_dim_v in ((128, 128), (192, 128), (256, 256)):  # the deterministic backward, fp16
+        dims = f"d{head_dim}" + (f" v{head_dim_v}" if head_dim_v != head_dim else "")
+        same = dict(head_dim=head_dim, causal=True, width=1, head_dim_v=head_dim_v)
+        chosen[f"bwd bf16 {dims} causal w1 deterministic"] = dict(
+            dtype="bf16", direction="bwd", deterministic=True, **same
         )
+        for direction in ("fwd", "bwd"):
+            chosen[f"{direction} fp16 {dims} causal w1"] = dict(dtype="fp16", direction=direction, **same)
     for causal, width in VARIANTS:  # the forward on segmented masks: segment-aligned tiles
         label = f"fwd bf16 d128 {'causal' if causal else 'noncausal'} w{width} segmented"
         chosen[label] = dict(dtype="bf16", head_dim=128, causal=causal, width=width, segmented=True)

@@ -2,6 +2,8 @@
 
 Runs the equivalence suite and prints a table of errors per mask; exits 1 on any failure. A bad
 option (or a device this machine does not have) prints one `error: ...` line and exits 2.
+`head_dim_v=N` gives v (and the output) a head dim other than q's and k's `head_dim` (DeepSeek's
+MLA: head_dim=192 head_dim_v=128).
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from ..api import BACKENDS
 from ..reference import masks
 from .suite import DTYPES, format_table, run_suite
 
-_INTS = {"batch": 1, "heads": 1, "kv_heads": 1, "head_dim": 1, "seed": 0}  # each one's least value
+_INTS = {"batch": 1, "heads": 1, "kv_heads": 1, "head_dim": 1, "head_dim_v": 1, "seed": 0}  # each one's least value
 _BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 _USAGE = (
     "usage: python -m flashmask3.verify [backend=NAME] [dtype=bf16|fp16|fp32|fp64] "
-    "[masks=a,b] [seqlens=257,1000] [batch=N] [heads=N] [kv_heads=N] [head_dim=N] "
+    "[masks=a,b] [seqlens=257,1000] [batch=N] [heads=N] [kv_heads=N] [head_dim=N] [head_dim_v=N] "
     "[backward=true|false] [sinks=true|false] [device=cpu|cuda] [seed=N]"
 )
 

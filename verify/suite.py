@@ -28,23 +28,27 @@ def run_suite(
     heads: int = 4,
     kv_heads: int = 2,
     head_dim: int = 64,
+    head_dim_v: int | None = None,
     backward: bool = True,
     device: str = "cpu",
     seed: int = 0,
     sinks: bool = False,
 ) -> list[Case]:
     """Compare `backend` with the reference on every mask and length (fresh inputs per case); with
-    `sinks`, attention sinks too (`random_sinks`, one per query head)."""
+    `sinks`, attention sinks too (`random_sinks`, one per query head). `head_dim` is q's and k's
+    head dim, `head_dim_v` v's and the output's (DeepSeek's MLA: 192 and 128), by default
+    `head_dim`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     cases = []
     for i, name in enumerate(mask_names):
         for j, seqlen in enumerate(seqlens):
             mask = masks.build(name, seqlen, batch=batch, heads=heads, seed=seed + i, device=device)
+            case_seed = seed + 100 * i + j
             q, k, v, dout = random_inputs(
-                batch, seqlen, seqlen, heads, kv_heads, head_dim, DTYPES[dtype], device, seed=seed + 100 * i + j
+                batch, seqlen, seqlen, heads, kv_heads, head_dim, DTYPES[dtype], device, case_seed, head_dim_v
             )
-            head_sinks = random_sinks(heads, seqlen, device, seed=seed + 100 * i + j) if sinks else None
+            head_sinks = random_sinks(heads, seqlen, device, seed=case_seed) if sinks else None
             report = compare(backend, q, k, v, mask, dout if backward else None, sinks=head_sinks)
             cases.append(Case(name, seqlen, report))
     return cases
