@@ -76,10 +76,11 @@ def attention(
             may require grad. Each query row's softmax gets one more term in its denominator:
             p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sinks[h])), out_i = sum_j p_ij v_j, and the
             returned lse includes it: logaddexp(lse, sinks[h]). The reference computes it
-            directly; cute, sdpa and flex apply it to their (out, lse) after the fact, exactly:
-            out * sigmoid(lse - sink). cute's backward then runs its kernel on the joined out and
-            lse (the sink is a key of value 0) and adds d(sinks); sdpa's and flex's gradients flow
-            through their differentiable lse. Every backend takes them.
+            directly, cute's forward kernel in its epilogue; sdpa and flex apply it to their
+            (out, lse) after the fact, exactly: out * sigmoid(lse - sink). cute's backward runs
+            its kernel on the joined out and lse (the sink is a key of value 0) and adds
+            d(sinks); sdpa's and flex's gradients flow through their differentiable lse. Every
+            backend takes them.
 
     Returns:
         out [B, Sq, Hq, Dv] (v's head dim) in q's dtype (and lse if asked). Softmax runs in fp32.

@@ -140,6 +140,7 @@ class FlashMaskForwardSm90:
         mTileRows: cute.Tensor | None,  # [Bm, Hm, Tv, 2] int32 with segment_tiles (segments.py), else None
         mTimeline: cute.Tensor | None,  # [CTAs, work tiles, len(Event)] int64 in a timeline build, else None
         mTurnProfile: cute.Tensor | None,  # [CTAs, len(TurnEvent)] int64 in a turn-profiled build, else None
+        mSinks: cute.Tensor | None,  # [Hq] fp32: each head's sink logit, joined to its rows' softmax
         softmax_scale: Float32,
         qheads_per_kvhead: Int32,
         qheads_per_maskhead: Int32,
@@ -233,6 +234,7 @@ class FlashMaskForwardSm90:
             mTileRows,
             mTimeline,
             mTurnProfile,
+            mSinks,
             tma_q,
             tma_k,
             tma_v,
@@ -270,6 +272,7 @@ class FlashMaskForwardSm90:
         mTileRows: cute.Tensor | None,
         mTimeline: cute.Tensor | None,
         mTurnProfile: cute.Tensor | None,
+        mSinks: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -384,6 +387,7 @@ class FlashMaskForwardSm90:
                 mO,
                 mO_rows,
                 mLSE,
+                mSinks,
                 mRowIndices,
                 mTileRows,
                 sQ,
@@ -517,6 +521,7 @@ class FlashMaskForwardSm90:
         mO,
         mO_rows,
         mLSE,
+        mSinks,
         mRowIndices,
         mTileRows,
         sQ,
@@ -544,7 +549,8 @@ class FlashMaskForwardSm90:
         With segment_tiles the loop works on the virtual rows and the epilogue stores the tile's real
         rows (`mTileRows`; `mO_rows`: O itself, for a tile of fewer than 128 real rows, and for
         o_from_registers).
-        `turn_profile`: the turn-profiled build's `SegmentProfile` (compiles to nothing otherwise)."""
+        `turn_profile`: the turn-profiled build's `SegmentProfile` (compiles to nothing otherwise).
+        `mSinks`: the heads' sink logits, joined to each row's softmax in the epilogue, or None."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
@@ -635,7 +641,10 @@ class FlashMaskForwardSm90:
             )
             if tidx == 0:
                 timeline.record(tiles_done, Event.LOOP_END)
-            lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2)
+            sink_log2 = None
+            if const_expr(mSinks is not None):
+                sink_log2 = mSinks[head] * LOG2_E
+            lse = softmax_finalize(acc_O, row_max, row_sum, scale_log2, sink_log2)
             self.store(
                 acc_O,
                 lse,

@@ -153,6 +153,11 @@ def _contiguous(t: torch.Tensor | None) -> Contiguous | None:
     return None if t is None else Contiguous(t.contiguous())
 
 
+def _sink_logits(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """`sinks` as the kernel reads them: fp32 in a fresh (16-byte aligned) buffer of Hq values."""
+    return None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device).copy_(sinks)
+
+
 def _stand_in(dtype, rank: int, last: int | None = None):
     """What a kernel is compiled for in place of a tensor of cutlass `dtype` and `rank`: where
     `last` is None, every extent and stride a runtime value but the last stride (1), 16-byte
@@ -346,6 +351,7 @@ def forward(
     timeline: torch.Tensor | None = None,
     config: FwdConfig | None = None,
     turn_profile: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, Dv], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
     Head dims (D, Dv): `config.FORWARD_HEAD_DIMS`, V's below Q's and K's at (128, 64) and (192, 128);
@@ -360,6 +366,8 @@ def forward(
     `turn_profile`: an int64 [CTAs, len(timeline.TurnEvent)] buffer runs a build that sums the SM
     cycles of each segment of the key-tile loop's turns into it (consumer thread 0); CTAs: the
     grid, `forward_ctas(...)` (with segment tiles the virtual rows' grid, which a mismatch names).
+    `sinks`: [Hq] each query head's sink logit (gpt-oss), joined to its rows' softmax in the
+    kernel's epilogue: out and lse are those of `reference.attention.join_sinks`.
     """
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -400,7 +408,7 @@ def forward(
         width,
         config,
         [q, k, v, out, lse, Contiguous(row_indices), _contiguous(bounds), tile_counter, order, _contiguous(tile_rows)]
-        + [_contiguous(timeline), _contiguous(turn_profile)],
+        + [_contiguous(timeline), _contiguous(turn_profile), _sink_logits(sinks)],
         scalars,
         head_dim_v=None if dv == d else dv,
     )
@@ -574,6 +582,7 @@ def compile_check(
     head_dim_v: int | None = None,
     turn_profile: bool = False,
     segmented: bool = False,
+    sinks: bool = False,
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
     without a GPU, for the stand-ins `_launch` compiles them for (`_stand_in`), i.e. the kernels
@@ -582,7 +591,8 @@ def compile_check(
     when not `head_dim`. `config`: the forward's (backward's)
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
     backward's profiled build; `turn_profile`: the forward's turn-profiled build; `segmented`: the
-    forward chosen for a segmented mask (`ColumnMask.segmented`)."""
+    forward chosen for a segmented mask (`ColumnMask.segmented`); `sinks`: the forward with the
+    heads' sink logits."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -619,12 +629,16 @@ def compile_check(
     else:
         config = config or fwd_config(head_dim, causal, width, segmented)
         # q, k, v, out, LSE, the row indices, block bounds, tile counter, work order, tile rows,
-        # timeline, turn profile.
+        # timeline, turn profile, sinks.
         tensors = each(qkv, qkv, qkv, qkv, (f32, 3), rows, bounds, (i32, 1))
         tensors += each(
             (i32, 1) if config.longest_tiles_first_waves else None, (i32, 4, 2) if config.segment_tiles else None
         )
-        tensors += each((i64, 3, len(Event)) if timeline else None, (i64, 2, len(TurnEvent)) if turn_profile else None)
+        tensors += each(
+            (i64, 3, len(Event)) if timeline else None,
+            (i64, 2, len(TurnEvent)) if turn_profile else None,
+            (f32, 1) if sinks else None,
+        )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = [Float32(0.1), Int32(1), Int32(1), Int32(1)] + ([] if direction == "bwd" else [Int32(132)])
     args = [*tensors, *scalars, stream]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import ColumnMask
-from ..reference.attention import join_sinks, sinks_backward
+from ..reference.attention import sinks_backward
 from . import interface
 
 
@@ -34,9 +34,9 @@ def attention(
     (and `sinks`).
 
     Inputs as for `interface.forward`; the mask must already be on q's device with seqlen_q = Sq.
-    `deterministic` is read by the backward. `sinks` [Hq]: joined to the kernel's out and lse
-    (`join_sinks`); the backward runs the kernel on the joined ones, where the sink is a key of
-    value 0, and adds d(sinks).
+    `deterministic` is read by the backward. `sinks` [Hq]: joined to each row's softmax in the
+    forward kernel's epilogue (out and lse are `join_sinks`'s); the backward runs the kernel on
+    those, where the sink is a key of value 0, and adds d(sinks).
     """
     row_indices = None if mask is None else mask.startend_row_indices
     causal, segmented = (False, False) if mask is None else (mask.causal, mask.segmented)
@@ -63,10 +63,10 @@ def cute_forward(
     deterministic: bool,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Hopper forward kernel: (out, lse), with `sinks` joined. `deterministic` is an input only
-    for the backward."""
-    out, lse = interface.forward(q, k, v, _mask(row_indices, causal, q.shape[1], segmented), softmax_scale)
-    return (out, lse) if sinks is None else join_sinks(out, lse, sinks)
+    """The Hopper forward kernel: (out, lse), with `sinks` joined in its epilogue. `deterministic` is
+    an input only for the backward."""
+    mask = _mask(row_indices, causal, q.shape[1], segmented)
+    return interface.forward(q, k, v, mask, softmax_scale, sinks=sinks)
 
 
 @cute_forward.register_fake

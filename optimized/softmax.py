@@ -104,17 +104,36 @@ def warp_rows_moved(correction: cute.Tensor) -> cutlass.Boolean:
 
 @cute.jit
 def softmax_finalize(
-    acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32
+    acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32, sink_log2=None
 ) -> cute.Tensor:
-    """Normalize O by the row sums; return the natural-log LSE per row (-inf for empty rows)."""
+    """Normalize O by the row sums; return the natural-log LSE per row (-inf for empty rows).
+    `sink_log2`: the head's sink logit times log2(e), or None: a key of value 0 joined to every row's
+    softmax (its term exp(sink) added to the sum, the LSE including it; an empty row gets O = 0
+    and LSE = sink; with a sink of -inf too, 0 and -inf), taken against the larger of the row's max
+    and the sink so neither overflows."""
     o_rows = acc_rows_view(acc_O)
     lse = cute.make_rmem_tensor(cute.size(row_max), Float32)
     for r in cutlass.range_constexpr(cute.size(row_max)):
         total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-        empty = total == 0.0
-        inv = cute.arch.rcp_approx(1.0 if empty else total)
-        o_rows[r, None].store(o_rows[r, None].load() * (0.0 if empty else inv))
-        lse[r] = (
-            -Float32.inf if empty else (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * math.log(2.0)
-        )
+        if cutlass.const_expr(sink_log2 is None):
+            empty = total == 0.0
+            inv = cute.arch.rcp_approx(1.0 if empty else total)
+            o_rows[r, None].store(o_rows[r, None].load() * (0.0 if empty else inv))
+            lse[r] = (
+                -Float32.inf
+                if empty
+                else (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+            )
+        else:
+            scores_max = row_max[r] * scale_log2  # -inf for an empty row, whose total is 0
+            joint_max = cute.arch.fmax(scores_max, sink_log2)
+            nothing = joint_max == -Float32.inf  # an empty row and a sink of -inf: O = 0, LSE = -inf
+            safe_max = 0.0 if nothing else joint_max
+            scores_factor = cute.math.exp2(scores_max - safe_max, fastmath=True)
+            joint_total = total * scores_factor + cute.math.exp2(sink_log2 - safe_max, fastmath=True)
+            inv = cute.arch.rcp_approx(1.0 if nothing else joint_total)
+            o_rows[r, None].store(o_rows[r, None].load() * (0.0 if nothing else scores_factor * inv))
+            lse[r] = (
+                -Float32.inf if nothing else (joint_max + cute.math.log2(joint_total, fastmath=True)) * math.log(2.0)
+            )
     return lse

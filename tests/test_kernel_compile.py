@@ -514,6 +514,29 @@ def test_the_forward_at_head_dim_256_keeps_its_loop_in_registers(tmp_path, causa
     hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", f"'bf16', 256, {causal}, {width}"), name)
 
 
+@pytest.mark.slow  # compiles and disassembles four forwards, ~40 s
+@pytest.mark.parametrize("head_dim, causal, width", [(128, True, 1), (256, False, 4)])
+def test_sinks_join_in_the_forwards_epilogue_and_leave_its_loop_as_it_was(tmp_path, head_dim, causal, width):
+    """The heads' sink logits are read and joined once per work tile, in the epilogue: against the
+    build without them, the work-tile loop gains one global load and a few dozen float
+    instructions, and no WGMMA, barrier or mbarrier operation; no local memory."""
+    import collections
+
+    import sass_path
+
+    counts = []
+    for sinks in (False, True):
+        name = f"sinks_{sinks}_{head_dim}_{causal}_{width}"
+        args = f"'bf16', {head_dim}, {causal}, {width}, sinks={sinks}"
+        blocks, _ = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskForward", args), name)
+        counts.append(collections.Counter(sass_path.opcode(inst) for _, block in blocks for inst in block))
+    plain, with_sinks = counts
+    added = with_sinks - plain
+    assert added["LDG"] == 1 and sum(added.values()) <= 40, added
+    for op in ("HGMMA", "WARPGROUP", "BAR", "SYNCS", "MUFU"):
+        assert with_sinks[op] - plain[op] <= (4 if op == "MUFU" else 0), (op, added)
+
+
 @pytest.mark.slow  # compiles and disassembles two forwards, ~20 s
 @pytest.mark.parametrize("head_dim, head_dim_v, causal, width", [(192, 128, True, 2), (256, 256, False, 2)])
 def test_the_fp16_forward_at_head_dims_192_and_256_keeps_its_loop_in_registers(

@@ -134,11 +134,41 @@ def test_flex_with_sinks_forward_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cute", "flex", "sdpa", "auto"])
 @pytest.mark.parametrize("mask_name", ["causal_document", "qk_sparse", "random_eviction"])
-def test_sinks_on_a_gpu_pass_verify_against_the_fp64_reference(backend, mask_name):
+@pytest.mark.parametrize("head_dim, head_dim_v", [(64, 64), (128, 128), (192, 128), (256, 256)])
+def test_sinks_on_a_gpu_pass_verify_against_the_fp64_reference(backend, mask_name, head_dim, head_dim_v):
+    """Every backend within verify's tolerance, dsinks included, at each (q/k, v) head dim pair the
+    cute backward takes: cute (and auto, which picks it) joins the sinks in its forward kernel's
+    epilogue at every head dim."""
     mask = masks.build(mask_name, 1000, heads=4, seed=1, device="cuda")
-    q, k, v, dout = random_inputs(1, 1000, 1000, 4, 2, 64, torch.bfloat16, "cuda", seed=1)
+    q, k, v, dout = random_inputs(1, 1000, 1000, 4, 2, head_dim, torch.bfloat16, "cuda", seed=1, head_dim_v=head_dim_v)
     report = compare(backend, q, k, v, mask, dout, sinks=random_sinks(4, 1000, "cuda", seed=1))
     assert report.passed and "dsinks" in report.errors, report.failures()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, head_dim_v", [(64, 64), (128, 128), (192, 128), (256, 256)])
+def test_the_cute_kernels_sinks_on_rows_that_see_nothing(head_dim, head_dim_v):
+    """The forward kernel's sinks against `join_sinks` of its output without them (GQA, bf16):
+    rows that see no key give 0 and their sink (a sink of -inf: 0 and -inf), every other row
+    within a bf16 rounding of the joined one; the gradients stay finite and zero on those rows."""
+    from flashmask3.optimized import ops
+    from flashmask3.reference.attention import join_sinks
+
+    mask = first_rows_see_nothing(300, 70).to("cuda")
+    q, k, v, dout = random_inputs(1, 300, 300, 4, 2, head_dim, torch.bfloat16, "cuda", seed=3, head_dim_v=head_dim_v)
+    sinks = random_sinks(4, 300, "cuda", seed=3)
+    sinks[3] = -math.inf
+    scale = head_dim**-0.5
+    plain_out, plain_lse = ops.attention(q, k, v, mask, scale)
+    want_out, want_lse = join_sinks(plain_out, plain_lse, sinks)
+    leaves = [x.requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = ops.attention(*leaves[:3], mask, scale, sinks=leaves[3])
+    assert not out[:, :70].any() and torch.equal(lse[:, :3, :70], sinks[:3].detach().view(1, 3, 1).expand(1, 3, 70))
+    assert torch.isneginf(lse[:, 3, :70]).all()
+    assert (out.float() - want_out.float()).abs().max().item() <= 2 * 2**-8 * want_out.float().abs().max().item()
+    torch.testing.assert_close(lse[..., 70:], want_lse[..., 70:], rtol=0, atol=1e-5)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert all(bool(torch.isfinite(g).all()) for g in grads) and not grads[0][:, :70].any()
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
