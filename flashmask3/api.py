@@ -160,6 +160,7 @@ def varlen_attention(
     return_lse: bool = False,
     deterministic: bool = False,
     backend: Backend = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention's `flash_attn_varlen_func`: attention within each packed document.
 
@@ -181,7 +182,8 @@ def varlen_attention(
         max_seqlen_q, max_seqlen_k: accepted for FlashAttention compatibility and not needed:
             the mask carries every document's length.
         causal, window_size: as in `attention`, within each document.
-        softmax_scale, return_lse, deterministic, backend: as in `attention`.
+        softmax_scale, return_lse, deterministic, backend, sinks: as in `attention` (FA4's
+            `learnable_sink`: one logit per query head, joined to every row's softmax).
 
     Returns:
         out [total_q, Hq, Dv] in q's dtype (and lse fp32 [Hq, total_q], FlashAttention's varlen
@@ -217,7 +219,12 @@ def varlen_attention(
     _check_packing("cu_seqlens_k", cu_seqlens_k, k.shape[0], "total_k")
     window = _check_flash_arguments(causal, window_size)
     run = functools.partial(
-        attention, backend=backend, softmax_scale=softmax_scale, return_lse=return_lse, deterministic=deterministic
+        attention,
+        backend=backend,
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+        deterministic=deterministic,
+        sinks=sinks,
     )
     if 0 in (q.shape[0], k.shape[0]):  # no query, or no key for any: nothing to mask
         return _varlen_result(run(q[None], k[None], v[None]))

@@ -299,6 +299,28 @@ def test_varlen_attention_matches_per_document_attention(causal, window_size):
     torch.testing.assert_close(again, ref_out.detach(), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_varlen_attention_joins_the_sinks_to_each_document_row(backend):
+    """`sinks` (FA4's learnable_sink): the per-document softmax with each head's sink joined (a
+    document of one token included), out, LSE and the gradients, d(sinks) among them."""
+    from flashmask3.reference.attention import join_sinks
+
+    cu = torch.tensor([0, 1, 18, 23, 24, 54, 55], dtype=torch.int32)
+    q, k, v, dout = (x[0] for x in random_inputs(1, 55, 55, 4, 2, 16, torch.float64, seed=8))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    ins = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = fm.varlen_attention(
+        *ins[:3], cu, cu, 30, 30, causal=True, softmax_scale=0.3, return_lse=True, backend=backend, sinks=ins[3]
+    )
+    ref_ins = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    plain_out, plain_lse = per_document_attention(*ref_ins[:3], cu, cu, True, (-1, -1), 0.3)
+    ref_out, ref_lse = join_sinks(plain_out[None], plain_lse[None], ref_ins[3])
+    torch.testing.assert_close(out, ref_out[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse[0].double(), rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out, ins, dout), torch.autograd.grad(ref_out[0], ref_ins, dout)):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-8)
+
+
 @pytest.mark.parametrize("causal, window_size", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 1))])
 def test_varlen_attention_with_other_key_packing_matches_per_document_attention(causal, window_size):
     """Queries and keys packed differently (chunked prefill against cached keys, cross-attention):
