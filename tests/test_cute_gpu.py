@@ -360,6 +360,7 @@ _BWD_DIMS = [(128, 128), (64, 64), (192, 128), (256, 256)]
     [(name, *dims, -100, 4) for name in ("causal_document", "share_question", "random_eviction") for dims in _BWD_DIMS]
     + [(name, *dims, -100, 4) for name in ("document", "global_sliding_window") for dims in _BWD_DIMS[::2]]
     + [("causal_blockwise", 192, 128, -100, 4), ("causal_document", 192, 128, -100, 2), ("document", 128, 128, -100, 2)]
+    + [("causal_blockwise", 128, 128, -100, 4), ("qk_sparse", 128, 128, 2, 4)]
     + [("causal_document", 128, 128, 2, 4), ("causal", 64, 64, 2, 4)],
 )
 def test_split_ctas_match_the_reference(name, head_dim, head_dim_v, slack_pct, parts):
