@@ -60,6 +60,8 @@ class PeerCase:
         heads: query heads (k and v may have fewer: GQA); the masks' heads, the BlockMask's and the
             block-sparse lists' are query heads.
         softmax_scale: the scale every contender uses.
+        sinks: [heads] fp32 sink logits joined to every row's softmax, or None; only the peers of
+            `SINK_PEERS` take them (FA4's `learnable_sink`), the others sit the case out.
     """
 
     mask_name: str
@@ -67,6 +69,7 @@ class PeerCase:
     batch: int
     heads: int
     softmax_scale: float
+    sinks: torch.Tensor | None = None
     block_mask_seconds: float | None = field(default=None, init=False)
 
     @functools.cached_property
@@ -195,13 +198,15 @@ def _fa4_native(case: PeerCase) -> AttentionFn | None:
         return None
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
-    scale = case.softmax_scale
+    scale, sinks = case.softmax_scale, case.sinks
     if case.mask_name in ("full", "causal"):
         causal = case.mask_name == "causal"
-        return lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)[0]
+        return lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, learnable_sink=sinks)[0]
     if case.mask_name == "sliding_window":
         left = sliding_window_left(case.mask)
-        return lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=scale, causal=True, window_size=(left, 0))[0]
+        return lambda q, k, v: flash_attn_func(
+            q, k, v, softmax_scale=scale, causal=True, window_size=(left, 0), learnable_sink=sinks
+        )[0]
     cu_seqlens, longest = document_cu_seqlens(case.mask, case.batch)
     causal = case.mask.causal
 
@@ -216,6 +221,7 @@ def _fa4_native(case: PeerCase) -> AttentionFn | None:
             max_seqlen_k=longest,
             softmax_scale=scale,
             causal=causal,
+            learnable_sink=sinks,
         )[0]
         return out.view(batch, seqlen, *out.shape[1:])
 
@@ -276,6 +282,7 @@ def _fa4_mask_mod(case: PeerCase) -> AttentionFn:
             aux_tensors=[row_indices],
             block_sparse_tensors=forward,
             block_sparse_tensors_bwd=backward,
+            learnable_sink=case.sinks,
         )[0]
 
     return run
@@ -444,6 +451,8 @@ PEERS: dict[str, Callable[[PeerCase], AttentionFn | None]] = {
     "flashmask_v3": _flashmask_v3,
 }
 """Peer name -> builder: the peer's function for a case, or None where it cannot express the mask."""
+SINK_PEERS = ("fa4", "fa4_sparse")
+"""The peers that take attention sinks (FA4's `learnable_sink`, its native and block-sparse paths)."""
 
 
 def select_peers(names: str) -> tuple[str, ...]:
@@ -466,7 +475,7 @@ def checked_peers(
     built = {}
     for name in names:
         try:
-            fn = PEERS[name](case)
+            fn = None if case.sinks is not None and name not in SINK_PEERS else PEERS[name](case)
             if fn is None:
                 continue
             row.update({f"{name}_{key}": value for key, value in check(fn).items()})

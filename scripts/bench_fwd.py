@@ -44,7 +44,7 @@ from flashmask3.optimized.config import config_fields
 from flashmask3.optimized.interface import forward as cute_forward
 from flashmask3.optimized.interface import loaded_keys, mask_configs
 from flashmask3.reference import ColumnMask, masks
-from flashmask3.verify import compare, random_inputs
+from flashmask3.verify import compare, random_inputs, random_sinks
 
 from flashmask3 import bench_peers
 from flashmask3.bench import (
@@ -231,12 +231,14 @@ def run_bench(
     kv_heads: int | None = None,
     batch: int | None = None,
     head_dim_v: int | None = None,
+    sinks: bool = False,
 ) -> list[dict]:
     """Rows of the speed table; `save(rows)` after each, so a run cut short keeps what it measured.
     Per mask, cute and the peers of `peer_names` that take the mask take turns (`interleaved_ms`);
     a peer's entries: `_ms`, `_tflops` and `_max_diff` (from our output), or `_error`. `heads`,
     `kv_heads`: `head_counts`' defaults where None; `batch`: `run_batch`'s; `head_dim_v`: V's head
-    dim where not `head_dim`."""
+    dim where not `head_dim`; `sinks`: every contender with the same random sink logits per head
+    (`random_sinks`), the peers that take them only (`bench_peers.SINK_PEERS`)."""
     rows = []
     heads, kv_heads = head_counts(head_dim, heads, kv_heads)
     head_dim_v = head_dim_v or head_dim
@@ -245,6 +247,8 @@ def run_bench(
         sets, rounds, repeats = (3, 5, 2) if seqlen <= 8192 else (2, 4, 1)  # longer runs: fewer, still >= 8 samples
         inputs = [x[:3] for x in bench_inputs(sets, batch_size, seqlen, heads, kv_heads, head_dim, head_dim_v)]
         scale = 1 / math.sqrt(head_dim)
+        head_sinks = random_sinks(heads, seqlen, "cuda") if sinks else None
+        with_sinks = {"sinks": head_sinks} if sinks else {}
         for name in progress(mask_names, f"bench {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
             density = mask.density()
@@ -258,14 +262,15 @@ def run_bench(
                 "head_dim": head_dim,
                 **({"head_dim_v": head_dim_v} if head_dim_v != head_dim else {}),
                 "density": density,
+                **({"sinks": True} if sinks else {}),
             }
             ours_mask = called_mask(name, mask)
-            ours = cute_forward(*inputs[0], ours_mask, scale)[0]
-            case = bench_peers.PeerCase(name, mask, batch_size, heads, scale)
+            ours = cute_forward(*inputs[0], ours_mask, scale, **with_sinks)[0]
+            case = bench_peers.PeerCase(name, mask, batch_size, heads, scale, head_sinks)
             peers = bench_peers.checked_peers(
                 case, peer_names, lambda fn: {"max_diff": bench_peers.max_abs_diff(ours, fn(*inputs[0]))}, row
             )
-            contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, ours_mask, scale), inputs)}
+            contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, ours_mask, scale, **with_sinks), inputs)}
             contenders.update({peer: (fn, inputs) for peer, fn in peers.items()})
             record_times(row, contenders, rounds=rounds, repeats=repeats)
             add_row(rows, row, flops, save)
@@ -506,6 +511,11 @@ def main() -> None:
         metavar="FIELD=VALUE[+FIELD=VALUE]",
         help="ablate: changes of the chosen kernel configurations to time against them",
     )
+    parser.add_argument(
+        "--sinks",
+        action="store_true",
+        help="bench: every contender with per-head sink logits (gpt-oss); peers: FA4's learnable_sink only",
+    )
     add_head_dim_v_argument(parser)
     add_compile_only_argument(parser)
     args = parser.parse_args()
@@ -541,6 +551,7 @@ def main() -> None:
             kv_heads=args.kv_heads,
             batch=args.batch,
             head_dim_v=args.head_dim_v,
+            sinks=args.sinks,
         )
         print(bench_table(result["bench"], args.peers))
     if args.what == "ablate":

@@ -800,9 +800,11 @@ def gqa_peers(monkeypatch) -> dict[str, list]:
         log["fa4_sparse" if mask_mod is not None else "fa4"].append({"q": q, "k": k, "v": v, **kwargs})
         return gqa_sdpa(q, k, v, causal, softmax_scale), None
 
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, learnable_sink
+    ):
         log["fa4_varlen"].append({"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens_q, "longest": max_seqlen_q})
-        assert cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q
+        assert cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q and learnable_sink is None
         bounds = cu_seqlens_q.tolist()
         parts = [gqa_sdpa(*(x[a:b] for x in (q, k, v)), causal, softmax_scale) for a, b in zip(bounds, bounds[1:])]
         return torch.cat(parts), None
@@ -1031,6 +1033,38 @@ def test_forward_bench_and_ablation_take_a_value_head_dim(monkeypatch):
     flops = 4 * 1 * 2 * 256**2 * 160 * row["density"]
     assert row["cute_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
     assert ablated["default_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
+
+
+def test_the_forward_bench_with_sinks_gives_them_to_cute_and_the_fa4_peers_only(monkeypatch):
+    """`bench --sinks`: one set of per-head sink logits for ours and for the peers that take them
+    (FA4's learnable_sink); the other peers sit the row out; the row says it ran with sinks."""
+    import torch
+    from flashmask3.reference import reference_attention
+
+    gqa_bench_on_cpu(monkeypatch, bench_fwd)
+    monkeypatch.setattr(bench_fwd, "random_sinks", lambda heads, seqlen, device: torch.arange(heads) / 4.0)
+    ours, peers = [], {}
+
+    def cute_forward(q, k, v, mask, softmax_scale, sinks=None):
+        ours.append(sinks)
+        return reference_attention(q, k, v, mask, softmax_scale, sinks=sinks)
+
+    def peer(name):
+        def build(case):
+            peers[name] = case.sinks
+            return lambda q, k, v: cute_forward(q, k, v, case.mask, case.softmax_scale, case.sinks)[0]
+
+        return build
+
+    monkeypatch.setattr(bench_fwd, "cute_forward", cute_forward)
+    monkeypatch.setattr(bench_peers, "PEERS", {name: peer(name) for name in ("fa4", "fa4_sparse", "flex_flash")})
+    (row,) = bench_fwd.run_bench(
+        [256], 64, ["causal"], peer_names=("fa4", "fa4_sparse", "flex_flash"), heads=4, batch=1, sinks=True
+    )
+    assert row["sinks"] is True and {k for k in row if k.endswith("_ms")} == {"cute_ms", "fa4_ms", "fa4_sparse_ms"}
+    assert set(peers) == {"fa4", "fa4_sparse"} and all(torch.equal(s, torch.arange(4) / 4.0) for s in peers.values())
+    assert ours and all(torch.equal(s, torch.arange(4) / 4.0) for s in ours)
+    assert row["fa4_max_diff"] == row["fa4_sparse_max_diff"] == 0.0
 
 
 def test_overheads_takes_the_shape_options(monkeypatch, tmp_path):
