@@ -1,6 +1,7 @@
 """The CuTe DSL forward and backward kernels compile for sm_90a without a GPU (fake tensors), every config."""
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -829,7 +830,26 @@ def test_the_turn_profile_is_refused_at_192_row_tiles_and_needs_a_row_per_cta(mo
         interface.forward(q, k, v, None, 0.125, turn_profile=torch.zeros(8, 10, dtype=torch.int64))
     profile = torch.zeros(3, 10, dtype=torch.int64)
     interface.forward(q, k, v, None, 0.125, turn_profile=profile)
-    assert unwrapped(launched[0][5][-1]) is profile  # (dtype, d, causal, width, config, tensors, ...): the last tensor
+    # (dtype, d, causal, width, config, tensors, ...): the tensors end with the timeline, the turn
+    # profile and the sinks
+    assert unwrapped(launched[0][5][-2]) is profile and launched[0][5][-1] is None
+
+
+def test_the_sinks_reach_the_forward_kernel_as_fp32_logits(monkeypatch):
+    """`sinks` in any float dtype go to the kernel as a fresh fp32 copy of [Hq] values (its last
+    tensor argument), which is what the sinks build compiles for."""
+    import torch
+    from flashmask3.optimized import interface
+
+    launched = []
+    monkeypatch.setattr(interface, "_launch", lambda direction, *args, **kw: launched.append(args))
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 132)
+    q, k, v = (torch.zeros(1, 256, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    sinks = torch.tensor([0.5, -1.0, 2.25, -math.inf], dtype=torch.bfloat16)
+    interface.forward(q, k, v, None, 0.125, sinks=sinks)
+    given = launched[0][5][-1]
+    assert given.dtype == torch.float32 and given.tolist() == [0.5, -1.0, 2.25, -math.inf]
+    assert given.data_ptr() != sinks.data_ptr()
 
 
 def test_the_timeline_needs_a_row_per_cta_of_the_virtual_grid_with_segment_tiles(monkeypatch):
@@ -854,8 +874,8 @@ def test_the_timeline_needs_a_row_per_cta_of_the_virtual_grid_with_segment_tiles
     stamps = torch.zeros(32, 4, len(Event), dtype=torch.int64)
     interface.forward(q, k, v, mask, 0.1, timeline=stamps)
     assert (
-        launched[0][4].segment_tiles and unwrapped(launched[0][5][-2]) is stamps
-    )  # (dtype, d, causal, width, config, tensors)
+        launched[0][4].segment_tiles and unwrapped(launched[0][5][-3]) is stamps
+    )  # (dtype, d, causal, width, config, tensors): the timeline, then the turn profile and the sinks
 
 
 @pytest.mark.slow  # compiles 46 configurations, ~2 min
