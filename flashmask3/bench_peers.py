@@ -475,7 +475,10 @@ def checked_peers(
     built = {}
     for name in names:
         try:
-            fn = None if case.sinks is not None and name not in SINK_PEERS else PEERS[name](case)
+            if case.sinks is not None and name not in SINK_PEERS:
+                row[f"{name}_skipped"] = "takes no attention sinks"
+                continue
+            fn = PEERS[name](case)
             if fn is None:
                 continue
             row.update({f"{name}_{key}": value for key, value in check(fn).items()})

@@ -57,12 +57,14 @@ def precompile(
     backward: bool = True,
     deterministic: bool = False,
     sm_count: int = 132,
+    sinks: bool = False,
 ) -> tuple[int, int]:
     """Compile (or find in the cache) every kernel that `attention` would launch for each mask
     name (`flashmask3.masks.MASK_NAMES`, or "none": no mask), sequence length, (q/k, v) head dims
     and dtype ("bf16", "fp16"), at `batch` x `heads` query heads over `kv_heads` K/V heads (default:
-    as many), forward and, where `backward`, backward (`deterministic`: its deterministic kernels).
-    Returns (kernels compiled, kernels loaded from the cache)."""
+    as many), forward and, where `backward`, backward (`deterministic`: its deterministic kernels);
+    `sinks`: the forwards with attention sinks, a build of their own. Returns (kernels compiled,
+    kernels loaded from the cache)."""
     import torch
 
     from .optimized import interface
@@ -92,7 +94,8 @@ def precompile(
                         q, dout = empty(batch, seqlen, heads, d), empty(batch, seqlen, heads, dv)
                         k, v = empty(batch, seqlen, kv_heads, d), empty(batch, seqlen, kv_heads, dv)
                         scale = 1 / math.sqrt(d)
-                        out, lse = interface.forward(q, k, v, mask, scale)
+                        head_sinks = torch.empty(heads) if sinks else None
+                        out, lse = interface.forward(q, k, v, mask, scale, sinks=head_sinks)
                         if backward:
                             interface.backward(dout, q, k, v, out, lse, mask, scale, deterministic)
     return len(interface.compile_seconds) - compiled, len(interface.loaded_keys) - loaded
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: as many as --heads)")
     parser.add_argument("--forward-only", action="store_true", help="the forward's kernels only")
     parser.add_argument("--deterministic", action="store_true", help="the backward's deterministic kernels")
+    parser.add_argument("--sinks", action="store_true", help="the forwards with attention sinks (gpt-oss)")
     parser.add_argument("--sm-count", type=int, default=132, help="SMs of the GPU the kernels will run on")
     parser.add_argument("--cache", type=Path, help="the cache directory (default: FLASHMASK3_KERNEL_CACHE's)")
     parser.add_argument(
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             not args.forward_only,
             args.deterministic,
             args.sm_count,
+            args.sinks,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

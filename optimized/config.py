@@ -274,8 +274,8 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     chains on the non-causal variants (+0.9-2.4% on full and document; -0.1 to -2.4% on the causal
     masks, so not there); O rescaled lazily (only when a row's max moves by more than 2^8) on
     the variants where it was measured and checked on a GPU: at head dim 256 every variant (+4-11%
-    on six masks with one or two bounds at 8K, +7-8% on causal blockwise and qk-sparse, +3.8% on the
-    global sliding window, on an H100), at 128 the
+    on six masks with one or two bounds at 8K, +7-8% on causal blockwise and qk-sparse, +2.5-6.9% at equal
+    clocks, +3.8% on the global sliding window, on an H100), at 128 the
     non-causal two-bound ones (full and documents +2.7-5.0%); not on the causal masks at 128 (-1.6
     to +1%, where ptxas exposes more of the exponentials; deciding over the warpgroup instead of
     the warp, with a barrier, lost 9-10%) nor at 192/128 (-6 to -1.5% on causal documents); on
@@ -288,8 +288,9 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%); at
     head dims 128 and 256 on segmented masks, the tiles aligned to the segments (`segments.py`,
     planned without a host sync; on an H100 +1.5-8.0% on the four document masks at 8K and 32K at
-    128, +4.3% on documents and +17.6% on causal documents at 256, but -1 to -3.4% on masks without
-    segments, hence only on the hint); at head dims 192 and 256, O stored
+    128; at 256 +4.3-6.6% on documents, +1.5-17.6% on causal documents, +1.8% on share-question and
+    +10.8% on prefix-LM documents in two runs; but -1 to -3.4% on masks without segments, hence
+    only on the hint); at head dims 192 and 256, O stored
     from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.1-6.0% at 256,
     +1.0-4.6% at 192/128 on full, causal, causal documents and documents; at 128, measured with
     two Q buffers, -2 to -3% on the sliding window and share-question, and its causal builds hold

@@ -1065,6 +1065,7 @@ def test_the_forward_bench_with_sinks_gives_them_to_cute_and_the_fa4_peers_only(
     assert set(peers) == {"fa4", "fa4_sparse"} and all(torch.equal(s, torch.arange(4) / 4.0) for s in peers.values())
     assert ours and all(torch.equal(s, torch.arange(4) / 4.0) for s in ours)
     assert row["fa4_max_diff"] == row["fa4_sparse_max_diff"] == 0.0
+    assert row["flex_flash_skipped"] == "takes no attention sinks"
 
 
 def test_overheads_takes_the_shape_options(monkeypatch, tmp_path):

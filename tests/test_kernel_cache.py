@@ -124,6 +124,22 @@ def test_precompile_names_the_bad_argument(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_precompile_with_sinks_builds_the_forward_that_takes_them(monkeypatch):
+    """`--sinks`: each forward is the build with the heads' sink logits (its key has the sinks
+    argument where the plain one has none), which a model with sinks launches."""
+    from flashmask3.precompile import precompile as precompile_workload
+
+    keys = []
+    monkeypatch.setenv("FLASHMASK3_KERNEL_CACHE", "off")
+    monkeypatch.setattr(interface, "_compiled", {})
+    monkeypatch.setattr(interface, "_compile", lambda key, *rest: keys.append(key) or object())
+    for sinks in (False, True):
+        precompile_workload(["causal"], [256], [(64, 64)], ["bf16"], backward=False, sinks=sinks)
+    # (direction, dtype, head dim, ..., the arguments' layouts, ...): the last argument is the sinks
+    assert [key[:3] for key in keys] == [("fwd", torch.bfloat16, 64)] * 2
+    assert [key[8][-1] for key in keys] == [None, 0]
+
+
 def test_head_dims_are_parsed_as_pairs():
     assert parse_head_dims("128,192/128, 64") == [(128, 128), (192, 128), (64, 64)]
     with pytest.raises(ValueError, match="--head-dims takes D or D/DV items"):

@@ -850,6 +850,8 @@ def test_the_sinks_reach_the_forward_kernel_as_fp32_logits(monkeypatch):
     given = launched[0][5][-1]
     assert given.dtype == torch.float32 and given.tolist() == [0.5, -1.0, 2.25, -math.inf]
     assert given.data_ptr() != sinks.data_ptr()
+    with pytest.raises(ValueError, match=r"sinks must be \[Hq\] = \[4\] .* got \(2,\) on cpu"):
+        interface.forward(q, k, v, None, 0.125, sinks=sinks[:2])  # one per KV head: the kernel would read past it
 
 
 def test_the_timeline_needs_a_row_per_cta_of_the_virtual_grid_with_segment_tiles(monkeypatch):
@@ -878,7 +880,7 @@ def test_the_timeline_needs_a_row_per_cta_of_the_virtual_grid_with_segment_tiles
     )  # (dtype, d, causal, width, config, tensors): the timeline, then the turn profile and the sinks
 
 
-@pytest.mark.slow  # compiles 46 configurations, ~2 min
+@pytest.mark.slow  # compiles 52 configurations, ~2.5 min
 def test_the_kernels_machine_code_is_as_recorded():
     """Each configuration the host chooses compiles to the machine code recorded in
     tools/sass_fingerprints.json: a refactor leaves them, a kernel change names the ones it touched
