@@ -15,8 +15,8 @@ from .optimized import ops
 from .optimized.interface import requires_backward, unsupported_error, unsupported_reason
 from .reference import ColumnMask
 from .reference.attention import (
-    ATTENTION_DTYPES,
     check_attention_inputs,
+    check_sinks,
     check_softmax_scale,
     join_sinks,
     reference_attention,
@@ -94,7 +94,7 @@ def attention(
     check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
     if sinks is not None:
-        _check_sinks(sinks, q)
+        check_sinks(sinks, q)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     window = _check_flash_arguments(causal, window_size)
@@ -335,18 +335,3 @@ def _cute_unsupported_at_trace(
 ) -> str | None:
     qk, v = (torch.empty(0, d, dtype=dtype, device=device) for d in (head_dim, head_dim_v))
     return unsupported_reason(qk, qk, v, backward)
-
-
-def _check_sinks(sinks: torch.Tensor, q: torch.Tensor) -> None:
-    """Shape, dtype and device of `sinks` (never its values: no host sync)."""
-    if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a torch.Tensor [Hq] or None, got {type(sinks).__name__}")
-    heads_q = q.shape[2]
-    if sinks.shape != (heads_q,):
-        raise ValueError(
-            f"sinks must be a 1-D tensor [Hq] = [{heads_q}], one logit per query head, got shape {tuple(sinks.shape)}"
-        )
-    if sinks.dtype not in ATTENTION_DTYPES:
-        raise TypeError(f"sinks dtype must be one of bf16, fp16, fp32, fp64, got {sinks.dtype}")
-    if sinks.device != q.device:
-        raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")

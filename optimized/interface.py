@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from ..reference import ColumnMask
+from ..reference.attention import check_sinks
 from . import kernel_cache
 from .config import (
     BACKWARD_HEAD_DIMS,
@@ -371,11 +372,8 @@ def forward(
     """
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    if sinks is not None and (sinks.shape != (hq,) or sinks.device != q.device):
-        raise ValueError(
-            f"sinks must be [Hq] = [{hq}] on q's device ({q.device}), one logit per query head, "
-            f"got {tuple(sinks.shape)} on {sinks.device}"
-        )
+    if sinks is not None:
+        check_sinks(sinks, q)
     uniform_work = mask is None  # every work tile sees every key tile: nothing to order
     if mask is None:
         mask = _no_mask(q, sk)

@@ -297,6 +297,22 @@ def check_attention_inputs(
         raise ValueError(f"{qn} heads ({q.shape[2]}) must be a multiple of {kn}/{vn} heads ({k.shape[2]})")
 
 
+def check_sinks(sinks: torch.Tensor, q: torch.Tensor) -> None:
+    """Shape [Hq], dtype and device of `sinks` against q [B, Sq, Hq, D] (never its values: no host
+    sync), as every entry point that takes sinks checks them."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor [Hq] or None, got {type(sinks).__name__}")
+    heads_q = q.shape[2]
+    if sinks.shape != (heads_q,):
+        raise ValueError(
+            f"sinks must be a 1-D tensor [Hq] = [{heads_q}], one logit per query head, got shape {tuple(sinks.shape)}"
+        )
+    if sinks.dtype not in ATTENTION_DTYPES:
+        raise TypeError(f"sinks dtype must be one of bf16, fp16, fp32, fp64, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+
+
 def check_softmax_scale(softmax_scale: object) -> None:
     """`softmax_scale`: None (1/sqrt(D)) or a positive finite real number (a symbolic one under
     torch.compile is taken as it is). The kernels' online softmax takes row maxima of the unscaled
