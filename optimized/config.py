@@ -348,9 +348,9 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     the training shape fwd+bwd, three runs against the length classes: +5.1 to +6.5% on causal
     documents and share-question, +5.6% sliding window, -0.8 to +1.9% causal; two parts at most:
     -8.6 to +3.7%); not on the non-causal masks (documents -4.8 to +2.2% in four runs, prefix-LM
-    documents -0.2 to -4.7%, prefix-LM causal -9%, the global window -4.4%), not yet on the causal
-    masks with two bounds per key (measured only while its build spilled: causal blockwise +2.7%),
-    nor at head dim 64 (-3 to -5% on the document masks). At
+    documents -0.2 to -4.7%, prefix-LM causal -9%, the global window -4.4%), nor at head dim 64 (-3
+    to -5% on the document masks). The causal masks with two bounds per key split too (three runs at
+    the training shape: causal blockwise +2.9 to +4.1%, qk-sparse +2.7 to +2.9%). At
     192/128 (on an H100, the training shape) they split too, up to two bounds per key (+12.6% causal
     documents, +12.8% share-question, +3.9% documents, +0.5 to +1.9% prefix-LM documents, causal and
     the sliding window), not with four (the global window -3.4%).
@@ -361,8 +361,8 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     rows_128 = head_dim == 64 and not deterministic and (mask_width == 2 or (causal and mask_width == 1))
     # Causal masks with two bounds per key keep their 128-row step in registers without the writer.
     rows_128_no_writer = rows_128 and causal and mask_width == 2
-    # At 128 the non-causal masks lose; the causal two-bound build is to be measured without its spill.
-    split_ctas = (head_dim == 128 and causal and mask_width == 1) or (head_dim == 192 and mask_width < 4)
+    # At 128 the non-causal masks lose.
+    split_ctas = (head_dim == 128 and causal) or (head_dim == 192 and mask_width < 4)
     return BwdConfig(
         key_tile={192: 96, 256: 48}.get(head_dim, 128),
         query_tile=128 if rows_128 else 64,

@@ -115,7 +115,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4_and_in_128_row_
             split_ctas_slack_pct=2,
         )
     splits = {(c, w): bwd_config(128, c, w).split_ctas_max_parts for c, w in ((True, 1), (True, 2), (False, 2))}
-    assert splits == {(True, 1): 4, (True, 2): 0, (False, 2): 0}
+    assert splits == {(True, 1): 4, (True, 2): 4, (False, 2): 0}
     assert bwd_config(128, True, 1, deterministic=True).split_ctas_max_parts == 0  # it does not split
     variants = ((True, 1), (True, 2), (False, 2), (False, 4))
     assert [bwd_config(192, c, w).split_ctas_max_parts for c, w in variants] == [4, 4, 4, 0]
