@@ -286,11 +286,12 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     128-row tiles, the partial tiles the diagonal does not cut masked by their bounds alone
     (causal_blockwise +0.7-1.7% at 8K and 32K, qk_sparse -0.2 to -0.4%; with one bound it gains
     on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%); at
-    head dims 128 and 256 on segmented masks, the tiles aligned to the segments (`segments.py`,
-    planned without a host sync; on an H100 +1.5-8.0% on the four document masks at 8K and 32K at
-    128; at 256 +4.3-6.6% on documents, +1.5-17.6% on causal documents, +1.8% on share-question and
-    +10.8% on prefix-LM documents in two runs; but -1 to -3.4% on masks without segments, hence
-    only on the hint); at head dims 192 and 256, O stored
+    128-row tiles (head dims 128, 192/128 and 256) on segmented masks, the tiles aligned to the
+    segments (`segments.py`, planned without a host sync; on an H100 +1.5-8.0% on the four document
+    masks at 8K and 32K at 128; at 256 +4.3-6.6% on documents, +1.5-17.6% on causal documents,
+    +1.8% on share-question and +10.8% on prefix-LM documents in two runs; at 192/128 +4.5-7.0% on
+    the four at 8K; but -1 to -3.4% on masks without segments, hence only on the hint); at head
+    dims 192 and 256, O stored
     from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.1-6.0% at 256,
     +1.0-4.6% at 192/128 on full, causal, causal documents and documents; at 128, measured with
     two Q buffers, -2 to -3% on the sliding window and share-question, and its causal builds hold
@@ -315,7 +316,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         lazy_rescale=head_dim == 256 or (head_dim == 128 and not causal and mask_width == 2),
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
-        segment_tiles=head_dim in (128, 256) and segmented,
+        segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
     )
 

@@ -5,8 +5,8 @@
 
 A change that must leave today's kernels as they are (a refactor, plumbing for new head dims or
 tile shapes) is checked by their code: each configuration the host chooses (`fwd_config` /
-`bwd_config` at head dim 64 and 128, the four mask variants; the forward at 128 and 256 on
-segmented masks and with attention sinks; the deterministic backward and fp16 at 128, 192 with v
+`bwd_config` at head dim 64 and 128, the four mask variants; the forward at 128, 192/128 and 256 on
+segmented masks, at 128 and 256 with attention sinks; the deterministic backward and fp16 at 128, 192 with v
 128 and 256;
 the forward and the backward at q/k 192 with v 128 and at head dim 256) is
 compiled as `compile_check` does, and the sha256 of each kernel's `.text` sections (the SASS, read
@@ -58,10 +58,14 @@ def cases() -> dict[str, dict]:
         )
         for direction in ("fwd", "bwd"):
             chosen[f"{direction} fp16 {dims} causal w1"] = dict(dtype="fp16", direction=direction, **same)
-    for head_dim in (128, 256):  # the forward on segmented masks: segment-aligned tiles
+    for head_dim in (128, 192, 256):  # the forward on segmented masks: segment-aligned tiles
+        head_dim_v = 128 if head_dim == 192 else head_dim
+        dims = f"d{head_dim}" + (f" v{head_dim_v}" if head_dim_v != head_dim else "")
         for causal, width in VARIANTS:
-            label = f"fwd bf16 d{head_dim} {'causal' if causal else 'noncausal'} w{width} segmented"
-            chosen[label] = dict(dtype="bf16", head_dim=head_dim, causal=causal, width=width, segmented=True)
+            label = f"fwd bf16 {dims} {'causal' if causal else 'noncausal'} w{width} segmented"
+            chosen[label] = dict(
+                dtype="bf16", head_dim=head_dim, causal=causal, width=width, segmented=True, head_dim_v=head_dim_v
+            )
     for head_dim in (128, 256):  # the forward that joins the heads' sink logits in its epilogue
         chosen[f"fwd bf16 d{head_dim} causal w1 sinks"] = dict(
             dtype="bf16", head_dim=head_dim, causal=True, width=1, sinks=True
