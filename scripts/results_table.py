@@ -49,8 +49,18 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (on an H100 80GB HBM3; "
-        "full, causal and the two document masks from a later run, against FA4 alone)",
-        ("fwd_bench_train_32k_peers_segment_tiles_h100.json", "fwd_bench_train_32k_lazy_fa4_h100.json"),
+        "full, causal, the two document masks and share-question from a later run, against FA4 native and "
+        "block-sparse)",
+        (
+            "fwd_bench_train_32k_peers_segment_tiles_h100.json",
+            "fwd_bench_train_32k_lazy_fa4_h100.json",
+            "fwd_bench_without_sinks_train_32k_fa4_h100.json",
+        ),
+    ),
+    (
+        "Forward with attention sinks, the training shape: S = 32K, one sequence, 16 query / 4 KV heads, every "
+        "contender with the same per-head sink logits (FA4's `learnable_sink`; on an H100 80GB HBM3)",
+        ("fwd_bench_sinks_train_32k_fa4_h100.json",),
     ),
     (
         "Forward + backward, S = 8K, every mask, against FA4 and Flex FLASH "
@@ -67,6 +77,16 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("fwd_bench_8k_fa4_cudnn_flex_flex.json",),
     ),
     (
+        "Forward + backward, head dim 256: S = 32K, 4 sequences, 16 heads, against FA4 native and block-sparse "
+        "(on an H100 80GB HBM3)",
+        ("bwd_bench_hd256_32k_fa4_h100.json",),
+    ),
+    (
+        "Forward, head dim 256: S = 32K, 4 sequences, 16 heads, against FA4 native and block-sparse "
+        "(on an H100 80GB HBM3)",
+        ("fwd_bench_hd256_32k_fa4_h100.json",),
+    ),
+    (
         "Forward + backward, head dim 256: S = 8K, 16 sequences, 16 heads, against FA4 native and block-sparse "
         "(on an H100 80GB HBM3; Flex FLASH does not take head dim 256's block sparsity)",
         ("bwd_bench_hd256_8k_peers_h100.json",),
@@ -78,11 +98,21 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("fwd_bench_hd256_8k_peers_h100.json", "fwd_bench_hd256_8k_lazy_w2_w4_fa4_sparse_h100.json"),
     ),
     (
+        "Forward + backward, MLA's head dims (q/k 192, v 128): S = 32K, 4 sequences, 32 heads, against FA4 "
+        "(on an H100 80GB HBM3)",
+        ("bwd_bench_mla_32k_fa4_h100.json",),
+    ),
+    (
+        "Forward, MLA's head dims (q/k 192, v 128): S = 32K, 4 sequences, 32 heads, against FA4 (on an H100 80GB "
+        "HBM3; the document masks with segment-aligned tiles)",
+        ("fwd_bench_mla_32k_fa4_h100.json",),
+    ),
+    (
         "Forward + backward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 32 heads (on an H100 80GB HBM3)",
         ("bwd_bench_mla_8k_split_default_peers_h100.json",),
     ),
     (
-        "Forward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 16 heads",
+        "Forward, MLA's head dims (q/k 192, v 128): S = 8K, 16 sequences, 16 heads (before segment-aligned tiles)",
         ("fwd_bench_hdim192_v128_8k_peers.json", "fwd_bench_hdim192_v128_8k_draw_order.json"),
     ),
     (
