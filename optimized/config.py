@@ -88,6 +88,11 @@ class FwdConfig:
     # consumer warpgroup's last S GEMM has read it, so the next work tile's Q loads under the last
     # PV and the epilogue, not after.
     o_from_registers: bool
+    # The consumer warpgroups take turns on the tensor cores (ping-pong: one's QK and PV GEMMs
+    # issued while the other runs its softmax), by a named barrier per turn. Off, they issue as
+    # their data arrive, as FA3 and FA4 run above head dim 128; each refill of a warpgroup's
+    # prefetched bounds then waits for the warpgroup at a barrier of its own instead.
+    turn_barriers: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -318,6 +323,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
+        turn_barriers=True,
     )
 
 

@@ -114,6 +114,7 @@ class FlashMaskForwardSm90:
         self.lazy_rescale = config.lazy_rescale
         self.segment_tiles = config.segment_tiles
         self.o_from_registers = config.o_from_registers
+        self.turn_barriers = config.turn_barriers
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
@@ -572,11 +573,12 @@ class FlashMaskForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_buffers)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        # Ping-pong: the warpgroups take turns on the tensor cores (PV of one tile and QK of the
-        # next), so one warpgroup's softmax runs under the other's GEMMs. Each takes as many turns
+        # Ping-pong (`turn_barriers`): the warpgroups take turns on the tensor cores (PV of one tile
+        # and QK of the next), so one warpgroup's softmax runs under the other's GEMMs. Each takes as many turns
         # per work tile as the others, so the order carries over from one work tile to the next.
-        if wg == 0:
-            cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
+        if const_expr(self.turn_barriers):
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
         position = Int32(0)
         tiles_done = Int32(0)
         turn_profile.start()
@@ -823,11 +825,14 @@ class FlashMaskForwardSm90:
         alternate), so `mask_scores` reads smem, not global memory, right after the QK GEMM (read
         from global memory there, the loads sat on the softmax's critical path: 4-25% slower on the
         partial-heavy masks). The turn barrier between refills of a buffer proves the whole
-        warpgroup is done reading it. One cp.async group per entry, empty unless PARTIAL:
+        warpgroup is done reading it; without turn barriers the warpgroup meets at its bounds
+        barrier before the refill instead. One cp.async group per entry, empty unless PARTIAL:
         `mask_scores` waits by count."""
-        sBounds, lane, _ = bounds
+        sBounds, lane, wg = bounds
         _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
         if entry != END_OF_LIST and (entry & PARTIAL) != 0:
+            if const_expr(not self.turn_barriers):
+                cute.arch.barrier(barrier_id=self.bounds_barrier + wg, number_of_threads=128)
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
             one_per_copy = cute.make_layout((1, self.mask_width))  # (atom value, boundary)
             for first in cutlass.range_constexpr(0, self.tile_n, 128):  # the warpgroup has 128 threads
@@ -901,14 +906,15 @@ class FlashMaskForwardSm90:
     @cute.jit
     def begin_turn(self, wg):
         """Wait for this warpgroup's turn on the tensor cores (ping-pong)."""
-        cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
+        if const_expr(self.turn_barriers):
+            cute.arch.barrier(barrier_id=_MMA_TURN + wg, number_of_threads=256)
 
     @cute.jit
     def end_turn(self, wg):
         """Hand the tensor cores to the next warpgroup (ping-pong; round robin with three)."""
-        if const_expr(self.num_consumer_wgs == 2):
+        if const_expr(self.turn_barriers and self.num_consumer_wgs == 2):
             cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
-        else:
+        elif const_expr(self.turn_barriers):
             next_wg = (wg + 1) % self.num_consumer_wgs
             cute.arch.barrier_arrive(barrier_id=_MMA_TURN + next_wg, number_of_threads=256)
 

@@ -683,6 +683,18 @@ def test_diagonal_tiles_give_the_bounds_masks_numbers(name, head_dim, head_dim_v
 
 
 @pytest.mark.parametrize(
+    "name", ["full", "causal", "causal_document", "share_question", "random_eviction", "global_sliding_window"]
+)
+@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", [(192, 128, 1531), (256, 256, 1531), (128, 128, 1531)])
+def test_turn_barriers_leave_the_forwards_numbers(name, head_dim, head_dim_v, seqlen):
+    """`turn_barriers` off: the warpgroups issue their GEMMs without taking turns, and each refill of
+    a warpgroup's prefetched bounds waits for the warpgroup at its bounds barrier; the same outputs
+    and LSE bit for bit (the partial-heavy masks race a refill against a slower warp's read if that
+    barrier is missing)."""
+    assert_a_field_keeps_the_forwards_numbers("turn_barriers", name, head_dim, head_dim_v, seqlen, seed=37)
+
+
+@pytest.mark.parametrize(
     "name", ["sliding_window", "causal_document", "share_question", "causal_blockwise", "qk_sparse", "random_eviction"]
 )
 @pytest.mark.parametrize("head_dim, head_dim_v, seqlen", _HEAD_DIMS)

@@ -620,6 +620,29 @@ def test_fmax_row_max_drops_the_nan_compares_from_the_loop(tmp_path):
     assert compares_fmax <= compares - 6 and under_pv >= 40
 
 
+@pytest.mark.slow  # compiles and disassembles three forwards, ~40 s
+@pytest.mark.parametrize("head_dim, causal, width", [(192, True, 1), (192, False, 2), (256, True, 2)])
+def test_without_turn_barriers_the_loop_meets_only_per_warpgroup(tmp_path, head_dim, causal, width):
+    """`turn_barriers=False` (FA3/FA4's choice above head dim 128): the key-tile loop has no
+    256-thread barrier (the turns' BAR.SYNC and BAR.ARV), only the warpgroup's own 128-thread bounds
+    barrier, now also before each refill (more of them than in the default's loop, one per copy of
+    the refill ptxas makes); no local memory, the WGMMAs in flight."""
+    head_dim_v = 128 if head_dim == 192 else head_dim
+
+    def loop(turns: bool) -> list[str]:
+        name = f"turns_{head_dim}_{causal}_{width}_{turns}"
+        sass = changed_forward_sass(tmp_path, name, head_dim, causal, width, f"turn_barriers={turns}", head_dim_v)
+        blocks, _ = hot_loop_in_registers(sass, name)
+        return [inst for _, block in blocks for inst in block]
+
+    with_turns, without = loop(True), loop(False)
+    for instructions, turns in ((with_turns, True), (without, False)):
+        wide = sum(("BAR.SYNC" in inst or "BAR.ARV" in inst) and "0x100" in inst for inst in instructions)
+        assert (wide > 0) == turns, (turns, wide)
+    per_warpgroup = [sum("BAR.SYNC" in inst and "0x80" in inst for inst in x) for x in (with_turns, without)]
+    assert per_warpgroup[1] > per_warpgroup[0], per_warpgroup
+
+
 @pytest.mark.slow  # compiles and disassembles one forward, ~10 s
 def test_the_lazy_rescale_puts_os_multiplies_behind_one_vote(tmp_path):
     """`lazy_rescale` (the default at head dim 256): after the wait for the warpgroup's own PV GEMM,

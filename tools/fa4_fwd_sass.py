@@ -9,7 +9,8 @@ when no input requires grad (the forward benchmarks).
 
     pip install --no-deps --target $FA4 flash-attn-4==4.0.0b36 quack-kernels==0.6.5 einops  # or their wheels
     CUTE_DSL_ARCH=sm_90a CUTE_DSL_KEEP=cubin CUTE_DSL_DUMP_DIR=$DUMP/fa4 PYTHONPATH=$FA4 \\
-        python tools/fa4_fwd_sass.py compile [--causal] [--qheads-per-kvhead 4] [--lse]
+        python tools/fa4_fwd_sass.py compile [--causal] [--qheads-per-kvhead 4] [--lse] \\
+            [--head-dim 192 --head-dim-v 128]
     nvdisasm -c $DUMP/fa4/*FlashAttentionForwardSm90*.cubin > fa4.sass
 
 `segments`: the blocks of one loop iteration (as `tools/sass_path.py --path` takes them) cut at
@@ -79,7 +80,9 @@ def _stub_autotuner() -> None:
     sys.modules["quack.autotuner"] = stub
 
 
-def compile_fa4(causal: bool, qheads_per_kvhead: int, head_dim: int, lse: bool, pack_gqa: bool) -> None:
+def compile_fa4(
+    causal: bool, qheads_per_kvhead: int, head_dim: int, lse: bool, pack_gqa: bool, head_dim_v: int | None = None
+) -> None:
     _stub_autotuner()
     import cutlass
     import cutlass.cute as cute
@@ -87,13 +90,13 @@ def compile_fa4(causal: bool, qheads_per_kvhead: int, head_dim: int, lse: bool, 
     from flash_attn.cute.interface import _tile_size_fwd_sm90
     from flash_attn.cute.utils import AuxData
 
-    d = head_dim
-    cfg = _tile_size_fwd_sm90(d, d, causal, False)
+    d, dv = head_dim, head_dim_v or head_dim
+    cfg = _tile_size_fwd_sm90(d, dv, causal, False)
     pack_gqa = pack_gqa and qheads_per_kvhead > 1
     kernel = FlashAttentionForwardSm90(
         cutlass.BFloat16,
         d,
-        d,
+        dv,
         qheads_per_kvhead,
         is_causal=causal,
         is_local=False,
@@ -112,8 +115,8 @@ def compile_fa4(causal: bool, qheads_per_kvhead: int, head_dim: int, lse: bool, 
         order = tuple(reversed(range(len(shape))))
         return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=align)
 
-    q, o = fake(cutlass.BFloat16, (b, sq, hq, d)), fake(cutlass.BFloat16, (b, sq, hq, d))
-    k, v = fake(cutlass.BFloat16, (b, sk, hkv, d)), fake(cutlass.BFloat16, (b, sk, hkv, d))
+    q, o = fake(cutlass.BFloat16, (b, sq, hq, d)), fake(cutlass.BFloat16, (b, sq, hq, dv))
+    k, v = fake(cutlass.BFloat16, (b, sk, hkv, d)), fake(cutlass.BFloat16, (b, sk, hkv, dv))
     m_lse = fake(cutlass.Float32, (b, hq, sq), 4) if lse else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     # q, k, v, out, lse, scale, cu_seqlens_q/k, seqused_q/k, page_table, window left/right,
@@ -135,6 +138,7 @@ def main() -> None:
     c.add_argument("--causal", action="store_true")
     c.add_argument("--qheads-per-kvhead", type=int, default=4)
     c.add_argument("--head-dim", type=int, default=128)
+    c.add_argument("--head-dim-v", type=int, default=None, help="V's and O's head dim (default: --head-dim)")
     c.add_argument("--lse", action="store_true", help="with an LSE output")
     c.add_argument("--no-pack-gqa", action="store_true", help="pack_gqa off even with GQA")
     s = sub.add_parser("segments", help="one iteration's path cut at its synchronization instructions")
@@ -142,7 +146,7 @@ def main() -> None:
     s.add_argument("--path", required=True, help="comma-separated block labels, as sass_path.py takes them")
     args = parser.parse_args()
     if args.command == "compile":
-        compile_fa4(args.causal, args.qheads_per_kvhead, args.head_dim, args.lse, not args.no_pack_gqa)
+        compile_fa4(args.causal, args.qheads_per_kvhead, args.head_dim, args.lse, not args.no_pack_gqa, args.head_dim_v)
     else:
         print(segments(args.sass, args.path.split(",")))
 
