@@ -11,7 +11,6 @@ kernel over (query tile, head, batch):
 
 from __future__ import annotations
 
-import math
 from typing import Type
 
 import cuda.bindings.driver as cuda
@@ -23,8 +22,7 @@ from cutlass.memory import SmemAllocator
 
 from .flash_bwd_sm90 import FlashMaskBackwardSm90
 from .hopper import assume_aligned, select_modes, smem_layout, store_rows, tma_tiles
-
-LOG2_E = math.log2(math.e)
+from .softmax import LOG2_E
 
 
 class BackwardPreprocess:

@@ -67,9 +67,8 @@ from .hopper import (
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_causal_diagonal, apply_column_mask
 from .mask_role import DIAGONAL_ONLY, END_OF_LIST, PARTIAL, TileList, entry_tile, list_query_tiles
+from .softmax import LOG2_E
 from .timeline import STEP_SEGMENTS, BwdEvent, SegmentProfile
-
-LOG2_E = math.log2(math.e)
 
 
 class BwdBarrier(enum.IntEnum):

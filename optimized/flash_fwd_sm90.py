@@ -23,7 +23,6 @@ consumers.
 
 from __future__ import annotations
 
-import math
 from typing import Type
 
 import cuda.bindings.driver as cuda
@@ -59,11 +58,10 @@ from .mask_role import (
     entry_tile,
     list_work_tiles,
 )
-from .softmax import rescale_rows, softmax_finalize, softmax_rescore, warp_rows_moved
+from .softmax import LOG2_E, rescale_rows, softmax_finalize, softmax_rescore, warp_rows_moved
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
 from .timeline import TURN_SEGMENTS, Event, SegmentProfile, Timeline, TurnEvent
 
-LOG2_E = math.log2(math.e)
 # Named barriers (0 is sync_threads), with n consumer warpgroups: 1..n whose turn on the tensor
 # cores; n + 1 the consumers' epilogue (`epilogue_barrier`); n + 2 onwards a warpgroup's prefetched
 # column bounds are in smem (`bounds_barrier`).

@@ -12,6 +12,9 @@ from cutlass import Float32
 
 from .layout import acc_rows_view
 
+LOG2_E = math.log2(math.e)
+"""The scores' scale into base 2: the kernels take exponentials and the LSE's sums in base 2."""
+
 RESCALE_THRESHOLD_LOG2 = 8.0
 """With lazy rescaling a row's running max moves only when a key tile raises it by more than this
 (base 2): until then the probabilities are taken against the old max, so they stay below 2^8, exact
