@@ -64,7 +64,8 @@ from .timeline import TURN_SEGMENTS, Event, SegmentProfile, Timeline, TurnEvent
 
 # Named barriers (0 is sync_threads), with n consumer warpgroups: 1..n whose turn on the tensor
 # cores; n + 1 the consumers' epilogue (`epilogue_barrier`); n + 2 onwards a warpgroup's prefetched
-# column bounds are in smem (`bounds_barrier`).
+# column bounds are in smem, and without turn barriers its bounds buffer is free to refill
+# (`bounds_barrier`).
 _MMA_TURN = 1
 
 
@@ -572,8 +573,8 @@ class FlashMaskForwardSm90:
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # Ping-pong (`turn_barriers`): the warpgroups take turns on the tensor cores (PV of one tile
-        # and QK of the next), so one warpgroup's softmax runs under the other's GEMMs. Each takes as many turns
-        # per work tile as the others, so the order carries over from one work tile to the next.
+        # and QK of the next), so one warpgroup's softmax runs under the other's GEMMs. Each takes
+        # as many turns per work tile as the others, so the order carries over to the next one.
         if const_expr(self.turn_barriers):
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=_MMA_TURN, number_of_threads=256)
