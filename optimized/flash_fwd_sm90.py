@@ -911,11 +911,12 @@ class FlashMaskForwardSm90:
     @cute.jit
     def end_turn(self, wg):
         """Hand the tensor cores to the next warpgroup (ping-pong; round robin with three)."""
-        if const_expr(self.turn_barriers and self.num_consumer_wgs == 2):
-            cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
-        elif const_expr(self.turn_barriers):
-            next_wg = (wg + 1) % self.num_consumer_wgs
-            cute.arch.barrier_arrive(barrier_id=_MMA_TURN + next_wg, number_of_threads=256)
+        if const_expr(self.turn_barriers):
+            if const_expr(self.num_consumer_wgs == 2):
+                cute.arch.barrier_arrive(barrier_id=_MMA_TURN + 1 - wg, number_of_threads=256)
+            else:
+                next_wg = (wg + 1) % self.num_consumer_wgs
+                cute.arch.barrier_arrive(barrier_id=_MMA_TURN + next_wg, number_of_threads=256)
 
     @cute.jit
     def store(

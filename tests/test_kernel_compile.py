@@ -469,10 +469,13 @@ def changed_forward_sass(
     return compiled_sass(tmp_path, name, "FlashMaskForward", args, setup)
 
 
-def forward_hot_loop(tmp_path, name: str, head_dim: int, causal: bool, width: int, changes: str) -> list[str]:
+def forward_hot_loop(
+    tmp_path, name: str, head_dim: int, causal: bool, width: int, changes: str, head_dim_v: int | None = None
+) -> list[str]:
     """The instructions of the forward's key-tile loop under `changed_forward_sass`'s configuration,
     checked free of local memory and of serialized WGMMAs."""
-    blocks, _ = hot_loop_in_registers(changed_forward_sass(tmp_path, name, head_dim, causal, width, changes), name)
+    sass = changed_forward_sass(tmp_path, name, head_dim, causal, width, changes, head_dim_v)
+    blocks, _ = hot_loop_in_registers(sass, name)
     return [inst for _, block in blocks for inst in block]
 
 
@@ -628,14 +631,18 @@ def test_without_turn_barriers_the_loop_meets_only_per_warpgroup(tmp_path, head_
     barrier, now also before each refill (more of them than in the default's loop, one per copy of
     the refill ptxas makes); no local memory, the WGMMAs in flight."""
     head_dim_v = 128 if head_dim == 192 else head_dim
-
-    def loop(turns: bool) -> list[str]:
-        name = f"turns_{head_dim}_{causal}_{width}_{turns}"
-        sass = changed_forward_sass(tmp_path, name, head_dim, causal, width, f"turn_barriers={turns}", head_dim_v)
-        blocks, _ = hot_loop_in_registers(sass, name)
-        return [inst for _, block in blocks for inst in block]
-
-    with_turns, without = loop(True), loop(False)
+    with_turns, without = (
+        forward_hot_loop(
+            tmp_path,
+            f"turns_{head_dim}_{causal}_{width}_{on}",
+            head_dim,
+            causal,
+            width,
+            f"turn_barriers={on}",
+            head_dim_v,
+        )
+        for on in (True, False)
+    )
     for instructions, turns in ((with_turns, True), (without, False)):
         wide = sum(("BAR.SYNC" in inst or "BAR.ARV" in inst) and "0x100" in inst for inst in instructions)
         assert (wide > 0) == turns, (turns, wide)
