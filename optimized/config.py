@@ -304,7 +304,10 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     176 (one Q buffer, O from registers) measured -2.0 to +4.5% against them there, on an H100 in
     four runs, and -1 to -10% on the masks with partial tiles; at head dim 256 FA4's 80-key tiles
     (causal masks with one bound per key: what fits in smem) +1.5% on causal, -6% on the sliding
-    window and within 0.3% on causal documents and share-question (an H100, 8K)."""
+    window and within 0.3% on causal documents and share-question (an H100, 8K). At 192/128 the
+    consumer warpgroups issue their GEMMs without taking turns, FA4's choice above head dim 128
+    (on an H100 at 8K +0.9-4.1% on full, causal, the documents, share-question and causal
+    blockwise); at 256 that loses 7.6% on share-question and is within 1% elsewhere, so not there."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
@@ -323,7 +326,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
-        turn_barriers=True,
+        turn_barriers=head_dim != 192,
     )
 
 

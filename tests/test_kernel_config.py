@@ -57,6 +57,14 @@ def test_head_dim_192_takes_one_q_buffer_and_longest_first_only_on_short_lists()
         assert config.longest_tiles_first_waves == 64 < fwd_config(128, causal, width).longest_tiles_first_waves
 
 
+def test_only_head_dim_192_drops_the_turn_barriers():
+    """At 192/128 the warpgroups issue their GEMMs as their data arrive (FA4's choice above 128);
+    128 and 256 keep the turns (at 256 dropping them lost on share-question)."""
+    variants = [(False, 2), (True, 1), (True, 2), (False, 4)]
+    for head_dim in (64, 128, 192, 256):
+        assert {fwd_config(head_dim, c, w).turn_barriers for c, w in variants} == {head_dim != 192}
+
+
 def test_head_dim_256_takes_64_key_tiles_and_one_q_buffer():
     """Gemma's head dim 256: O's 128 registers per thread leave room for a 64-key tile's scores, and
     one Q buffer beside two K/V stages fits in shared memory; the other head dims keep 128 keys."""
