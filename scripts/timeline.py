@@ -292,6 +292,7 @@ def main() -> None:
     parser.add_argument("--mask", default="sliding_window", choices=masks.MASK_NAMES)
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim-v", type=int, help="V's head dim where it differs from q/k's (192/128: MLA)")
     parser.add_argument("--batch", type=int, help="default: 128K tokens per run, i.e. 128K / seqlen")
     parser.add_argument("--heads", type=int, help="query heads; default 4096 / head dim")
     parser.add_argument("--kv-heads", type=int, help="K/V heads, a divisor of the query heads; default as many")
@@ -307,19 +308,27 @@ def main() -> None:
     heads = args.heads or 4096 // args.head_dim
     batch = args.batch or max(1, 131072 // args.seqlen)
     kv_heads = args.kv_heads or heads
+    head_dim_v = args.head_dim_v or args.head_dim
     if heads % kv_heads:
         parser.error(f"--kv-heads must divide the query heads ({heads}), got {kv_heads}")
     built = masks.build(args.mask, args.seqlen, batch=batch, heads=heads, seed=0, device="cuda")
     mask = called_mask(args.mask, built)  # ours as users call it: no mask for "full"
     q, k, v, dout = random_inputs(
-        batch, args.seqlen, args.seqlen, heads, kv_heads, args.head_dim, torch.bfloat16, "cuda"
+        batch, args.seqlen, args.seqlen, heads, kv_heads, args.head_dim, torch.bfloat16, "cuda", head_dim_v=head_dim_v
     )
     scale = 1 / math.sqrt(args.head_dim)
     config, bwd = mask_configs(args.head_dim, mask, kernel_overrides(args.kernel))
     out_dir = results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "timeline_bwd" if args.backward else "timeline"
-    name = f"{kind}_{args.mask}_{args.seqlen}_b{batch}_h{heads}_kv{kv_heads}" + "".join(f"_{o}" for o in args.kernel)
+    dims = (
+        ""
+        if (args.head_dim, head_dim_v) == (128, 128)
+        else f"_d{args.head_dim}" + (f"v{head_dim_v}" if head_dim_v != args.head_dim else "")
+    )
+    name = f"{kind}_{args.mask}_{args.seqlen}{dims}_b{batch}_h{heads}_kv{kv_heads}" + "".join(
+        f"_{o}" for o in args.kernel
+    )
     name += f"_{args.peer}" if args.peer else ""
     case = bench_peers.PeerCase(args.mask, built, batch, heads, scale)
     if args.backward:
@@ -343,7 +352,7 @@ def main() -> None:
                 for tensor, mine, theirs in zip("qkv", ours, grads)
             }
             measured["fa4"] = {**differences, **fa4_timeline.summarize_backward(fa4_stamps, sm_count), **fa4_segments}
-            fa4_config = _tile_size_bwd_sm90(args.head_dim, args.head_dim, built.causal, args.mask == "sliding_window")
+            fa4_config = _tile_size_bwd_sm90(args.head_dim, head_dim_v, built.causal, args.mask == "sliding_window")
             with_step_shape(measured["fa4"], fa4_config.m_block_size, fa4_config.n_block_size)
     else:
         ctas = forward_ctas(q, config)
@@ -375,7 +384,7 @@ def main() -> None:
                 **summarize(fa4_per_sm, rows="sms"),
                 **fa4_segments,
             }
-            fa4_config = _tile_size_fwd_sm90(args.head_dim, args.head_dim, built.causal, args.mask == "sliding_window")
+            fa4_config = _tile_size_fwd_sm90(args.head_dim, head_dim_v, built.causal, args.mask == "sliding_window")
             with_tile_shape(measured["fa4"], fa4_config.m_block_size, fa4_config.n_block_size)
             panels.append(("FA4: SM", fa4_per_sm))
         draw(panels, out_dir / f"{name}.png", args.ctas_shown, args.until_us, f"{args.mask}, S = {args.seqlen}")
@@ -386,6 +395,7 @@ def main() -> None:
         "mask": args.mask,
         "seqlen": args.seqlen,
         "head_dim": args.head_dim,
+        "head_dim_v": head_dim_v,
         "batch": batch,
         "heads": heads,
         "kv_heads": kv_heads,
