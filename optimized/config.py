@@ -93,9 +93,6 @@ class FwdConfig:
     # their data arrive, as FA3 and FA4 run above head dim 128; each refill of a warpgroup's
     # prefetched bounds then waits for the warpgroup at a barrier of its own instead.
     turn_barriers: bool
-    # Each work tile's key tiles from the last one down (FA3/FA4's order: on causal masks the
-    # diagonal first), instead of from the first one up; the mask role lists them so.
-    keys_descending: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -330,7 +327,6 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
         turn_barriers=head_dim != 192,
-        keys_descending=False,
     )
 
 

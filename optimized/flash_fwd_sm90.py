@@ -114,7 +114,6 @@ class FlashMaskForwardSm90:
         self.segment_tiles = config.segment_tiles
         self.o_from_registers = config.o_from_registers
         self.turn_barriers = config.turn_barriers
-        self.keys_descending = config.keys_descending
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
@@ -373,7 +372,6 @@ class FlashMaskForwardSm90:
                     self.uniform_tiles,
                     self.diagonal_tiles,
                     self.off_diagonal_tiles,
-                    self.keys_descending,
                     timeline,
                 )
         else:

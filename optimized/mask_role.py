@@ -204,13 +204,11 @@ def list_key_tiles(
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
-    descending: cutlass.Constexpr[bool],
 ) -> Int32:
-    """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order
-    (from the last one down if `descending`), published from entry `position` on (PARTIAL tiles
-    flagged UNIFORM where they are, if `flag_uniform`, and OFF_DIAGONAL where they are, if
-    `flag_off_diagonal`; DIAGONAL_ONLY instead of PARTIAL where they are, if `flag_diagonal`);
-    returns the position after END_OF_LIST."""
+    """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
+    published from entry `position` on (PARTIAL tiles flagged UNIFORM where they are, if
+    `flag_uniform`, and OFF_DIAGONAL where they are, if `flag_off_diagonal`; DIAGONAL_ONLY instead
+    of PARTIAL where they are, if `flag_diagonal`); returns the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
     if const_expr(causal):
@@ -219,14 +217,9 @@ def list_key_tiles(
         num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
     for first in cutlass.range(0, num_tiles, 32, unroll=1):
-        if const_expr(descending):
-            tile = num_tiles - 1 - first - lane
-            in_range, kept = tile >= 0, cutlass.max(tile, 0)
-        else:
-            tile = first + lane
-            in_range, kept = tile < num_tiles, cutlass.min(tile, num_tiles - 1)
+        tile = first + lane
         for w in cutlass.range_constexpr(2 * width):
-            bounds[w] = mBounds[kept, w]
+            bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
         listed, partial, uniform, diagonal_only, on_diagonal = tile_flags(
             bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset, causal, width
         )
@@ -237,7 +230,7 @@ def list_key_tiles(
             flags = flags | (Int32(OFF_DIAGONAL) if partial and not on_diagonal else Int32(0))
         if const_expr(flag_diagonal):
             flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
-        position = _publish_batch(tile_list, position, tile, listed and in_range, flags)
+        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
     _put_single(tile_list, position, END_OF_LIST)
     return position + 1
 
@@ -309,7 +302,6 @@ def list_work_tiles(
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
-    keys_descending: cutlass.Constexpr[bool],
     timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
@@ -321,7 +313,7 @@ def list_work_tiles(
     tiles_done = Int32(0)
     work = Int32(cute.arch.block_idx()[0])
     args = (work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k)
-    choices = (tile_m, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal, keys_descending)
+    choices = (tile_m, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
     while work < work_tiles.total:
         if const_expr(mTileRows is None):
             position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, args, choices, timeline)

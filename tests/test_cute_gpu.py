@@ -246,19 +246,6 @@ def test_80_key_tiles_at_head_dim_256_match_the_reference(name):
     assert_the_forward_matches_the_reference(name, 256, 256, 13, lambda c: dataclasses.replace(c, tile_n=80))
 
 
-@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (192, 128), (64, 64)])
-@pytest.mark.parametrize(
-    "name", ["full", "causal", "causal_document", "share_question", "causal_blockwise", "random_eviction"]
-)
-def test_keys_descending_matches_the_reference(name, head_dim, head_dim_v):
-    """`keys_descending`: each work tile's key tiles from the last one down (on causal masks the
-    diagonal first, a PARTIAL tile with rows that see nothing else of it), one mask variant per
-    row of masks, against the reference."""
-    assert_the_forward_matches_the_reference(
-        name, head_dim, head_dim_v, 29, lambda c: dataclasses.replace(c, keys_descending=True)
-    )
-
-
 @pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (256, 256), (192, 128)])
 @pytest.mark.parametrize(
     "name",
