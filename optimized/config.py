@@ -93,6 +93,10 @@ class FwdConfig:
     # their data arrive, as FA3 and FA4 run above head dim 128; each refill of a warpgroup's
     # prefetched bounds then waits for the warpgroup at a barrier of its own instead.
     turn_barriers: bool
+    # A run of unmasked key tiles (up to 32, within one of the mask role's 32-tile batches) listed
+    # as one entry, so the loads and the loop read the smem ring once per run and count the tiles
+    # between in registers, as FA3/FA4 count their key blocks; the masked tiles keep an entry each.
+    key_tile_runs: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -327,6 +331,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
         turn_barriers=head_dim != 192,
+        key_tile_runs=False,
     )
 
 

@@ -32,12 +32,53 @@ DIAGONAL_ONLY = UNIFORM
 # `flag_off_diagonal`): its keys' bounds alone mask it, no per-element causal comparison.
 OFF_DIAGONAL = 4
 FLAG_BITS = 3  # an entry is its tile index shifted past the flags
+# Forward lists with runs (`key_tile_runs`): an unmasked entry may stand for a run of up to 32
+# consecutive unmasked key tiles, its length less one in the bits from RUN_SHIFT on (key tile
+# indices below 2^21; bit 31 stays clear, so an entry is never END_OF_LIST).
+RUN_SHIFT = 24
 
 
 @cute.jit
 def entry_tile(entry: Int32) -> Int32:
-    """The tile index of a list entry."""
+    """The tile index of a list entry (without run bits: `next_key_tile`'s)."""
     return entry >> FLAG_BITS
+
+
+@cute.jit
+def split_run(raw: Int32) -> tuple[Int32, Int32]:
+    """(entry, tiles left after it) of a forward list's ring value with runs: the run's first tile
+    and how many more follow it; END_OF_LIST as is."""
+    entry, left = raw, Int32(0)
+    if raw != END_OF_LIST:
+        entry, left = raw & ((Int32(1) << RUN_SHIFT) - 1), raw >> RUN_SHIFT
+    return entry, left
+
+
+@cute.jit
+def first_key_tile(tile_list: "TileList", position: Int32, runs: cutlass.Constexpr[bool]) -> tuple[Int32, Int32]:
+    """(entry, tiles left in its run) of the list entry at `position` (a reader's first of a work tile)."""
+    raw = tile_list.read(position)
+    if const_expr(runs):
+        return split_run(raw)
+    return raw, Int32(0)
+
+
+@cute.jit
+def next_key_tile(
+    tile_list: "TileList", entry: Int32, left: Int32, position: Int32, runs: cutlass.Constexpr[bool]
+) -> tuple[Int32, Int32, Int32]:
+    """The key tile after `entry` for a reader of the forward's list at `position`, with `left` more
+    tiles in its run: (entry, left, position); the next ring entry is read only once a run is done."""
+    if const_expr(runs):
+        if left > 0:
+            entry, left = entry + (Int32(1) << FLAG_BITS), left - 1
+        else:
+            position += 1
+            entry, left = split_run(tile_list.read(position))
+    else:
+        position += 1
+        entry = tile_list.read(position)
+    return entry, left, position
 
 
 @dataclass(frozen=True)
@@ -204,11 +245,13 @@ def list_key_tiles(
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
-) -> Int32:
+    runs: cutlass.Constexpr[bool],
+) -> tuple[Int32, Int32]:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
     published from entry `position` on (PARTIAL tiles flagged UNIFORM where they are, if
     `flag_uniform`, and OFF_DIAGONAL where they are, if `flag_off_diagonal`; DIAGONAL_ONLY instead
-    of PARTIAL where they are, if `flag_diagonal`); returns the position after END_OF_LIST."""
+    of PARTIAL where they are, if `flag_diagonal`; with `runs`, each run of unmasked tiles among a
+    warp's 32 as one entry); returns the position after END_OF_LIST and the key tiles listed."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
     if const_expr(causal):
@@ -216,6 +259,7 @@ def list_key_tiles(
         last_key = row_end - 1 + causal_offset
         num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
+    listed_tiles = Int32(0)
     for first in cutlass.range(0, num_tiles, 32, unroll=1):
         tile = first + lane
         for w in cutlass.range_constexpr(2 * width):
@@ -230,9 +274,22 @@ def list_key_tiles(
             flags = flags | (Int32(OFF_DIAGONAL) if partial and not on_diagonal else Int32(0))
         if const_expr(flag_diagonal):
             flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
-        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
+        if const_expr(runs):
+            listed = listed and tile < num_tiles
+            listed_tiles += cute.arch.popc(cute.arch.vote_ballot_sync(listed))
+            unmasked = cute.arch.vote_ballot_sync(listed and flags == 0)
+            starts_run = ((unmasked & ~(unmasked << 1)) >> lane) & 1 != 0
+            # the run's end: the lowest lane from this one on that is not in it (32 past the warp)
+            ended = ~unmasked & (Int32(-1) << lane)
+            run_end = Int32(32) if ended == 0 else cute.arch.popc((ended & -ended) - 1)
+            run_bits = (run_end - lane - 1) << RUN_SHIFT
+            position = _publish_batch(
+                tile_list, position, tile, (listed and flags != 0) or starts_run, flags | run_bits
+            )
+        else:
+            position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
     _put_single(tile_list, position, END_OF_LIST)
-    return position + 1
+    return position + 1, listed_tiles
 
 
 @cute.jit
@@ -251,6 +308,7 @@ def _list_work_tile(
     position after its END_OF_LIST and the work tiles listed so far."""
     work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k = args
     tile_m, *flags = choices
+    runs = flags[-1]
     header = position
     entry = work_tiles.header(work)
     _put_single(tile_list, header, entry)
@@ -260,7 +318,7 @@ def _list_work_tile(
     m_block, head, batch = work_tiles.decode(entry)
     row_start = m_block * tile_m
     if const_expr(mTileRows is None):
-        position = list_key_tiles(
+        position, listed_tiles = list_key_tiles(
             tile_list,
             header + 1,
             mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
@@ -274,10 +332,13 @@ def _list_work_tile(
         mask_batch, mask_head = batch * mask_batch_stride, head // qheads_per_maskhead
         real_rows = mTileRows[mask_batch, mask_head, m_block, 1]
         bounds = mBlockBounds[mask_batch, mask_head, None, None]
-        position = list_key_tiles(tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags)
+        position, listed_tiles = list_key_tiles(
+            tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags
+        )
+    key_tiles = listed_tiles if const_expr(runs) else position - header - 2  # without runs: one entry each
     if cute.arch.lane_idx() == 0:
         timeline.record(tiles_done, Event.LIST_END)
-        timeline.record(tiles_done, Event.KEY_TILES, position - header - 2)
+        timeline.record(tiles_done, Event.KEY_TILES, key_tiles)
     tiles_done += 1
     tile_list.wait_taken(header, position)  # one work tile in reserve, no more
     return position, tiles_done
@@ -302,6 +363,7 @@ def list_work_tiles(
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
+    key_tile_runs: cutlass.Constexpr[bool],
     timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
@@ -313,7 +375,7 @@ def list_work_tiles(
     tiles_done = Int32(0)
     work = Int32(cute.arch.block_idx()[0])
     args = (work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k)
-    choices = (tile_m, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
+    choices = (tile_m, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal, key_tile_runs)
     while work < work_tiles.total:
         if const_expr(mTileRows is None):
             position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, args, choices, timeline)

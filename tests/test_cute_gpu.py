@@ -695,6 +695,20 @@ def test_turn_barriers_leave_the_forwards_numbers(name, head_dim, head_dim_v, se
 
 
 @pytest.mark.parametrize(
+    "name", ["full", "causal", "causal_document", "share_question", "random_eviction", "global_sliding_window"]
+)
+@pytest.mark.parametrize(
+    "head_dim, head_dim_v, seqlen",
+    [(128, 128, 1531), (128, 128, 8192), (192, 128, 1531), (256, 256, 4100), (64, 64, 4096)],
+)
+def test_key_tile_runs_leave_the_forwards_numbers(name, head_dim, head_dim_v, seqlen):
+    """`key_tile_runs`: runs of unmasked key tiles listed as one entry each, the tiles between
+    counted by the loads and the loop (runs across the mask role's 32-tile batches at 8K; a ragged
+    last tile, which stays PARTIAL): the same outputs and LSE bit for bit."""
+    assert_a_field_keeps_the_forwards_numbers("key_tile_runs", name, head_dim, head_dim_v, seqlen, seed=41)
+
+
+@pytest.mark.parametrize(
     "name", ["sliding_window", "causal_document", "share_question", "causal_blockwise", "qk_sparse", "random_eviction"]
 )
 @pytest.mark.parametrize("head_dim, head_dim_v, seqlen", _HEAD_DIMS)
