@@ -256,6 +256,9 @@ first; at 31 per SM longest first still wins on documents (+4-6%). Head dim 256 
 (its work tiles read 2x head dim 128's K/V; not yet measured there)."""
 LONGEST_CTAS_FIRST_WAVES = 16
 """The backward's CTAs go longest first in grids of at most this many waves."""
+RUN_TILE_BITS = 21
+"""With `key_tile_runs` a forward list entry holds its key tile's index in this many bits, the run's
+length above them (`mask_role.RUN_SHIFT`): keys of more tiles are listed one tile per entry."""
 SPLIT_CTA_SLOTS_PER_SM = 4
 """Workspace slots for split CTAs' parts (`BwdConfig.split_ctas_max_parts`) per SM: the split rule
 used at most 3.3 per SM over the shapes modelled (`tools/tail_model.py`); past them CTAs stay whole."""

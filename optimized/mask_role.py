@@ -17,6 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from .config import RUN_TILE_BITS
 from .tile_scheduler import NO_MORE_WORK, WorkTiles, draw_work_tile
 from .timeline import Event, Timeline
 
@@ -34,8 +35,8 @@ OFF_DIAGONAL = 4
 FLAG_BITS = 3  # an entry is its tile index shifted past the flags
 # Forward lists with runs (`key_tile_runs`): an unmasked entry may stand for a run of up to 32
 # consecutive unmasked key tiles, its length less one in the bits from RUN_SHIFT on (key tile
-# indices below 2^21; bit 31 stays clear, so an entry is never END_OF_LIST).
-RUN_SHIFT = 24
+# indices below 2^RUN_TILE_BITS, the plan's limit; bit 31 stays clear: never END_OF_LIST).
+RUN_SHIFT = FLAG_BITS + RUN_TILE_BITS
 
 
 @cute.jit
