@@ -93,9 +93,10 @@ class FwdConfig:
     # their data arrive, as FA3 and FA4 run above head dim 128; each refill of a warpgroup's
     # prefetched bounds then waits for the warpgroup at a barrier of its own instead.
     turn_barriers: bool
-    # A run of unmasked key tiles (up to 32, within one of the mask role's 32-tile batches) listed
-    # as one entry, so the loads and the loop read the smem ring once per run and count the tiles
-    # between in registers, as FA3/FA4 count their key blocks; the masked tiles keep an entry each.
+    # A batch of the mask role's (32 key tiles) whose listed tiles are all unmasked and start at its
+    # first is listed as one entry, a run, so the loads and the loop read the smem ring once for it
+    # and count its tiles in registers, as FA3/FA4 count their key blocks; other tiles keep an
+    # entry each.
     key_tile_runs: bool
 
     def __post_init__(self) -> None:
@@ -314,10 +315,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     window and within 0.3% on causal documents and share-question (an H100, 8K). At 192/128 the
     consumer warpgroups issue their GEMMs without taking turns, FA4's choice above head dim 128
     (on an H100 at 8K +0.9-4.1% on full, causal, the documents, share-question and causal
-    blockwise); at 256 that loses 7.6% on share-question and is within 1% elsewhere, so not there.
-    Everywhere, a run of unmasked key tiles is one list entry (on an H100 at 128, 8K: +2.8% on
-    full, +4.5% on causal at equal clocks; at 32K +1.2-2.2% on full, within 0.5% on the masks with
-    short runs)."""
+    blockwise); at 256 that loses 7.6% on share-question and is within 1% elsewhere, so not there."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
@@ -337,7 +335,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
         turn_barriers=head_dim != 192,
-        key_tile_runs=True,
+        key_tile_runs=False,
     )
 
 

@@ -34,8 +34,9 @@ DIAGONAL_ONLY = UNIFORM
 OFF_DIAGONAL = 4
 FLAG_BITS = 3  # an entry is its tile index shifted past the flags
 # Forward lists with runs (`key_tile_runs`): an unmasked entry may stand for a run of up to 32
-# consecutive unmasked key tiles, its length less one in the bits from RUN_SHIFT on (key tile
-# indices below 2^RUN_TILE_BITS, the plan's limit; bit 31 stays clear: never END_OF_LIST).
+# consecutive unmasked key tiles (a whole batch of the mask warp's), its length less one in the
+# five bits from RUN_SHIFT on (key tile indices below 2^RUN_TILE_BITS, the plan's limit; bit 31
+# stays clear: never END_OF_LIST).
 RUN_SHIFT = FLAG_BITS + RUN_TILE_BITS
 
 
@@ -247,12 +248,14 @@ def list_key_tiles(
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
     runs: cutlass.Constexpr[bool],
+    count_tiles: cutlass.Constexpr[bool] = False,
 ) -> tuple[Int32, Int32]:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
     published from entry `position` on (PARTIAL tiles flagged UNIFORM where they are, if
     `flag_uniform`, and OFF_DIAGONAL where they are, if `flag_off_diagonal`; DIAGONAL_ONLY instead
-    of PARTIAL where they are, if `flag_diagonal`; with `runs`, each run of unmasked tiles among a
-    warp's 32 as one entry); returns the position after END_OF_LIST and the key tiles listed."""
+    of PARTIAL where they are, if `flag_diagonal`; with `runs`, a batch of 32 whose listed tiles are
+    all unmasked, from its first lane on, as one entry); returns the position after END_OF_LIST
+    and, if `count_tiles` (a timeline build's, with runs), the key tiles listed."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
     if const_expr(causal):
@@ -277,16 +280,14 @@ def list_key_tiles(
             flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
         if const_expr(runs):
             listed = listed and tile < num_tiles
-            listed_tiles += cute.arch.popc(cute.arch.vote_ballot_sync(listed))
+            if const_expr(count_tiles):
+                listed_tiles += cute.arch.popc(cute.arch.vote_ballot_sync(listed))
+            # a batch whose listed tiles are all unmasked and start at its first lane is one run
             unmasked = cute.arch.vote_ballot_sync(listed and flags == 0)
-            starts_run = ((unmasked & ~(unmasked << 1)) >> lane) & 1 != 0
-            # the run's end: the lowest lane from this one on that is not in it (32 past the warp)
-            ended = ~unmasked & (Int32(-1) << lane)
-            run_end = Int32(32) if ended == 0 else cute.arch.popc((ended & -ended) - 1)
-            run_bits = (run_end - lane - 1) << RUN_SHIFT
-            position = _publish_batch(
-                tile_list, position, tile, (listed and flags != 0) or starts_run, flags | run_bits
-            )
+            run = cute.arch.popc(unmasked)
+            whole = run > 1 and (unmasked & (unmasked + 1)) == 0 and unmasked == cute.arch.vote_ballot_sync(listed)
+            run_bits = ((run - 1) << RUN_SHIFT) if whole else Int32(0)
+            position = _publish_batch(tile_list, position, tile, listed and (lane == 0 or not whole), flags | run_bits)
         else:
             position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
     _put_single(tile_list, position, END_OF_LIST)
@@ -309,7 +310,7 @@ def _list_work_tile(
     position after its END_OF_LIST and the work tiles listed so far."""
     work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k = args
     tile_m, *flags = choices
-    runs = flags[-1]
+    counted = flags[-1] and timeline.buffer is not None  # with runs, a timeline counts the tiles
     header = position
     entry = work_tiles.header(work)
     _put_single(tile_list, header, entry)
@@ -328,19 +329,21 @@ def _list_work_tile(
             seqlen_k,
             seqlen_k - seqlen_q,
             *flags,
+            counted,
         )
     else:  # Sq = Sk on the virtual rows
         mask_batch, mask_head = batch * mask_batch_stride, head // qheads_per_maskhead
         real_rows = mTileRows[mask_batch, mask_head, m_block, 1]
         bounds = mBlockBounds[mask_batch, mask_head, None, None]
         position, listed_tiles = list_key_tiles(
-            tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags
+            tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags, counted
         )
-    key_tiles = listed_tiles if const_expr(runs) else position - header - 2  # without runs: one entry each
+    key_tiles = listed_tiles if const_expr(counted) else position - header - 2  # without runs: one entry each
     if cute.arch.lane_idx() == 0:
         timeline.record(tiles_done, Event.LIST_END)
         timeline.record(tiles_done, Event.KEY_TILES, key_tiles)
-    tiles_done += 1
+    if const_expr(timeline.buffer is not None):  # only a timeline numbers the work tiles: no register otherwise
+        tiles_done += 1
     tile_list.wait_taken(header, position)  # one work tile in reserve, no more
     return position, tiles_done
 

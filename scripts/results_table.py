@@ -49,13 +49,12 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (on an H100 80GB HBM3; "
-        "full, causal and the two document masks from the latest run, with runs of unmasked key tiles as one "
-        "list entry, share-question from the run before, against FA4 native and block-sparse)",
+        "full, causal, the two document masks and share-question from a later run, against FA4 native and "
+        "block-sparse)",
         (
             "fwd_bench_train_32k_peers_segment_tiles_h100.json",
             "fwd_bench_train_32k_lazy_fa4_h100.json",
             "fwd_bench_without_sinks_train_32k_fa4_h100.json",
-            "fwd_bench_train_32k_key_tile_runs_fa4_h100.json",
         ),
     ),
     (

@@ -702,10 +702,31 @@ def test_turn_barriers_leave_the_forwards_numbers(name, head_dim, head_dim_v, se
     [(128, 128, 1531), (128, 128, 8192), (192, 128, 1531), (256, 256, 4100), (64, 64, 4096)],
 )
 def test_key_tile_runs_leave_the_forwards_numbers(name, head_dim, head_dim_v, seqlen):
-    """`key_tile_runs`: runs of unmasked key tiles listed as one entry each, the tiles between
-    counted by the loads and the loop (runs across the mask role's 32-tile batches at 8K; a ragged
-    last tile, which stays PARTIAL): the same outputs and LSE bit for bit."""
+    """`key_tile_runs`: a batch of 32 unmasked key tiles listed as one entry, its tiles counted by
+    the loads and the loop (at 8K whole batches and mixed ones; a ragged last tile, which stays
+    PARTIAL): the same outputs and LSE bit for bit."""
     assert_a_field_keeps_the_forwards_numbers("key_tile_runs", name, head_dim, head_dim_v, seqlen, seed=41)
+
+
+@pytest.mark.parametrize("name", ["causal_document", "document", "share_question", "prefix_lm_document"])
+@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (192, 128)])
+def test_key_tile_runs_on_segment_tiles_leave_the_forwards_numbers(name, head_dim, head_dim_v):
+    """`key_tile_runs` on segment-aligned tiles (the document masks' own choice), 8K keys (64 key
+    tiles, two of the mask role's batches), GQA 4 on 2: the same outputs and LSE bit for bit as one
+    entry per tile."""
+    from flashmask3.optimized.interface import forward
+    from flashmask3.optimized.plans import mask_fwd_config
+
+    seqlen, scale = 8192, 1 / math.sqrt(head_dim)
+    mask = masks.build(name, seqlen, batch=2, heads=4, seed=53, device="cuda")
+    q, k, v, _ = random_inputs(
+        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=53, head_dim_v=head_dim_v
+    )
+    chosen = mask_fwd_config(head_dim, mask)
+    assert chosen.segment_tiles
+    out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(chosen, key_tile_runs=False))
+    runs = forward(q, k, v, mask, scale, config=dataclasses.replace(chosen, key_tile_runs=True))
+    assert torch.equal(out, runs[0]) and torch.equal(lse, runs[1])
 
 
 @pytest.mark.parametrize(
