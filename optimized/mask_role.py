@@ -342,8 +342,7 @@ def _list_work_tile(
     if cute.arch.lane_idx() == 0:
         timeline.record(tiles_done, Event.LIST_END)
         timeline.record(tiles_done, Event.KEY_TILES, key_tiles)
-    if const_expr(timeline.buffer is not None):  # only a timeline numbers the work tiles: no register otherwise
-        tiles_done += 1
+    tiles_done += 1
     tile_list.wait_taken(header, position)  # one work tile in reserve, no more
     return position, tiles_done
 
