@@ -592,11 +592,15 @@ def test_segment_tiles_match_the_reference(name, num_docs, head_dim, head_dim_v)
     )
 
 
-def assert_a_field_keeps_the_forwards_numbers(field: str, name: str, head_dim, head_dim_v, seqlen, seed: int):
+def assert_a_field_keeps_the_forwards_numbers(
+    field: str, name: str, head_dim, head_dim_v, seqlen, seed: int, segmented: bool = False
+):
     """The chosen forward with `field` off and on, on mask `name` (GQA 4 on 2; bf16): the same
-    outputs and LSE bit for bit."""
+    outputs and LSE bit for bit. `segmented`: the mask's own choice, segment-aligned tiles on the
+    document masks (otherwise the variant's, on the sequence's tiles)."""
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward
+    from flashmask3.optimized.plans import mask_fwd_config
 
     scale = 1 / math.sqrt(head_dim)
     mask = masks.build(name, seqlen, batch=2, heads=4, seed=seed, device="cuda")
@@ -604,6 +608,9 @@ def assert_a_field_keeps_the_forwards_numbers(field: str, name: str, head_dim, h
         2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=seed, head_dim_v=head_dim_v
     )
     default = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
+    if segmented:
+        default = mask_fwd_config(head_dim, mask)
+        assert default.segment_tiles
     out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(default, **{field: False}))
     changed = forward(q, k, v, mask, scale, config=dataclasses.replace(default, **{field: True}))
     assert torch.equal(out, changed[0]) and torch.equal(lse, changed[1])
@@ -714,19 +721,9 @@ def test_key_tile_runs_on_segment_tiles_leave_the_forwards_numbers(name, head_di
     """`key_tile_runs` on segment-aligned tiles (the document masks' own choice), 8K keys (64 key
     tiles, two of the mask role's batches), GQA 4 on 2: the same outputs and LSE bit for bit as one
     entry per tile."""
-    from flashmask3.optimized.interface import forward
-    from flashmask3.optimized.plans import mask_fwd_config
-
-    seqlen, scale = 8192, 1 / math.sqrt(head_dim)
-    mask = masks.build(name, seqlen, batch=2, heads=4, seed=53, device="cuda")
-    q, k, v, _ = random_inputs(
-        2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=53, head_dim_v=head_dim_v
+    assert_a_field_keeps_the_forwards_numbers(
+        "key_tile_runs", name, head_dim, head_dim_v, 8192, seed=53, segmented=True
     )
-    chosen = mask_fwd_config(head_dim, mask)
-    assert chosen.segment_tiles
-    out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(chosen, key_tile_runs=False))
-    runs = forward(q, k, v, mask, scale, config=dataclasses.replace(chosen, key_tile_runs=True))
-    assert torch.equal(out, runs[0]) and torch.equal(lse, runs[1])
 
 
 @pytest.mark.parametrize(
