@@ -93,11 +93,6 @@ class FwdConfig:
     # their data arrive, as FA3 and FA4 run above head dim 128; each refill of a warpgroup's
     # prefetched bounds then waits for the warpgroup at a barrier of its own instead.
     turn_barriers: bool
-    # A batch of the mask role's (32 key tiles) whose listed tiles are all unmasked and start at its
-    # first is listed as one entry, a run, so the loads and the loop read the smem ring once for it
-    # and count its tiles in registers, as FA3/FA4 count their key blocks; other tiles keep an
-    # entry each.
-    key_tile_runs: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -257,9 +252,6 @@ first; at 31 per SM longest first still wins on documents (+4-6%). Head dim 256 
 (its work tiles read 2x head dim 128's K/V; not yet measured there)."""
 LONGEST_CTAS_FIRST_WAVES = 16
 """The backward's CTAs go longest first in grids of at most this many waves."""
-RUN_TILE_BITS = 21
-"""With `key_tile_runs` a forward list entry holds its key tile's index in this many bits, the run's
-length above them (`mask_role.RUN_SHIFT`): keys of more tiles are listed one tile per entry."""
 SPLIT_CTA_SLOTS_PER_SM = 4
 """Workspace slots for split CTAs' parts (`BwdConfig.split_ctas_max_parts`) per SM: the split rule
 used at most 3.3 per SM over the shapes modelled (`tools/tail_model.py`); past them CTAs stay whole."""
@@ -335,7 +327,6 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
         turn_barriers=head_dim != 192,
-        key_tile_runs=False,
     )
 
 

@@ -56,9 +56,7 @@ from .mask_role import (
     UNIFORM,
     TileList,
     entry_tile,
-    first_key_tile,
     list_work_tiles,
-    next_key_tile,
 )
 from .softmax import LOG2_E, rescale_rows, softmax_finalize, softmax_rescore, warp_rows_moved
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
@@ -116,7 +114,6 @@ class FlashMaskForwardSm90:
         self.segment_tiles = config.segment_tiles
         self.o_from_registers = config.o_from_registers
         self.turn_barriers = config.turn_barriers
-        self.key_tile_runs = config.key_tile_runs
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
@@ -375,7 +372,6 @@ class FlashMaskForwardSm90:
                     self.uniform_tiles,
                     self.diagonal_tiles,
                     self.off_diagonal_tiles,
-                    self.key_tile_runs,
                     timeline,
                 )
         else:
@@ -479,19 +475,21 @@ class FlashMaskForwardSm90:
                 timeline.record(tiles_done, Event.Q_ISSUED)
             q_state.advance()
             position += 1
-            entry, left = first_key_tile(tile_list, position, self.key_tile_runs)
+            entry = tile_list.read(position)
             if entry != END_OF_LIST:
                 self.load_key_tile(*keys, k_state, entry_tile(entry))
                 k_state.advance()
                 previous = entry
-                entry, left, position = next_key_tile(tile_list, entry, left, position, self.key_tile_runs)
+                position += 1
+                entry = tile_list.read(position)
                 while entry != END_OF_LIST:
                     self.load_key_tile(*keys, k_state, entry_tile(entry))
                     k_state.advance()
                     self.load_key_tile(*values, v_state, entry_tile(previous))
                     v_state.advance()
                     previous = entry
-                    entry, left, position = next_key_tile(tile_list, entry, left, position, self.key_tile_runs)
+                    position += 1
+                    entry = tile_list.read(position)
                 self.load_key_tile(*values, v_state, entry_tile(previous))
                 v_state.advance()
             position += 1
@@ -713,7 +711,7 @@ class FlashMaskForwardSm90:
         with O stored from registers). Returns the K and V pipeline states and the position after END_OF_LIST.
         `bounds`: the warpgroup's (smem buffers, lane, warpgroup) for `prefetch_bounds`; `turn_profile`
         marks the segments of the steady-state turns (`TurnEvent`)."""
-        entry, left = first_key_tile(tile_list, position, self.key_tile_runs)
+        entry = tile_list.read(position)
         if entry != END_OF_LIST:
             self.prefetch_bounds(bounds, entry, position, mask_args)
             acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg, free_previous_q)
@@ -721,7 +719,8 @@ class FlashMaskForwardSm90:
             self.mask_scores(acc_S, entry, position, bounds, *mask_args)
             softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)  # O is zero: no rescale
             self.scores_to_operand(acc_S, tOrP)
-            entry, left, position = next_key_tile(tile_list, entry, left, position, self.key_tile_runs)
+            position += 1
+            entry = tile_list.read(position)
             self.prefetch_bounds(bounds, entry, position, mask_args)
             self.free_q_after_last_s(own_q, entry == END_OF_LIST)  # a one-key-tile list: S_0 was the last
             clock = turn_profile.now()
@@ -736,10 +735,8 @@ class FlashMaskForwardSm90:
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
                 clock = turn_profile.mark(clock, TurnEvent.ISSUE)
-                next_entry, next_left, next_position = next_key_tile(
-                    tile_list, entry, left, position, self.key_tile_runs
-                )
-                self.prefetch_bounds(bounds, next_entry, next_position, mask_args)
+                next_entry = tile_list.read(position + 1)
+                self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 clock = turn_profile.mark(clock, TurnEvent.NEXT_ENTRY)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
                 self.free_q_after_last_s(own_q, next_entry == END_OF_LIST)
@@ -764,7 +761,8 @@ class FlashMaskForwardSm90:
                 self.scores_to_operand(acc_S, tOrP)
                 clock = turn_profile.mark(clock, TurnEvent.RESCALE)
                 turn_profile.add_pass()
-                entry, left, position = next_entry, next_left, next_position
+                position += 1
+                entry = next_entry
             pipe_v.consumer_wait(v_state)
             self.begin_turn(wg)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)

@@ -17,7 +17,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from .config import RUN_TILE_BITS
 from .tile_scheduler import NO_MORE_WORK, WorkTiles, draw_work_tile
 from .timeline import Event, Timeline
 
@@ -33,54 +32,12 @@ DIAGONAL_ONLY = UNIFORM
 # `flag_off_diagonal`): its keys' bounds alone mask it, no per-element causal comparison.
 OFF_DIAGONAL = 4
 FLAG_BITS = 3  # an entry is its tile index shifted past the flags
-# Forward lists with runs (`key_tile_runs`): an unmasked entry may stand for a run of up to 32
-# consecutive unmasked key tiles (a whole batch of the mask warp's), its length less one in the
-# five bits from RUN_SHIFT on (key tile indices below 2^RUN_TILE_BITS, the plan's limit; bit 31
-# stays clear: never END_OF_LIST).
-RUN_SHIFT = FLAG_BITS + RUN_TILE_BITS
 
 
 @cute.jit
 def entry_tile(entry: Int32) -> Int32:
-    """The tile index of a list entry (without run bits: `next_key_tile`'s)."""
+    """The tile index of a list entry."""
     return entry >> FLAG_BITS
-
-
-@cute.jit
-def split_run(raw: Int32) -> tuple[Int32, Int32]:
-    """(entry, tiles left after it) of a forward list's ring value with runs: the run's first tile
-    and how many more follow it; END_OF_LIST as is."""
-    entry, left = raw, Int32(0)
-    if raw != END_OF_LIST:
-        entry, left = raw & ((Int32(1) << RUN_SHIFT) - 1), raw >> RUN_SHIFT
-    return entry, left
-
-
-@cute.jit
-def first_key_tile(tile_list: "TileList", position: Int32, runs: cutlass.Constexpr[bool]) -> tuple[Int32, Int32]:
-    """(entry, tiles left in its run) of the list entry at `position` (a reader's first of a work tile)."""
-    raw = tile_list.read(position)
-    if const_expr(runs):
-        return split_run(raw)
-    return raw, Int32(0)
-
-
-@cute.jit
-def next_key_tile(
-    tile_list: "TileList", entry: Int32, left: Int32, position: Int32, runs: cutlass.Constexpr[bool]
-) -> tuple[Int32, Int32, Int32]:
-    """The key tile after `entry` for a reader of the forward's list at `position`, with `left` more
-    tiles in its run: (entry, left, position); the next ring entry is read only once a run is done."""
-    if const_expr(runs):
-        if left > 0:
-            entry, left = entry + (Int32(1) << FLAG_BITS), left - 1
-        else:
-            position += 1
-            entry, left = split_run(tile_list.read(position))
-    else:
-        position += 1
-        entry = tile_list.read(position)
-    return entry, left, position
 
 
 @dataclass(frozen=True)
@@ -247,15 +204,11 @@ def list_key_tiles(
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
-    runs: cutlass.Constexpr[bool],
-    count_tiles: cutlass.Constexpr[bool] = False,
-) -> tuple[Int32, Int32]:
+) -> Int32:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
     published from entry `position` on (PARTIAL tiles flagged UNIFORM where they are, if
     `flag_uniform`, and OFF_DIAGONAL where they are, if `flag_off_diagonal`; DIAGONAL_ONLY instead
-    of PARTIAL where they are, if `flag_diagonal`; with `runs`, a batch of 32 whose listed tiles are
-    all unmasked, from its first lane on, as one entry); returns the position after END_OF_LIST
-    and, if `count_tiles` (a timeline build's, with runs), the key tiles listed."""
+    of PARTIAL where they are, if `flag_diagonal`); returns the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
     num_tiles = cute.size(mBounds.shape[0])
     if const_expr(causal):
@@ -263,7 +216,6 @@ def list_key_tiles(
         last_key = row_end - 1 + causal_offset
         num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
-    listed_tiles = Int32(0)
     for first in cutlass.range(0, num_tiles, 32, unroll=1):
         tile = first + lane
         for w in cutlass.range_constexpr(2 * width):
@@ -278,20 +230,9 @@ def list_key_tiles(
             flags = flags | (Int32(OFF_DIAGONAL) if partial and not on_diagonal else Int32(0))
         if const_expr(flag_diagonal):
             flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
-        if const_expr(runs):
-            listed = listed and tile < num_tiles
-            if const_expr(count_tiles):
-                listed_tiles += cute.arch.popc(cute.arch.vote_ballot_sync(listed))
-            # a batch whose listed tiles are all unmasked and start at its first lane is one run
-            unmasked = cute.arch.vote_ballot_sync(listed and flags == 0)
-            run = cute.arch.popc(unmasked)
-            whole = run > 1 and (unmasked & (unmasked + 1)) == 0 and unmasked == cute.arch.vote_ballot_sync(listed)
-            run_bits = ((run - 1) << RUN_SHIFT) if whole else Int32(0)
-            position = _publish_batch(tile_list, position, tile, listed and (lane == 0 or not whole), flags | run_bits)
-        else:
-            position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
+        position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
     _put_single(tile_list, position, END_OF_LIST)
-    return position + 1, listed_tiles
+    return position + 1
 
 
 @cute.jit
@@ -310,7 +251,6 @@ def _list_work_tile(
     position after its END_OF_LIST and the work tiles listed so far."""
     work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k = args
     tile_m, *flags = choices
-    counted = flags[-1] and timeline.buffer is not None  # with runs, a timeline counts the tiles
     header = position
     entry = work_tiles.header(work)
     _put_single(tile_list, header, entry)
@@ -320,7 +260,7 @@ def _list_work_tile(
     m_block, head, batch = work_tiles.decode(entry)
     row_start = m_block * tile_m
     if const_expr(mTileRows is None):
-        position, listed_tiles = list_key_tiles(
+        position = list_key_tiles(
             tile_list,
             header + 1,
             mBlockBounds[batch * mask_batch_stride, head // qheads_per_maskhead, None, None],
@@ -329,19 +269,15 @@ def _list_work_tile(
             seqlen_k,
             seqlen_k - seqlen_q,
             *flags,
-            counted,
         )
     else:  # Sq = Sk on the virtual rows
         mask_batch, mask_head = batch * mask_batch_stride, head // qheads_per_maskhead
         real_rows = mTileRows[mask_batch, mask_head, m_block, 1]
         bounds = mBlockBounds[mask_batch, mask_head, None, None]
-        position, listed_tiles = list_key_tiles(
-            tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags, counted
-        )
-    key_tiles = listed_tiles if const_expr(counted) else position - header - 2  # without runs: one entry each
+        position = list_key_tiles(tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags)
     if cute.arch.lane_idx() == 0:
         timeline.record(tiles_done, Event.LIST_END)
-        timeline.record(tiles_done, Event.KEY_TILES, key_tiles)
+        timeline.record(tiles_done, Event.KEY_TILES, position - header - 2)
     tiles_done += 1
     tile_list.wait_taken(header, position)  # one work tile in reserve, no more
     return position, tiles_done
@@ -366,7 +302,6 @@ def list_work_tiles(
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
-    key_tile_runs: cutlass.Constexpr[bool],
     timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
@@ -378,7 +313,7 @@ def list_work_tiles(
     tiles_done = Int32(0)
     work = Int32(cute.arch.block_idx()[0])
     args = (work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k)
-    choices = (tile_m, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal, key_tile_runs)
+    choices = (tile_m, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
     while work < work_tiles.total:
         if const_expr(mTileRows is None):
             position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, args, choices, timeline)

@@ -20,15 +20,7 @@ import functools
 import torch
 
 from ..reference import ColumnMask
-from .config import (
-    BACKWARD_HEAD_DIMS,
-    RUN_TILE_BITS,
-    SPLIT_CTA_SLOTS_PER_SM,
-    BwdConfig,
-    FwdConfig,
-    bwd_config,
-    fwd_config,
-)
+from .config import BACKWARD_HEAD_DIMS, SPLIT_CTA_SLOTS_PER_SM, BwdConfig, FwdConfig, bwd_config, fwd_config
 from .segments import cached_segment_plan, query_tile_rows
 from .tile_plan import (
     backward_cta_steps,
@@ -110,8 +102,6 @@ def forward_plan(
             segments = cached_segment_plan(mask, synced=False)
             mask, tile_rows = segments.mask, segments.tile_rows
     bounds = cached_block_minmax(mask, config.tile_n)
-    if config.key_tile_runs and bounds.shape[-2] > 1 << RUN_TILE_BITS:  # past what a run entry can index
-        config = dataclasses.replace(config, key_tile_runs=False)
     order = None
     if not uniform_work and work_tiles(batch, q_heads, mask.seqlen_q, config) <= config.longest_tiles_first_waves * sms:
         tile_m, tile_n = config.tile_m, config.tile_n

@@ -592,15 +592,11 @@ def test_segment_tiles_match_the_reference(name, num_docs, head_dim, head_dim_v)
     )
 
 
-def assert_a_field_keeps_the_forwards_numbers(
-    field: str, name: str, head_dim, head_dim_v, seqlen, seed: int, segmented: bool = False
-):
+def assert_a_field_keeps_the_forwards_numbers(field: str, name: str, head_dim, head_dim_v, seqlen, seed: int):
     """The chosen forward with `field` off and on, on mask `name` (GQA 4 on 2; bf16): the same
-    outputs and LSE bit for bit. `segmented`: the mask's own choice, segment-aligned tiles on the
-    document masks (otherwise the variant's, on the sequence's tiles)."""
+    outputs and LSE bit for bit."""
     from flashmask3.optimized import fwd_config
     from flashmask3.optimized.interface import forward
-    from flashmask3.optimized.plans import mask_fwd_config
 
     scale = 1 / math.sqrt(head_dim)
     mask = masks.build(name, seqlen, batch=2, heads=4, seed=seed, device="cuda")
@@ -608,9 +604,6 @@ def assert_a_field_keeps_the_forwards_numbers(
         2, seqlen, seqlen, 4, 2, head_dim, torch.bfloat16, "cuda", seed=seed, head_dim_v=head_dim_v
     )
     default = fwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1])
-    if segmented:
-        default = mask_fwd_config(head_dim, mask)
-        assert default.segment_tiles
     out, lse = forward(q, k, v, mask, scale, config=dataclasses.replace(default, **{field: False}))
     changed = forward(q, k, v, mask, scale, config=dataclasses.replace(default, **{field: True}))
     assert torch.equal(out, changed[0]) and torch.equal(lse, changed[1])
@@ -699,31 +692,6 @@ def test_turn_barriers_leave_the_forwards_numbers(name, head_dim, head_dim_v, se
     and LSE bit for bit (the partial-heavy masks race a refill against a slower warp's read if that
     barrier is missing)."""
     assert_a_field_keeps_the_forwards_numbers("turn_barriers", name, head_dim, head_dim_v, seqlen, seed=37)
-
-
-@pytest.mark.parametrize(
-    "name", ["full", "causal", "causal_document", "share_question", "random_eviction", "global_sliding_window"]
-)
-@pytest.mark.parametrize(
-    "head_dim, head_dim_v, seqlen",
-    [(128, 128, 1531), (128, 128, 8192), (192, 128, 1531), (256, 256, 4100), (64, 64, 4096)],
-)
-def test_key_tile_runs_leave_the_forwards_numbers(name, head_dim, head_dim_v, seqlen):
-    """`key_tile_runs`: a batch of 32 unmasked key tiles listed as one entry, its tiles counted by
-    the loads and the loop (at 8K whole batches and mixed ones; a ragged last tile, which stays
-    PARTIAL): the same outputs and LSE bit for bit."""
-    assert_a_field_keeps_the_forwards_numbers("key_tile_runs", name, head_dim, head_dim_v, seqlen, seed=41)
-
-
-@pytest.mark.parametrize("name", ["causal_document", "document", "share_question", "prefix_lm_document"])
-@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (192, 128)])
-def test_key_tile_runs_on_segment_tiles_leave_the_forwards_numbers(name, head_dim, head_dim_v):
-    """`key_tile_runs` on segment-aligned tiles (the document masks' own choice), 8K keys (64 key
-    tiles, two of the mask role's batches), GQA 4 on 2: the same outputs and LSE bit for bit as one
-    entry per tile."""
-    assert_a_field_keeps_the_forwards_numbers(
-        "key_tile_runs", name, head_dim, head_dim_v, 8192, seed=53, segmented=True
-    )
 
 
 @pytest.mark.parametrize(

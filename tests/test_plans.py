@@ -3,8 +3,6 @@ the kernels' launches faked, the GPU's SM count given."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from flashmask3.optimized import interface, plans, segments, tile_plan
@@ -133,13 +131,3 @@ def test_prepare_mask_names_a_bad_argument():
         with pytest.raises(ValueError, match=message):
             prepare_mask(mask, "cpu", **(shape | change))
     assert prepare_mask(mask, "cpu", **shape) is mask  # already there, and no kernel runs on a CPU
-
-
-def test_keys_past_what_a_run_entry_indexes_are_listed_without_runs(monkeypatch):
-    """A run entry holds its key tile's index in `RUN_TILE_BITS` bits: with more key tiles the plan
-    launches the forward without runs (here with the limit lowered to 8 tiles of 128 keys)."""
-    mask = masks.build("causal_document", 2048, batch=1, heads=1, seed=0)  # 16 key tiles
-    config = dataclasses.replace(interface.mask_configs(128, mask)[0], key_tile_runs=True)
-    assert plans.forward_plan(mask, config, 1, 16, SMS).config.key_tile_runs
-    monkeypatch.setattr(plans, "RUN_TILE_BITS", 3)
-    assert plans.forward_plan(mask, config, 1, 16, SMS).config == dataclasses.replace(config, key_tile_runs=False)
