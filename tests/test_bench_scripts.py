@@ -260,7 +260,8 @@ def test_forward_bench_times_cute_and_each_peer_in_turns(monkeypatch):
         "fa4_sparse",
         "cudnn",
         "x",
-        "flex",
+        "best",
+        "/clock",
     ]
     assert table[2].split()[3:] == [
         f"{document['cute_tflops']:.0f}",
@@ -270,7 +271,13 @@ def test_forward_bench_times_cute_and_each_peer_in_turns(monkeypatch):
         "err",
         "-",
         "2.00",
+        "nan",  # no clocks read
     ]
+    full.update({"cute_sm_mhz": 1500.0, "flex_sm_mhz": 1500.0, "fa4_sm_mhz": 1350.0})  # as NVML read them
+    cells = bench_fwd.bench_table([full], tuple(bench_peers.PEERS)).splitlines()[1].split()
+    cute, flex, fa4 = (full[f"{c}_tflops"] for c in ("cute", "flex", "fa4"))
+    assert cells[3:5] == [f"{cute:.0f}@1500", f"{flex:.0f}@1500"] and cells[6] == f"{fa4:.0f}@1350"
+    assert cells[-2:] == [f"{cute / fa4:.2f}", f"{cute / 1500 / (fa4 / 1350):.2f}"]  # fa4 the fastest, per clock too
 
 
 def test_backward_bench_times_fwd_and_bwd_of_cute_and_each_peer(monkeypatch):
