@@ -302,8 +302,8 @@ def bench_table(rows: list[dict], peer_names: tuple[str, ...]) -> str:
         if best is not None and "cute_tflops" in r:
             ratio = r["cute_tflops"] / r[f"{best}_tflops"]
             if r.get("cute_sm_mhz") and all(r.get(f"{c}_sm_mhz") for c in ran):
-                per_clock = max(r[f"{c}_tflops"] / r[f"{c}_sm_mhz"] for c in ran)
-                per_clock = r["cute_tflops"] / r["cute_sm_mhz"] / per_clock
+                best_per_clock = max(r[f"{c}_tflops"] / r[f"{c}_sm_mhz"] for c in ran)
+                per_clock = r["cute_tflops"] / r["cute_sm_mhz"] / best_per_clock
         lines.append(
             f"{r['mask']:24s} {r['seqlen']:6d} {r['density']:5.2f} "
             + " ".join(f"{cell(r, c):>10s}" for c in ("cute", *peer_names))
