@@ -93,6 +93,11 @@ class FwdConfig:
     # their data arrive, as FA3 and FA4 run above head dim 128; each refill of a warpgroup's
     # prefetched bounds then waits for the warpgroup at a barrier of its own instead.
     turn_barriers: bool
+    # Calls without a mask over keys that fill whole tiles: each work tile's key tiles counted in
+    # registers by the producer and the consumers, as FA4 walks them, instead of read from the mask
+    # warp's list (which then holds the work tiles only); no tile is masked. The plan keeps the list
+    # for every other call.
+    counted_keys: bool
 
     def __post_init__(self) -> None:
         if self.tile_m not in (128, 192):
@@ -327,6 +332,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
         turn_barriers=head_dim != 192,
+        counted_keys=False,
     )
 
 

@@ -51,6 +51,7 @@ from .mask import apply_causal_diagonal, apply_column_mask
 from .mask_role import (
     DIAGONAL_ONLY,
     END_OF_LIST,
+    FLAG_BITS,
     OFF_DIAGONAL,
     PARTIAL,
     UNIFORM,
@@ -114,6 +115,7 @@ class FlashMaskForwardSm90:
         self.segment_tiles = config.segment_tiles
         self.o_from_registers = config.o_from_registers
         self.turn_barriers = config.turn_barriers
+        self.counted_keys = config.counted_keys and not causal
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
@@ -372,6 +374,7 @@ class FlashMaskForwardSm90:
                     self.uniform_tiles,
                     self.diagonal_tiles,
                     self.off_diagonal_tiles,
+                    self.counted_keys,
                     timeline,
                 )
         else:
@@ -448,6 +451,7 @@ class FlashMaskForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_buffers)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        num_key_tiles = (Int32(mK.shape[0]) + self.tile_n - 1) // self.tile_n  # read with counted_keys only
         position = Int32(0)
         tiles_done = Int32(0)
         work = tile_list.read(position)
@@ -475,13 +479,14 @@ class FlashMaskForwardSm90:
                 timeline.record(tiles_done, Event.Q_ISSUED)
             q_state.advance()
             position += 1
-            entry = tile_list.read(position)
+            first = position
+            entry = self.key_entry(tile_list, position, first, num_key_tiles)
             if entry != END_OF_LIST:
                 self.load_key_tile(*keys, k_state, entry_tile(entry))
                 k_state.advance()
                 previous = entry
                 position += 1
-                entry = tile_list.read(position)
+                entry = self.key_entry(tile_list, position, first, num_key_tiles)
                 while entry != END_OF_LIST:
                     self.load_key_tile(*keys, k_state, entry_tile(entry))
                     k_state.advance()
@@ -489,12 +494,31 @@ class FlashMaskForwardSm90:
                     v_state.advance()
                     previous = entry
                     position += 1
-                    entry = tile_list.read(position)
+                    entry = self.key_entry(tile_list, position, first, num_key_tiles)
                 self.load_key_tile(*values, v_state, entry_tile(previous))
                 v_state.advance()
-            position += 1
+            position = self.after_key_tiles(position, first)
             tiles_done += 1
             work = tile_list.read(position)
+
+    @cute.jit
+    def key_entry(self, tile_list, position, first, num_key_tiles):
+        """List entry number `position` of a work tile whose key tiles start at `first`: the mask
+        warp's, or with `counted_keys` key tile `position - first` (unmasked) while there are
+        `num_key_tiles`, then the END_OF_LIST the mask warp put at `first`. Each position is read
+        once, by every reader."""
+        if const_expr(self.counted_keys):
+            index = position - first
+            entry = index << FLAG_BITS
+            if index >= num_key_tiles:
+                entry = tile_list.read(first)
+            return entry
+        else:
+            return tile_list.read(position)
+
+    def after_key_tiles(self, position, first):
+        """The list position after a work tile's END_OF_LIST, read at `position` (`key_entry`)."""
+        return first + 1 if self.counted_keys else position + 1
 
     @cute.jit
     def load_key_tile(self, tma, gmem_tiles, smem_stages, pipe, segments, state, n_block):
@@ -567,6 +591,7 @@ class FlashMaskForwardSm90:
         row_sum = cute.make_rmem_tensor_like(row_max, Float32)
         qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride = heads
         causal_offset = seqlen_k - seqlen_q
+        num_key_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n  # read with counted_keys only
         bounds = (sBounds[None, None, None, wg], tidx % 128, wg)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_buffers)
@@ -636,6 +661,7 @@ class FlashMaskForwardSm90:
                 scale_log2,
                 tile_list,
                 position + 1,
+                num_key_tiles,
                 mask_args,
                 bounds,
                 turn_profile,
@@ -697,11 +723,13 @@ class FlashMaskForwardSm90:
         scale_log2,
         tile_list,
         position,
+        num_key_tiles,
         mask_args,
         bounds,
         turn_profile,
     ):
-        """One work tile's main loop, from its first list entry at `position`, with intra-warpgroup
+        """One work tile's main loop, from its first list entry at `position` (`num_key_tiles`: the
+        count `key_entry` takes with `counted_keys`), with intra-warpgroup
         overlap (FA3): in one turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while its PV runs, and rescales
         O once the PV is done; the next list entry is read and its bounds' cp.async started under the
@@ -711,7 +739,8 @@ class FlashMaskForwardSm90:
         with O stored from registers). Returns the K and V pipeline states and the position after END_OF_LIST.
         `bounds`: the warpgroup's (smem buffers, lane, warpgroup) for `prefetch_bounds`; `turn_profile`
         marks the segments of the steady-state turns (`TurnEvent`)."""
-        entry = tile_list.read(position)
+        first = position
+        entry = self.key_entry(tile_list, position, first, num_key_tiles)
         if entry != END_OF_LIST:
             self.prefetch_bounds(bounds, entry, position, mask_args)
             acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg, free_previous_q)
@@ -720,7 +749,7 @@ class FlashMaskForwardSm90:
             softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)  # O is zero: no rescale
             self.scores_to_operand(acc_S, tOrP)
             position += 1
-            entry = tile_list.read(position)
+            entry = self.key_entry(tile_list, position, first, num_key_tiles)
             self.prefetch_bounds(bounds, entry, position, mask_args)
             self.free_q_after_last_s(own_q, entry == END_OF_LIST)  # a one-key-tile list: S_0 was the last
             clock = turn_profile.now()
@@ -735,7 +764,7 @@ class FlashMaskForwardSm90:
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
                 clock = turn_profile.mark(clock, TurnEvent.ISSUE)
-                next_entry = tile_list.read(position + 1)
+                next_entry = self.key_entry(tile_list, position + 1, first, num_key_tiles)
                 self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 clock = turn_profile.mark(clock, TurnEvent.NEXT_ENTRY)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
@@ -774,7 +803,7 @@ class FlashMaskForwardSm90:
             self.end_turn(wg)  # no key tile: hand over the (empty) first turn
             self.free_q(*free_previous_q)
             self.free_q_after_last_s(own_q, True)
-        return k_state, v_state, position + 1
+        return k_state, v_state, self.after_key_tiles(position, first)
 
     @cute.jit
     def scores_to_operand(self, acc_S, tOrP):
@@ -827,6 +856,8 @@ class FlashMaskForwardSm90:
         warpgroup is done reading it; without turn barriers the warpgroup meets at its bounds
         barrier before the refill instead. One cp.async group per entry, empty unless PARTIAL:
         `mask_scores` waits by count."""
+        if const_expr(self.counted_keys):  # no tile is masked
+            return
         sBounds, lane, wg = bounds
         _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
         if entry != END_OF_LIST and (entry & PARTIAL) != 0:
@@ -870,6 +901,8 @@ class FlashMaskForwardSm90:
         from smem (`bounds`, see `prefetch_bounds`) once all but the `newer_groups` latest cp.async
         groups (the next entry's) have landed. DIAGONAL_ONLY tiles: the causal comparison alone;
         OFF_DIAGONAL tiles: the bounds alone."""
+        if const_expr(self.counted_keys):  # no tile is masked
+            return
         if (entry & PARTIAL) != 0:
             sBounds, _, wg = bounds
             cute.arch.cp_async_wait_group(newer_groups)

@@ -250,7 +250,7 @@ def _list_work_tile(
     the compile-time ones), once the consumers took all but one work tile ahead; returns the
     position after its END_OF_LIST and the work tiles listed so far."""
     work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k = args
-    tile_m, *flags = choices
+    tile_m, counted_keys, *flags = choices
     header = position
     entry = work_tiles.header(work)
     _put_single(tile_list, header, entry)
@@ -259,7 +259,10 @@ def _list_work_tile(
         timeline.record(tiles_done, Event.LISTED)
     m_block, head, batch = work_tiles.decode(entry)
     row_start = m_block * tile_m
-    if const_expr(mTileRows is None):
+    if const_expr(counted_keys):
+        _put_single(tile_list, header + 1, END_OF_LIST)
+        position = header + 2
+    elif const_expr(mTileRows is None):
         position = list_key_tiles(
             tile_list,
             header + 1,
@@ -302,10 +305,12 @@ def list_work_tiles(
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
+    counted_keys: cutlass.Constexpr[bool],
     timeline: Timeline,
 ) -> None:
     """Forward mask warp of a persistent CTA: for each work tile it draws (tile_scheduler.py), a
-    header entry with the work tile, then its key tile list; NO_MORE_WORK after the last. With
+    header entry with the work tile, then its key tile list (with `counted_keys` none: the readers
+    count the key tiles, the END_OF_LIST follows the header); NO_MORE_WORK after the last. With
     `mTileRows` (segment-aligned tiles, segments.py) a query tile's key tiles are classified for its
     real rows only (the padding rows' results are not stored), and a tile with none is drawn past:
     nothing to load, compute or store."""
@@ -313,7 +318,7 @@ def list_work_tiles(
     tiles_done = Int32(0)
     work = Int32(cute.arch.block_idx()[0])
     args = (work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k)
-    choices = (tile_m, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)  # compile-time
+    choices = (tile_m, counted_keys, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)
     while work < work_tiles.total:
         if const_expr(mTileRows is None):
             position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, args, choices, timeline)

@@ -95,6 +95,8 @@ def forward_plan(
     nothing to order, no segments); `sequence_tiles`: the kernel must keep the sequence's tiles
     (Sq != Sk, or a CUDA graph being captured, where a kept plan would be replayed stale)."""
     tile_rows = None
+    if config.counted_keys and not (uniform_work and mask.startend_row_indices.shape[-2] % config.tile_n == 0):
+        config = dataclasses.replace(config, counted_keys=False)  # a masked tile: the list says which
     if config.segment_tiles:
         if uniform_work or sequence_tiles:
             config = dataclasses.replace(config, segment_tiles=False)

@@ -24,6 +24,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
         segment_tiles=False,
         o_from_registers=False,
         turn_barriers=True,
+        counted_keys=False,
     )
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         diagonal, off_diagonal = causal and width == 1, causal and width == 2
@@ -202,6 +203,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "segment_tiles": bool,
         "o_from_registers": bool,
         "turn_barriers": bool,
+        "counted_keys": bool,
         "key_tile": int,
         "query_tile": int,
         "keys_on_rows": bool,
@@ -234,6 +236,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         segment_tiles=False,
         o_from_registers=False,
         turn_barriers=True,
+        counted_keys=False,
     )
     assert apply_overrides(bwd_config(64, True, 1), changes) == dataclasses.replace(
         bwd_config(64, True, 1), lse_ahead=False

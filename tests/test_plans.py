@@ -3,6 +3,8 @@ the kernels' launches faked, the GPU's SM count given."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from flashmask3.optimized import interface, plans, segments, tile_plan
@@ -131,3 +133,17 @@ def test_prepare_mask_names_a_bad_argument():
         with pytest.raises(ValueError, match=message):
             prepare_mask(mask, "cpu", **(shape | change))
     assert prepare_mask(mask, "cpu", **shape) is mask  # already there, and no kernel runs on a CPU
+
+
+def test_counted_key_tiles_only_without_a_mask_over_whole_key_tiles():
+    """`counted_keys` (the readers count the key tiles, no tile masked) stays in the plan of a call
+    without a mask whose keys fill whole tiles; a mask, or a ragged last key tile, keeps the list."""
+    config = dataclasses.replace(interface.mask_configs(128, None)[0], counted_keys=True)
+    no_mask = tile_plan.full_mask(1024, 2048, "cpu")
+    assert plans.forward_plan(no_mask, config, 2, 4, SMS, uniform_work=True).config == config
+    ragged = tile_plan.full_mask(1024, 2000, "cpu")
+    kept_list = dataclasses.replace(config, counted_keys=False)
+    assert plans.forward_plan(ragged, config, 2, 4, SMS, uniform_work=True).config == kept_list
+    causal = masks.build("causal", 2048, batch=1, heads=1, seed=0)
+    causal_config = dataclasses.replace(interface.mask_configs(128, causal)[0], counted_keys=True)
+    assert not plans.forward_plan(causal, causal_config, 1, 4, SMS).config.counted_keys
