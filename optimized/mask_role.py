@@ -251,6 +251,7 @@ def _list_work_tile(
     position after its END_OF_LIST and the work tiles listed so far."""
     work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k = args
     tile_m, counted_keys, *flags = choices
+    tile_n = flags[0]  # `flags`: list_key_tiles' compile-time arguments, tile_n first
     header = position
     entry = work_tiles.header(work)
     _put_single(tile_list, header, entry)
@@ -278,9 +279,12 @@ def _list_work_tile(
         real_rows = mTileRows[mask_batch, mask_head, m_block, 1]
         bounds = mBlockBounds[mask_batch, mask_head, None, None]
         position = list_key_tiles(tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags)
+    key_tiles = position - header - 2
+    if const_expr(counted_keys):
+        key_tiles = (seqlen_k + tile_n - 1) // tile_n  # every one
     if cute.arch.lane_idx() == 0:
         timeline.record(tiles_done, Event.LIST_END)
-        timeline.record(tiles_done, Event.KEY_TILES, position - header - 2)
+        timeline.record(tiles_done, Event.KEY_TILES, key_tiles)
     tiles_done += 1
     tile_list.wait_taken(header, position)  # one work tile in reserve, no more
     return position, tiles_done
