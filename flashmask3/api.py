@@ -98,6 +98,7 @@ def attention(
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     window = _check_flash_arguments(causal, window_size)
+    causal_alone = mask is None and causal and window[0] < 0  # the kernels take it without its bounds
     if mask is None:
         mask = _flash_attention_mask(causal, window, sq, sk, q.device)
     elif causal or window != (-1, -1):
@@ -135,7 +136,9 @@ def attention(
         reason = _cute_unsupported(q, k, v, requires_backward(q, k, v, sinks))
         if reason:
             raise unsupported_error(reason, q)
-        out, lse = ops.attention(q, k, v, mask, softmax_scale, deterministic, sinks)
+        out, lse = ops.attention(
+            q, k, v, None if causal_alone else mask, softmax_scale, deterministic, sinks, causal_alone
+        )
     elif backend == "flex":
         out, lse = peers.flex_attention(q, k, v, mask, softmax_scale)
     else:

@@ -35,11 +35,14 @@ def git_commit() -> str:
         return "unknown"
 
 
-def called_mask(name: str, mask: ColumnMask) -> ColumnMask | None:
-    """The mask ours is called with for the mask family `name` (`masks.build`'s `mask`): none for
-    "full", as unmasked attention is called (and FA4's and SDPA's are), so that its timings hold
-    the no-mask path's own costs; `mask` otherwise."""
-    return None if name == "full" else mask
+def called_mask(name: str, mask: ColumnMask) -> tuple[ColumnMask | None, bool]:
+    """(mask, causal): how ours is called for the mask family `name` (`masks.build`'s `mask`), as
+    its users call it: no mask for "full" (unmasked attention), no mask and causal=True for "causal"
+    (`attention(causal=True)`, as FA4's `causal=True` is called), so that the timings hold those
+    paths' own costs; `mask` otherwise."""
+    if name in ("full", "causal"):
+        return None, name == "causal"
+    return mask, False
 
 
 def results_dir() -> Path:

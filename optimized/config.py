@@ -93,10 +93,11 @@ class FwdConfig:
     # their data arrive, as FA3 and FA4 run above head dim 128; each refill of a warpgroup's
     # prefetched bounds then waits for the warpgroup at a barrier of its own instead.
     turn_barriers: bool
-    # Calls without a mask over keys that fill whole tiles: each work tile's key tiles counted in
-    # registers by the producer and the consumers, as FA4 walks them, instead of read from the mask
-    # warp's list (which then holds the work tiles only); no tile is masked. The plan keeps the list
-    # for every other call.
+    # Calls without a mask, or with the causal one alone, over keys that fill whole tiles: each
+    # work tile's key tiles counted in registers by the producer and the consumers, as FA4 walks
+    # them, instead of read from the mask warp's list (which then holds the work tiles only); only
+    # the causal diagonal cuts a tile, masked by the comparison. The plan keeps the list for every
+    # other call, and for the causal one at 192-row tiles (whose consumers would spill more).
     counted_keys: bool
 
     def __post_init__(self) -> None:

@@ -58,6 +58,7 @@ from .mask_role import (
     TileList,
     entry_tile,
     list_work_tiles,
+    seen_key_tiles,
 )
 from .softmax import LOG2_E, rescale_rows, softmax_finalize, softmax_rescore, warp_rows_moved
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
@@ -115,7 +116,7 @@ class FlashMaskForwardSm90:
         self.segment_tiles = config.segment_tiles
         self.o_from_registers = config.o_from_registers
         self.turn_barriers = config.turn_barriers
-        self.counted_keys = config.counted_keys and not causal
+        self.counted_keys = config.counted_keys
         self.num_consumer_wgs = config.num_consumer_wgs
         self.num_threads = 128 * (self.num_consumer_wgs + 1)
         # setmaxnreg: the producer warpgroup's registers to the consumers (65536 per SM in all); at
@@ -451,7 +452,7 @@ class FlashMaskForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_buffers)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        num_key_tiles = (Int32(mK.shape[0]) + self.tile_n - 1) // self.tile_n  # read with counted_keys only
+        seqlen_q, seqlen_k = Int32(mQ.shape[0]), Int32(mK.shape[0])
         position = Int32(0)
         tiles_done = Int32(0)
         work = tile_list.read(position)
@@ -480,13 +481,14 @@ class FlashMaskForwardSm90:
             q_state.advance()
             position += 1
             first = position
-            entry = self.key_entry(tile_list, position, first, num_key_tiles)
+            counted = self.counted_tiles(m_block * self.tile_m, seqlen_q, seqlen_k)
+            entry = self.key_entry(tile_list, position, first, counted)
             if entry != END_OF_LIST:
                 self.load_key_tile(*keys, k_state, entry_tile(entry))
                 k_state.advance()
                 previous = entry
                 position += 1
-                entry = self.key_entry(tile_list, position, first, num_key_tiles)
+                entry = self.key_entry(tile_list, position, first, counted)
                 while entry != END_OF_LIST:
                     self.load_key_tile(*keys, k_state, entry_tile(entry))
                     k_state.advance()
@@ -494,7 +496,7 @@ class FlashMaskForwardSm90:
                     v_state.advance()
                     previous = entry
                     position += 1
-                    entry = self.key_entry(tile_list, position, first, num_key_tiles)
+                    entry = self.key_entry(tile_list, position, first, counted)
                 self.load_key_tile(*values, v_state, entry_tile(previous))
                 v_state.advance()
             position = self.after_key_tiles(position, first)
@@ -502,15 +504,30 @@ class FlashMaskForwardSm90:
             work = tile_list.read(position)
 
     @cute.jit
-    def key_entry(self, tile_list, position, first, num_key_tiles):
+    def counted_tiles(self, row_start, seqlen_q, seqlen_k):
+        """With `counted_keys`: (how many key tiles the work tile of rows from `row_start` sees,
+        the last key its first row sees: causal, the tiles past it are cut by the diagonal)."""
+        causal_offset = seqlen_k - seqlen_q
+        row_end = cutlass.min(row_start + self.tile_m, seqlen_q)
+        count = seen_key_tiles(
+            (seqlen_k + self.tile_n - 1) // self.tile_n, row_end, causal_offset, self.tile_n, self.causal
+        )
+        return count, row_start + causal_offset
+
+    @cute.jit
+    def key_entry(self, tile_list, position, first, counted):
         """List entry number `position` of a work tile whose key tiles start at `first`: the mask
-        warp's, or with `counted_keys` key tile `position - first` (unmasked) while there are
-        `num_key_tiles`, then the END_OF_LIST the mask warp put at `first`. Each position is read
-        once, by every reader."""
+        warp's, or with `counted_keys` key tile `position - first` (DIAGONAL_ONLY where the causal
+        diagonal cuts it, else unmasked) while there are `counted` ones (`counted_tiles`), then the
+        END_OF_LIST the mask warp put at `first`. Each position is read once, by every reader."""
         if const_expr(self.counted_keys):
+            count, diagonal = counted
             index = position - first
             entry = index << FLAG_BITS
-            if index >= num_key_tiles:
+            if const_expr(self.causal):
+                if (index + 1) * self.tile_n - 1 > diagonal:
+                    entry = entry | DIAGONAL_ONLY
+            if index >= count:
                 entry = tile_list.read(first)
             return entry
         else:
@@ -591,7 +608,6 @@ class FlashMaskForwardSm90:
         row_sum = cute.make_rmem_tensor_like(row_max, Float32)
         qheads_per_kvhead, qheads_per_maskhead, mask_batch_stride = heads
         causal_offset = seqlen_k - seqlen_q
-        num_key_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n  # read with counted_keys only
         bounds = (sBounds[None, None, None, wg], tidx % 128, wg)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_buffers)
@@ -661,7 +677,7 @@ class FlashMaskForwardSm90:
                 scale_log2,
                 tile_list,
                 position + 1,
-                num_key_tiles,
+                self.counted_tiles(row_start, seqlen_q, seqlen_k),
                 mask_args,
                 bounds,
                 turn_profile,
@@ -723,13 +739,13 @@ class FlashMaskForwardSm90:
         scale_log2,
         tile_list,
         position,
-        num_key_tiles,
+        counted,
         mask_args,
         bounds,
         turn_profile,
     ):
-        """One work tile's main loop, from its first list entry at `position` (`num_key_tiles`: the
-        count `key_entry` takes with `counted_keys`), with intra-warpgroup
+        """One work tile's main loop, from its first list entry at `position` (`counted`: its key
+        tiles with `counted_keys`, `counted_tiles`), with intra-warpgroup
         overlap (FA3): in one turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while its PV runs, and rescales
         O once the PV is done; the next list entry is read and its bounds' cp.async started under the
@@ -740,7 +756,7 @@ class FlashMaskForwardSm90:
         `bounds`: the warpgroup's (smem buffers, lane, warpgroup) for `prefetch_bounds`; `turn_profile`
         marks the segments of the steady-state turns (`TurnEvent`)."""
         first = position
-        entry = self.key_entry(tile_list, position, first, num_key_tiles)
+        entry = self.key_entry(tile_list, position, first, counted)
         if entry != END_OF_LIST:
             self.prefetch_bounds(bounds, entry, position, mask_args)
             acc_S = self.scores_alone(tiled_mma_qk, tSrQ, tSrK, s_shape, pipe_k, k_state, wg, free_previous_q)
@@ -749,7 +765,7 @@ class FlashMaskForwardSm90:
             softmax_rescore(acc_S, row_max, row_sum, scale_log2, self.fmax_row_max)  # O is zero: no rescale
             self.scores_to_operand(acc_S, tOrP)
             position += 1
-            entry = self.key_entry(tile_list, position, first, num_key_tiles)
+            entry = self.key_entry(tile_list, position, first, counted)
             self.prefetch_bounds(bounds, entry, position, mask_args)
             self.free_q_after_last_s(own_q, entry == END_OF_LIST)  # a one-key-tile list: S_0 was the last
             clock = turn_profile.now()
@@ -764,7 +780,7 @@ class FlashMaskForwardSm90:
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
                 self.end_turn(wg)
                 clock = turn_profile.mark(clock, TurnEvent.ISSUE)
-                next_entry = self.key_entry(tile_list, position + 1, first, num_key_tiles)
+                next_entry = self.key_entry(tile_list, position + 1, first, counted)
                 self.prefetch_bounds(bounds, next_entry, position + 1, mask_args)
                 clock = turn_profile.mark(clock, TurnEvent.NEXT_ENTRY)
                 warpgroup.wait_group(1)  # S_j is ready, the PV may still run
@@ -856,7 +872,7 @@ class FlashMaskForwardSm90:
         warpgroup is done reading it; without turn barriers the warpgroup meets at its bounds
         barrier before the refill instead. One cp.async group per entry, empty unless PARTIAL:
         `mask_scores` waits by count."""
-        if const_expr(self.counted_keys):  # no tile is masked
+        if const_expr(self.counted_keys):  # no bounds to copy
             return
         sBounds, lane, wg = bounds
         _, mRowIndices, mask_batch, mask_head, _, seqlen_k, _ = mask_args
@@ -901,7 +917,10 @@ class FlashMaskForwardSm90:
         from smem (`bounds`, see `prefetch_bounds`) once all but the `newer_groups` latest cp.async
         groups (the next entry's) have landed. DIAGONAL_ONLY tiles: the causal comparison alone;
         OFF_DIAGONAL tiles: the bounds alone."""
-        if const_expr(self.counted_keys):  # no tile is masked
+        if const_expr(self.counted_keys):  # no bounds: only the causal diagonal cuts a tile
+            if const_expr(self.causal):
+                if (entry & DIAGONAL_ONLY) != 0:
+                    apply_causal_diagonal(acc_S, s_coords, row_start, entry_tile(entry) * self.tile_n, causal_offset)
             return
         if (entry & PARTIAL) != 0:
             sBounds, _, wg = bounds

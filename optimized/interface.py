@@ -353,6 +353,7 @@ def forward(
     config: FwdConfig | None = None,
     turn_profile: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, Dv], lse fp32 [B, Hq, Sq]) from the Hopper kernel, key-block min/max included.
     Head dims (D, Dv): `config.FORWARD_HEAD_DIMS`, V's below Q's and K's at (128, 64) and (192, 128);
@@ -369,21 +370,24 @@ def forward(
     grid, `forward_ctas(...)` (with segment tiles the virtual rows' grid, which a mismatch names).
     `sinks`: [Hq] each query head's sink logit (gpt-oss), joined to its rows' softmax in the
     kernel's epilogue: out and lse are those of `reference.attention.join_sinks`.
+    `causal`: with `mask` None, the causal mask alone (each query sees the keys up to its own,
+    bottom-right aligned where Sq != Sk); no interval then hides a row, which the plan may use.
     """
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     if sinks is not None:
         check_sinks(sinks, q)
-    uniform_work = mask is None  # every work tile sees every key tile: nothing to order
+    plain = _check_plain(mask, causal)
+    uniform_work = plain and not causal  # every work tile sees every key tile: nothing to order
     if mask is None:
-        mask = _no_mask(q, sk)
+        mask = _no_mask(q, sk, causal)
     width = mask.startend_row_indices.shape[-1]
     config = config or mask_fwd_config(d, mask)
     if config.tile_m == 192 and turn_profile is not None:  # three consumer warpgroups at 160 registers each
         raise ValueError(
             "the turn profile spills at tile_m=192 (head dim 64's tiles, causal): profile a config with tile_m=128"
         )
-    plan = forward_plan(mask, config, b, hq, _sm_count(q.device), uniform_work, sq != sk or _capturing(q))
+    plan = forward_plan(mask, config, b, hq, _sm_count(q.device), uniform_work, sq != sk or _capturing(q), plain)
     mask, config, tile_rows, bounds, order = plan.mask, plan.config, plan.tile_rows, plan.bounds, plan.order
     row_indices = mask.startend_row_indices.contiguous()
     q, k, v = (tma_operand(x) for x in (q, k, v))
@@ -446,18 +450,35 @@ def _check_stamp_buffer(
         raise ValueError(f"{name} must be on q's device ({device}), got {buffer.device}")
 
 
-def _no_mask(q: torch.Tensor, seqlen_k: int) -> ColumnMask:
-    """The full mask the kernels run on where the call has none: one kept per (Sq, Sk, device), so
-    its key blocks' min/max (kept per mask) are made once, not at every call; made anew while a
-    CUDA graph is captured, where a kept one would belong to the graph."""
+def _check_plain(mask: ColumnMask | None, causal: bool) -> bool:
+    """Whether the call has no mask (with `causal`, the causal one alone); `causal` with a mask is
+    a ValueError: the mask says which keys each query sees."""
+    if causal and mask is not None:
+        raise ValueError("causal=True stands for the causal mask alone: pass it with mask=None")
+    return mask is None
+
+
+def _no_mask(q: torch.Tensor, seqlen_k: int, causal: bool = False) -> ColumnMask:
+    """The full mask (or with `causal` the causal mask alone) the kernels run on where the call has
+    none: one kept per (Sq, Sk, device), so its key blocks' min/max (kept per mask) are made once,
+    not at every call; made anew while a CUDA graph is captured, where a kept one would belong to
+    the graph."""
     if _capturing(q):
-        return full_mask(q.shape[1], seqlen_k, q.device)
-    return _kept_full_mask(q.shape[1], seqlen_k, q.device)
+        return _plain_mask(q.shape[1], seqlen_k, q.device, causal)
+    return _kept_plain_mask(q.shape[1], seqlen_k, q.device, causal)
+
+
+def _plain_mask(seqlen_q: int, seqlen_k: int, device: torch.device, causal: bool) -> ColumnMask:
+    return (
+        ColumnMask._band(seqlen_q, seqlen_k, -1, -1, True, device=device)
+        if causal
+        else full_mask(seqlen_q, seqlen_k, device)
+    )
 
 
 @functools.lru_cache(maxsize=8)
-def _kept_full_mask(seqlen_q: int, seqlen_k: int, device: torch.device) -> ColumnMask:
-    return full_mask(seqlen_q, seqlen_k, device)
+def _kept_plain_mask(seqlen_q: int, seqlen_k: int, device: torch.device, causal: bool) -> ColumnMask:
+    return _plain_mask(seqlen_q, seqlen_k, device, causal)
 
 
 def _capturing(q: torch.Tensor) -> bool:
@@ -481,6 +502,7 @@ def backward(
     dv: torch.Tensor | None = None,
     config: BwdConfig | None = None,
     timeline: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the Hopper backward kernel, in q's dtype; dk, dv summed over each GQA group.
 
@@ -490,7 +512,7 @@ def backward(
     `config`: the main kernel's configuration (default: `bwd_config`'s choice for the head dim and
     mask). `timeline`: an int64 [CTAs, len(timeline.BwdEvent)] buffer runs a build of the main
     kernel that records each CTA's phases and the cycles of each segment of its steps
-    (`optimized/timeline.py`); CTAs = `backward_ctas(...)`.
+    (`optimized/timeline.py`); CTAs = `backward_ctas(...)`. `causal`: as in `forward`.
     """
     from .flash_bwd_sm90 import head_dims_refusal
 
@@ -500,9 +522,9 @@ def backward(
     if refusal:
         raise ValueError(refusal)
     sk, hkv = k.shape[1], k.shape[2]
-    uniform_work = mask is None  # every CTA sees every query tile: nothing to order
+    uniform_work = _check_plain(mask, causal) and not causal  # every CTA sees every query tile: nothing to order
     if mask is None:
-        mask = _no_mask(q, sk)
+        mask = _no_mask(q, sk, causal)
     width = mask.startend_row_indices.shape[-1]
     config = config or bwd_config(d, mask.causal, width, deterministic)
     if config.segment_steps and timeline is not None:  # its buffer is sized for the sequence's tiles

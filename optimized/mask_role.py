@@ -210,11 +210,8 @@ def list_key_tiles(
     `flag_uniform`, and OFF_DIAGONAL where they are, if `flag_off_diagonal`; DIAGONAL_ONLY instead
     of PARTIAL where they are, if `flag_diagonal`); returns the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
-    num_tiles = cute.size(mBounds.shape[0])
-    if const_expr(causal):
-        # Key tiles past the last row's diagonal are SKIP: do not even load their bounds.
-        last_key = row_end - 1 + causal_offset
-        num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
+    # Key tiles past the last row's diagonal are SKIP: do not even load their bounds.
+    num_tiles = seen_key_tiles(cute.size(mBounds.shape[0]), row_end, causal_offset, tile_n, causal)
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
     for first in cutlass.range(0, num_tiles, 32, unroll=1):
         tile = first + lane
@@ -236,6 +233,22 @@ def list_key_tiles(
 
 
 @cute.jit
+def seen_key_tiles(
+    num_tiles: Int32,
+    row_end: Int32,
+    causal_offset: Int32,
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+) -> Int32:
+    """Of `num_tiles` key tiles, how many the query rows up to `row_end` may see: all, or with
+    `causal` those up to the last row's diagonal (none where it comes before the first key)."""
+    if const_expr(causal):
+        last_key = row_end - 1 + causal_offset
+        num_tiles = Int32(0) if last_key < 0 else cutlass.min(num_tiles, last_key // tile_n + 1)
+    return num_tiles
+
+
+@cute.jit
 def _list_work_tile(
     tile_list: TileList,
     position: Int32,
@@ -251,7 +264,7 @@ def _list_work_tile(
     position after its END_OF_LIST and the work tiles listed so far."""
     work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k = args
     tile_m, counted_keys, *flags = choices
-    tile_n = flags[0]  # `flags`: list_key_tiles' compile-time arguments, tile_n first
+    tile_n, causal = flags[:2]  # `flags`: list_key_tiles' compile-time arguments, these first
     header = position
     entry = work_tiles.header(work)
     _put_single(tile_list, header, entry)
@@ -281,7 +294,8 @@ def _list_work_tile(
         position = list_key_tiles(tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags)
     key_tiles = position - header - 2
     if const_expr(counted_keys):
-        key_tiles = (seqlen_k + tile_n - 1) // tile_n  # every one
+        row_end = cutlass.min(row_start + tile_m, seqlen_q)
+        key_tiles = seen_key_tiles((seqlen_k + tile_n - 1) // tile_n, row_end, seqlen_k - seqlen_q, tile_n, causal)
     if cute.arch.lane_idx() == 0:
         timeline.record(tiles_done, Event.LIST_END)
         timeline.record(tiles_done, Event.KEY_TILES, key_tiles)

@@ -2,7 +2,8 @@
 
 `flashmask3::cute_forward` runs `interface.forward` and `flashmask3::cute_backward` runs
 `interface.backward`; `register_autograd` joins them. Custom ops take tensors and scalars, not
-Python objects, so the mask travels as its `startend_row_indices` (None: no mask), its `causal`
+Python objects, so the mask travels as its `startend_row_indices` (None: no mask, or with
+`causal` the causal mask alone), its `causal`
 flag (and, to the forward, its `segmented` hint) and is rebuilt inside each op (seqlen_q from
 q). The fake implementations give the outputs' shapes and dtypes without a kernel: Dynamo traces
 through `attention(..., backend="cute")` with no graph break, and AOTAutograd sees the backward
@@ -29,17 +30,19 @@ def attention(
     softmax_scale: float,
     deterministic: bool = False,
     sinks: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]) through the custom ops; differentiable in q, k, v
     (and `sinks`).
 
     Inputs as for `interface.forward`; the mask must already be on q's device with seqlen_q = Sq.
+    `causal` with `mask` None: the causal mask alone (`interface.forward`'s `causal`).
     `deterministic` is read by the backward. `sinks` [Hq]: joined to each row's softmax in the
     forward kernel's epilogue (out and lse are `join_sinks`'s); the backward runs the kernel on
     those, where the sink is a key of value 0, and adds d(sinks).
     """
     row_indices = None if mask is None else mask.startend_row_indices
-    causal, segmented = (False, False) if mask is None else (mask.causal, mask.segmented)
+    causal, segmented = (causal, False) if mask is None else (mask.causal, mask.segmented)
     # The kernels read q, k and v in place where TMA can (transformers' [B, S, H, D] views of
     # [B, H, S, D] tensors); any copy is made here, once, and is what the backward gets back.
     q, k, v = (interface.tma_operand(x) for x in (q, k, v))
@@ -66,7 +69,7 @@ def cute_forward(
     """The Hopper forward kernel: (out, lse), with `sinks` joined in its epilogue. `deterministic` is
     an input only for the backward."""
     mask = _mask(row_indices, causal, q.shape[1], segmented)
-    return interface.forward(q, k, v, mask, softmax_scale, sinks=sinks)
+    return interface.forward(q, k, v, mask, softmax_scale, sinks=sinks, causal=causal and mask is None)
 
 
 @cute_forward.register_fake
@@ -90,7 +93,9 @@ def cute_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Hopper backward kernels: (dq, dk, dv), dk and dv summed over each GQA group."""
     mask = _mask(row_indices, causal, q.shape[1])
-    return interface.backward(dout, q, k, v, out, lse, mask, softmax_scale, deterministic)
+    return interface.backward(
+        dout, q, k, v, out, lse, mask, softmax_scale, deterministic, causal=causal and mask is None
+    )
 
 
 @cute_backward.register_fake

@@ -89,14 +89,19 @@ def forward_plan(
     sms: int,
     uniform_work: bool = False,
     sequence_tiles: bool = False,
+    plain: bool = False,
 ) -> ForwardPlan:
     """The forward's plan for `mask` under `config`, q of `batch` x `q_heads` heads, on a GPU of
     `sms` SMs. `uniform_work`: the mask stands for no mask (every work tile sees every key tile:
     nothing to order, no segments); `sequence_tiles`: the kernel must keep the sequence's tiles
-    (Sq != Sk, or a CUDA graph being captured, where a kept plan would be replayed stale)."""
+    (Sq != Sk, or a CUDA graph being captured, where a kept plan would be replayed stale);
+    `plain`: the mask stands for no mask or for the causal one alone (no interval hides a row)."""
     tile_rows = None
-    if config.counted_keys and not (uniform_work and mask.startend_row_indices.shape[-2] % config.tile_n == 0):
-        config = dataclasses.replace(config, counted_keys=False)  # a masked tile: the list says which
+    whole_key_tiles = mask.startend_row_indices.shape[-2] % config.tile_n == 0
+    if config.counted_keys and not (plain and whole_key_tiles and not (mask.causal and config.tile_m == 192)):
+        # A tile masked by more than the diagonal: the list says which. The causal build at
+        # 192-row tiles keeps the list too (counted, its consumers hold more in local memory).
+        config = dataclasses.replace(config, counted_keys=False)
     if config.segment_tiles:
         if uniform_work or sequence_tiles:
             config = dataclasses.replace(config, segment_tiles=False)

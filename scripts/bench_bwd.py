@@ -197,10 +197,10 @@ def run_bench(
                 "deterministic": deterministic,
             }
 
-            ours_mask = called_mask(name, mask)
+            ours_mask, causal = called_mask(name, mask)
 
             def cute(q, k, v):
-                return fm.attention(q, k, v, ours_mask, backend="cute", deterministic=deterministic)
+                return fm.attention(q, k, v, ours_mask, backend="cute", deterministic=deterministic, causal=causal)
 
             ours = output_and_gradients(cute, *inputs[0])
             case = bench_peers.PeerCase(name, mask, batch_size, heads, scale)
@@ -213,15 +213,19 @@ def run_bench(
     return rows
 
 
-def backward_step(mask: ColumnMask | None, head_dim: int, overrides: dict, deterministic: bool = False):
+def backward_step(
+    mask: ColumnMask | None, head_dim: int, overrides: dict, deterministic: bool = False, causal: bool = False
+):
     """The timed call of the backward ablation under a variant's changes: the cute forward, then its
-    backward (`deterministic` mode's configuration and kernel where set) -> (dq, dk, dv)."""
+    backward (`deterministic` mode's configuration and kernel where set) -> (dq, dk, dv). `causal`:
+    as `bench_fwd.forward_step`'s."""
     scale = head_dim**-0.5
     fwd, bwd = mask_configs(head_dim, mask, overrides, deterministic)
+    called = None if causal else mask
 
     def run(q, k, v, dout):
-        out, lse = cute_forward(q, k, v, mask, scale, config=fwd)
-        return cute_backward(dout, q, k, v, out, lse, mask, scale, deterministic, config=bwd)
+        out, lse = cute_forward(q, k, v, called, scale, config=fwd, causal=causal)
+        return cute_backward(dout, q, k, v, out, lse, called, scale, deterministic, config=bwd, causal=causal)
 
     return run
 
@@ -257,8 +261,8 @@ def run_profile(
             return {}
 
         peers = bench_peers.checked_peers(case, peer_names, warm_up, failed)
-        ours_mask = called_mask(name, mask)
-        contenders = {"cute": lambda q, k, v: fm.attention(q, k, v, ours_mask, backend="cute"), **peers}
+        ours_mask, causal = called_mask(name, mask)
+        contenders = {"cute": lambda q, k, v: fm.attention(q, k, v, ours_mask, backend="cute", causal=causal), **peers}
         errors = {key.removesuffix("_error"): value for key, value in failed.items() if key.endswith("_error")}
         result[name] = {"errors": errors} if errors else {}
         for peer, error in errors.items():

@@ -113,7 +113,7 @@ def run_check(
         for sq, d, dtype in combos:
             seed += 1
             mask = masks.build(name, sq, batch=2, heads=4, seed=seed, device=device)
-            rows.append(case(name, called_mask(name, mask), 2, sq, sq, 4, 2, d, dtype, seed, dv))
+            rows.append(case(name, None if name == "full" else mask, 2, sq, sq, 4, 2, d, dtype, seed, dv))
             save(rows)
     # Sq != Sk (causal bottom-right), MQA, and no mask.
     for sq, sk in ((700, 1300), (1300, 700)):
@@ -264,13 +264,15 @@ def run_bench(
                 "density": density,
                 **({"sinks": True} if sinks else {}),
             }
-            ours_mask = called_mask(name, mask)
-            ours = cute_forward(*inputs[0], ours_mask, scale, **with_sinks)[0]
+            ours_mask, causal = called_mask(name, mask)
+            ours = cute_forward(*inputs[0], ours_mask, scale, causal=causal, **with_sinks)[0]
             case = bench_peers.PeerCase(name, mask, batch_size, heads, scale, head_sinks)
             peers = bench_peers.checked_peers(
                 case, peer_names, lambda fn: {"max_diff": bench_peers.max_abs_diff(ours, fn(*inputs[0]))}, row
             )
-            contenders = {"cute": (lambda q, k, v: cute_forward(q, k, v, ours_mask, scale, **with_sinks), inputs)}
+            contenders = {
+                "cute": (lambda q, k, v: cute_forward(q, k, v, ours_mask, scale, causal=causal, **with_sinks), inputs)
+            }
             contenders.update({peer: (fn, inputs) for peer, fn in peers.items()})
             record_times(row, contenders, rounds=rounds, repeats=repeats)
             add_row(rows, row, flops, save)
@@ -317,10 +319,13 @@ def variant_overrides(variant: str) -> dict:
     return kernel_overrides(variant.split("+"))
 
 
-def forward_step(mask: ColumnMask | None, head_dim: int, overrides: dict):
-    """The timed call of the forward ablation under a variant's changes: q, k, v, dout -> (out,)."""
+def forward_step(mask: ColumnMask | None, head_dim: int, overrides: dict, causal: bool = False):
+    """The timed call of the forward ablation under a variant's changes: q, k, v, dout -> (out,).
+    `causal`: ours called with the causal mask alone (no mask), `mask` its built form, which
+    picks the configuration."""
     config, _ = mask_configs(head_dim, mask, overrides)
-    return lambda q, k, v, dout: cute_forward(q, k, v, mask, head_dim**-0.5, config=config)[:1]
+    called = None if causal else mask
+    return lambda q, k, v, dout: cute_forward(q, k, v, called, head_dim**-0.5, config=config, causal=causal)[:1]
 
 
 def run_ablation(
@@ -339,8 +344,8 @@ def run_ablation(
 ) -> list[dict]:
     """Per mask: the chosen configurations' time ("default"), then each variant's time and largest
     output difference, and each one's host time per call (launch work).
-    `step(mask, head_dim, overrides)` gives the timed call under a variant's changes (q, k, v, dout ->
-    a tuple of output tensors);
+    `step(mask, head_dim, overrides, causal=...)` gives the timed call under a variant's changes (q,
+    k, v, dout -> a tuple of output tensors; `causal`: as `forward_step`'s);
     `flops_per_fwd` its FLOPs in forwards (3.5 for fwd+bwd). The configurations take turns in
     `rounds` rounds (median over all), so a drift of the GPU's clock over the run hits them alike.
     `heads`, `kv_heads`, `batch`, `head_dim_v`: the inputs' shape, as in `run_bench`."""
@@ -353,15 +358,16 @@ def run_ablation(
         for name in progress(mask_names, f"ablate {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
             flops = flops_per_fwd * forward_flops(batch_size, heads, seqlen, head_dim, head_dim_v, mask.density())
-            mask = called_mask(name, mask)
-            run = step(mask, head_dim, {})
+            ours_mask, causal = called_mask(name, mask)
+            mask = mask if causal else ours_mask
+            run = step(mask, head_dim, {}, causal=causal)
             reference = run(*inputs[0])
             row = {"mask": name, "seqlen": seqlen, "batch": batch_size, "heads": heads, "kv_heads": kv_heads}
             if head_dim_v != head_dim:
                 row["head_dim_v"] = head_dim_v
             contenders = {"default": (run, inputs)}
             for variant in variants:
-                timed = step(mask, head_dim, variant_overrides(variant))
+                timed = step(mask, head_dim, variant_overrides(variant), causal=causal)
                 row[f"{variant}_max_diff"] = max(
                     float((a.float() - b.float()).abs().max()) for a, b in zip(timed(*inputs[0]), reference)
                 )

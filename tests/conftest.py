@@ -45,15 +45,22 @@ def plain_causal_mask(batch, seqlen_q, seqlen_k, width, device) -> ColumnMask:
 
 
 # -- the cute custom ops on the CPU ----------------------------------------------------------------
+def _op_mask(q, k, row_indices, causal) -> ColumnMask | None:
+    """The mask the custom ops' arguments stand for (no boundaries: none, or the causal one alone)."""
+    if row_indices is None:
+        return plain_causal_mask(1, q.shape[1], k.shape[1], 1, q.device) if causal else None
+    return ColumnMask._unchecked(row_indices, causal, q.shape[1])
+
+
 def _reference_forward(q, k, v, row_indices, causal, segmented, softmax_scale, deterministic, sinks=None):
-    mask = None if row_indices is None else ColumnMask._unchecked(row_indices, causal, q.shape[1])
+    mask = _op_mask(q, k, row_indices, causal)
     out, lse = reference.forward(q, k, v, mask, softmax_scale, torch.float64)
     out, lse = out.to(q.dtype).contiguous(), lse.float().contiguous()
     return (out, lse) if sinks is None else reference.join_sinks(out, lse, sinks)
 
 
 def _reference_backward(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, deterministic):
-    mask = None if row_indices is None else ColumnMask._unchecked(row_indices, causal, q.shape[1])
+    mask = _op_mask(q, k, row_indices, causal)
     grads = reference.backward(dout, q, k, v, out, lse, mask, softmax_scale, torch.float64)
     return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v)))
 

@@ -496,3 +496,17 @@ def test_cp_report_takes_the_per_call_cost_with_the_model_only(monkeypatch, caps
     # Four ring calls per direction pay the per-call cost, one or two mask-aware ones.
     assert cheap["ring_tflops_per_gpu"] > 1.2 * costly["ring_tflops_per_gpu"]
     assert cheap["mask_aware_tflops_per_gpu"] > costly["mask_aware_tflops_per_gpu"]
+
+
+def test_the_kernels_causal_alone_refuses_a_mask_beside_it():
+    """The kernel interface's `causal=True` stands for the causal mask alone: given with a mask, a
+    ValueError that says so, in both directions, before anything runs."""
+    from flashmask3.optimized import interface
+
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    mask = masks.build("causal", 8)
+    with pytest.raises(ValueError, match="causal=True stands for the causal mask alone"):
+        interface.forward(q, q, q, mask, 0.125, causal=True)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="causal=True stands for the causal mask alone"):
+        interface.backward(q, q, q, q, q, lse, mask, 0.125, causal=True)

@@ -55,14 +55,24 @@ class FakeMask:
         self.density = lambda: density
 
 
-def test_the_full_mask_family_is_timed_and_checked_without_a_mask():
-    """Unmasked attention is called without a mask (as FA4's and SDPA's are), so the benchmarks and
-    checks call ours with none for "full" and with the built mask otherwise."""
+def called(mask, causal: bool, q, k):
+    """The mask a faked kernel call stands for: `mask`, or with `causal` (and no mask) the causal one
+    alone."""
+    from conftest import plain_causal_mask
+
+    return plain_causal_mask(1, q.shape[1], k.shape[1], 1, q.device) if causal else mask
+
+
+def test_the_full_and_causal_families_are_timed_as_users_call_them():
+    """Unmasked and causal attention are called without a mask (as FA4's and SDPA's are), so the
+    benchmarks call ours with none for "full", none and causal=True for "causal", and with the
+    built mask otherwise."""
     from flashmask3.bench import called_mask
 
     built = object()
-    assert called_mask("full", built) is None
-    assert all(called_mask(name, built) is built for name in ("causal", "document", "prefix_lm_causal"))
+    assert called_mask("full", built) == (None, False)
+    assert called_mask("causal", built) == (None, True)
+    assert all(called_mask(name, built) == (built, False) for name in ("causal_document", "prefix_lm_causal"))
 
 
 def test_the_full_rows_of_an_ablation_run_without_a_mask(monkeypatch):
@@ -73,7 +83,7 @@ def test_the_full_rows_of_an_ablation_run_without_a_mask(monkeypatch):
 
     seen = []
 
-    def fake_forward(q, k, v, mask, softmax_scale, config):
+    def fake_forward(q, k, v, mask, softmax_scale, config, causal=False):
         seen.append((mask, config))
         return torch.zeros(2), None
 
@@ -103,7 +113,7 @@ def test_ablation_times_each_variant_in_its_configuration(monkeypatch):
 
     seen = []
 
-    def fake_forward(q, k, v, mask, softmax_scale, config):
+    def fake_forward(q, k, v, mask, softmax_scale, config, causal=False):
         seen.append(config)
         return torch.full((2,), float(config.num_stages)), None
 
@@ -143,7 +153,7 @@ def test_backward_ablation_takes_the_largest_difference_over_all_gradients(monke
     """`bench_bwd.py ablate` passes its fwd+bwd step (3.5 forwards of FLOPs) to the same loop."""
     import torch
 
-    def step(mask, head_dim, overrides):  # dK differs by num_stages - 2 (1 with 3 stages), dQ never
+    def step(mask, head_dim, overrides, causal=False):  # dK differs by num_stages - 2 (1 with 3 stages), dQ never
         return lambda q, k, v, dout: (torch.zeros(2), torch.full((2,), overrides.get("num_stages", 2) - 2.0))
 
     monkeypatch.setattr(bench_fwd, "random_inputs", lambda *a, **k: (1, 2, 3, 4))
@@ -236,7 +246,9 @@ def test_forward_bench_times_cute_and_each_peer_in_turns(monkeypatch):
     calls = []
     _fake_peers(monkeypatch, bench_fwd, calls, density=0.5)
     monkeypatch.setattr(
-        bench_fwd, "cute_forward", lambda q, k, v, mask, scale: (calls.append("cute") or bench_fwd.torch.zeros(2), None)
+        bench_fwd,
+        "cute_forward",
+        lambda q, k, v, mask, scale, causal=False: (calls.append("cute") or bench_fwd.torch.zeros(2), None),
     )
     full, document = bench_fwd.run_bench([8192], 128, ["full", "document"])
     assert {k for k in full if k.endswith("_ms")} == {"cute_ms", "flex_ms", "fa4_ms"}
@@ -343,9 +355,9 @@ def test_backward_ablation_step_runs_both_configurations_with_the_changes(monkey
     from flashmask3.optimized import bwd_config, fwd_config
 
     seen = []
-    monkeypatch.setattr(bench_bwd, "cute_forward", lambda *args, config: seen.append(config) or ("out", "lse"))
+    monkeypatch.setattr(bench_bwd, "cute_forward", lambda *args, config, causal: seen.append(config) or ("out", "lse"))
     monkeypatch.setattr(
-        bench_bwd, "cute_backward", lambda *args, config: seen.append((args[-1], config)) or ("dq", "dk", "dv")
+        bench_bwd, "cute_backward", lambda *args, config, causal: seen.append((args[-1], config)) or ("dq", "dk", "dv")
     )
     step = bench_bwd.backward_step(FakeMask(1.0), 64, {"persistent": False, "lse_ahead": False})
     assert step(1, 2, 3, 4) == ("dq", "dk", "dv")
@@ -935,9 +947,9 @@ def test_forward_bench_takes_gqa_to_our_kernel_and_every_peer(monkeypatch):
     inputs = gqa_bench_on_cpu(monkeypatch, bench_fwd)
     ours = []
 
-    def cute_forward(q, k, v, mask, softmax_scale):
+    def cute_forward(q, k, v, mask, softmax_scale, causal=False):
         ours.append((q.shape, k.shape, v.shape, None if mask is None else mask.heads))
-        return reference_attention(q, k, v, mask, softmax_scale)
+        return reference_attention(q, k, v, called(mask, causal, q, k), softmax_scale)
 
     monkeypatch.setattr(bench_fwd, "cute_forward", cute_forward)
     rows = bench_fwd.run_bench(
@@ -1013,7 +1025,7 @@ def test_ablation_takes_the_shape_options(monkeypatch):
     monkeypatch.setattr(bench_fwd.masks, "build", lambda *a, **k: seen.append(k["heads"]) or FakeMask(0.5))
     monkeypatch.setattr(bench, "gpu_times_ms", lambda fn, inputs, warmup, repeats: [fn(*x) for x in inputs] and [2.0])
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
-    step = lambda mask, head_dim, overrides: lambda q, k, v, dout: (bench_fwd.torch.zeros(1),)  # noqa: E731
+    step = lambda mask, head_dim, overrides, causal: lambda q, k, v, dout: (bench_fwd.torch.zeros(1),)  # noqa: E731
     (row,) = bench_fwd.run_ablation([32768], 128, ["full"], [], step, heads=16, kv_heads=4, batch=1)
     assert seen == [(1, 32768, 32768, 16, 4, 128)] * 2 + [16]
     assert {key: row[key] for key in ("batch", "heads", "kv_heads")} == {"batch": 1, "heads": 16, "kv_heads": 4}
@@ -1028,9 +1040,9 @@ def test_forward_bench_and_ablation_take_a_value_head_dim(monkeypatch):
     gqa_bench_on_cpu(monkeypatch, bench_fwd)
     shapes = []
 
-    def cute_forward(q, k, v, mask, softmax_scale, config=None):
+    def cute_forward(q, k, v, mask, softmax_scale, config=None, causal=False):
         shapes.append((q.shape[-1], k.shape[-1], v.shape[-1]))
-        return reference_attention(q, k, v, mask, softmax_scale)
+        return reference_attention(q, k, v, called(mask, causal, q, k), softmax_scale)
 
     monkeypatch.setattr(bench_fwd, "cute_forward", cute_forward)
     (row,) = bench_fwd.run_bench([256], 192, ["causal"], peer_names=(), heads=2, batch=1, head_dim_v=128)
@@ -1052,14 +1064,14 @@ def test_the_forward_bench_with_sinks_gives_them_to_cute_and_the_fa4_peers_only(
     monkeypatch.setattr(bench_fwd, "random_sinks", lambda heads, seqlen, device: torch.arange(heads) / 4.0)
     ours, peers = [], {}
 
-    def cute_forward(q, k, v, mask, softmax_scale, sinks=None):
+    def cute_forward(q, k, v, mask, softmax_scale, causal=False, sinks=None):
         ours.append(sinks)
-        return reference_attention(q, k, v, mask, softmax_scale, sinks=sinks)
+        return reference_attention(q, k, v, called(mask, causal, q, k), softmax_scale, sinks=sinks)
 
     def peer(name):
         def build(case):
             peers[name] = case.sinks
-            return lambda q, k, v: cute_forward(q, k, v, case.mask, case.softmax_scale, case.sinks)[0]
+            return lambda q, k, v: cute_forward(q, k, v, case.mask, case.softmax_scale, sinks=case.sinks)[0]
 
         return build
 

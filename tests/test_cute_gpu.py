@@ -694,21 +694,29 @@ def test_turn_barriers_leave_the_forwards_numbers(name, head_dim, head_dim_v, se
     assert_a_field_keeps_the_forwards_numbers("turn_barriers", name, head_dim, head_dim_v, seqlen, seed=37)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (64, 64), (192, 128), (256, 256)])
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1531, 2048), (8192, 8192)])
-def test_counted_key_tiles_give_the_listed_tiles_numbers(head_dim, head_dim_v, seqlen_q, seqlen_k):
-    """`counted_keys` on calls without a mask: each work tile's key tiles counted by the loads and
-    the loop instead of read from the mask warp's list, the same outputs and LSE bit for bit (GQA 4
-    on 2; with Sq != Sk a ragged last query tile)."""
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1531, 2048), (2048, 1536), (8192, 8192)])
+def test_counted_key_tiles_give_the_listed_tiles_numbers(causal, head_dim, head_dim_v, seqlen_q, seqlen_k):
+    """`counted_keys` on calls without a mask or with the causal one alone (`causal=True`): each
+    work tile's key tiles counted by the loads and the loop instead of read from the mask warp's
+    list (the diagonal's by the comparison), the same outputs and LSE bit for bit as the list, and
+    as the same causal mask given with its bounds (GQA 4 on 2; with Sq != Sk the causal diagonal
+    bottom-right: a ragged last query tile, or with more queries than keys rows that see none)."""
+    from conftest import plain_causal_mask
     from flashmask3.optimized.interface import forward, mask_configs
 
     scale = 1 / math.sqrt(head_dim)
     q, k, v, _ = random_inputs(
         2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16, "cuda", seed=59, head_dim_v=head_dim_v
     )
-    listed = mask_configs(head_dim, None)[0]
-    out, lse = forward(q, k, v, None, scale, config=listed)
-    counted = forward(q, k, v, None, scale, config=dataclasses.replace(listed, counted_keys=True))
+    mask = plain_causal_mask(1, seqlen_q, seqlen_k, 1, "cuda") if causal else None
+    listed = mask_configs(head_dim, mask)[0]
+    out, lse = forward(q, k, v, None, scale, config=listed, causal=causal)
+    counted = forward(q, k, v, None, scale, config=dataclasses.replace(listed, counted_keys=True), causal=causal)
+    if causal:
+        bounded = forward(q, k, v, mask, scale, config=listed)
+        assert torch.equal(out, bounded[0]) and torch.equal(lse, bounded[1])
     assert torch.equal(out, counted[0]) and torch.equal(lse, counted[1])
 
 

@@ -82,6 +82,33 @@ def test_the_segmented_hint_reaches_the_forward_op(cute_on_cpu):
     assert seen == [True, False, False, True]
 
 
+def test_the_causal_mask_alone_reaches_the_ops_without_bounds(cute_on_cpu):
+    """`attention(causal=True)` (no window, no documents) reaches the forward op as no boundaries and
+    causal (the kernels then plan it as the causal mask alone), with Sq != Sk bottom-right aligned:
+    the outputs and gradients of the same causal mask given as a ColumnMask; a window keeps its
+    boundaries."""
+    from conftest import _reference_forward
+
+    seen = []
+
+    def recording(q, k, v, row_indices, causal, *rest):
+        seen.append((row_indices is None, causal))
+        return _reference_forward(q, k, v, row_indices, causal, *rest)
+
+    ops.cute_forward.register_kernel("cpu", recording)
+    q, k, v = random_qkv(2, 40, 4, 2, 16, seed=5, requires_grad=True)
+    for queries in (q, q[:, 25:]):  # Sq = Sk, then 15 queries against 40 keys
+        out = fm.attention(queries, k, v, causal=True, backend="cute")
+        mask = ColumnMask._band(queries.shape[1], 40, -1, -1, True)
+        want = fm.attention(queries, k, v, mask, backend="reference")
+        dout = torch.randn_like(out)
+        for got, expected in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+            assert ((got - expected).norm() / expected.norm()).item() < 1e-6
+        assert (out - want).abs().max() < 1e-12
+    fm.attention(q, k, v, causal=True, window_size=(7, 0), backend="cute")
+    assert seen == [(True, True), (True, True), (False, True)]
+
+
 def test_the_ops_take_transformers_views_without_a_copy(cute_on_cpu):
     """q, k and v as transformers passes them ([B, S, H, D] views of [B, H, S, D]) reach the forward
     op as they are (the kernels' TMA reads them in place), the backward op gets those very tensors

@@ -951,16 +951,19 @@ def test_the_fingerprint_reads_only_the_code_sections():
     ]
 
 
-@pytest.mark.slow  # compiles and disassembles six forwards, ~30 s
-@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (64, 64), (192, 128)])
-def test_counted_key_tiles_leave_the_bounds_out_of_the_kernel(tmp_path, head_dim, head_dim_v):
-    """`counted_keys` (calls without a mask): the kernel copies no bounds (no cp.async at all; the
-    listed build copies a PARTIAL tile's), and its key-tile loop is shorter than the listed
-    build's; no local memory, the WGMMAs in flight."""
+@pytest.mark.slow  # compiles and disassembles ten forwards, ~50 s
+@pytest.mark.parametrize(
+    "head_dim, head_dim_v, causal, width",
+    [(128, 128, False, 2), (64, 64, False, 2), (192, 128, False, 2), (128, 128, True, 1), (256, 256, True, 1)],
+)
+def test_counted_key_tiles_leave_the_bounds_out_of_the_kernel(tmp_path, head_dim, head_dim_v, causal, width):
+    """`counted_keys` (calls without a mask, or with the causal one alone): the kernel copies no
+    bounds (no cp.async at all; the listed build copies a PARTIAL tile's), and its key-tile loop is
+    shorter than the listed build's; no local memory, the WGMMAs in flight."""
     loops = {}
     for counted in (False, True):
-        name = f"counted_{head_dim}_{counted}"
-        sass = changed_forward_sass(tmp_path, name, head_dim, False, 2, f"counted_keys={counted}", head_dim_v)
+        name = f"counted_{head_dim}_{causal}_{counted}"
+        sass = changed_forward_sass(tmp_path, name, head_dim, causal, width, f"counted_keys={counted}", head_dim_v)
         assert ("LDGSTS" in sass) != counted, name
         blocks, _ = hot_loop_in_registers(sass, name)
         loops[counted] = [inst for _, block in blocks for inst in block]
