@@ -377,6 +377,33 @@ def test_the_forward_draws_longest_first_when_few_per_sm(monkeypatch):
     assert orders[3] is None
 
 
+def test_the_causal_mask_alone_launches_the_causal_kernels_on_bounds_kept_per_shape(monkeypatch):
+    """`causal=True` without a mask: both directions launch the causal one-bound kernels on a kept
+    causal mask (every bound at Sq: only the diagonal cuts a tile), the same tensor call after call,
+    with the forward's work tiles drawn longest first (they are not alike, unlike no mask's) and
+    `counted_keys` kept where asked for."""
+    import dataclasses
+
+    import torch
+    from flashmask3.optimized import fwd_config, interface
+
+    launched = []
+    monkeypatch.setattr(interface, "_launch", lambda direction, *args, **kw: launched.append((direction, args)))
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 2)
+    q, k, v = torch.randn(3, 1, 512, 2, 128, dtype=torch.bfloat16)
+    counted = dataclasses.replace(fwd_config(128, True, 1), counted_keys=True)
+    for config in (None, counted):
+        interface.forward(q, k, v, None, 0.125, config=config, causal=True)
+    interface.backward(q, q, k, v, q, torch.zeros(1, 2, 512), None, 0.125, causal=True)
+    forwards = [args for direction, args in launched if direction == "fwd"]
+    (backward,) = [args for direction, args in launched if direction == "bwd"]
+    assert [args[1:4] for args in forwards + [backward]] == [(128, True, 1)] * 3  # (d, causal, width)
+    assert [args[4].counted_keys for args in forwards] == [False, True]  # (..., config, tensors, ...)
+    bounds = [args[5][5].tensor for args in forwards]  # tensors: q, k, v, out, lse, the mask's bounds
+    assert bounds[0] is bounds[1] and bounds[0].shape[-1] == 1 and bool((bounds[0] == 512).all())
+    assert forwards[0][5][8] is not None  # the draw order
+
+
 def test_the_host_only_choices_compile_no_new_kernel():
     """The longest-first thresholds and length classes decide on the host whether and which order
     is passed; the kernel is keyed on the rest of its configuration."""
