@@ -56,9 +56,9 @@ from .mask_role import (
     PARTIAL,
     UNIFORM,
     TileList,
+    counted_key_tiles,
     entry_tile,
     list_work_tiles,
-    seen_key_tiles,
 )
 from .softmax import LOG2_E, rescale_rows, softmax_finalize, softmax_rescore, warp_rows_moved
 from .tile_scheduler import NO_MORE_WORK, WorkTiles
@@ -507,12 +507,8 @@ class FlashMaskForwardSm90:
     def counted_tiles(self, row_start, seqlen_q, seqlen_k):
         """With `counted_keys`: (how many key tiles the work tile of rows from `row_start` sees,
         the last key its first row sees: causal, the tiles past it are cut by the diagonal)."""
-        causal_offset = seqlen_k - seqlen_q
-        row_end = cutlass.min(row_start + self.tile_m, seqlen_q)
-        count = seen_key_tiles(
-            (seqlen_k + self.tile_n - 1) // self.tile_n, row_end, causal_offset, self.tile_n, self.causal
-        )
-        return count, row_start + causal_offset
+        count = counted_key_tiles(row_start, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+        return count, row_start + seqlen_k - seqlen_q
 
     @cute.jit
     def key_entry(self, tile_list, position, first, counted):

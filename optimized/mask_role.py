@@ -249,6 +249,21 @@ def seen_key_tiles(
 
 
 @cute.jit
+def counted_key_tiles(
+    row_start: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+) -> Int32:
+    """With `counted_keys` (no interval hides a row): the key tiles the work tile of rows from
+    `row_start` sees, every one or with `causal` up to its last row's diagonal."""
+    row_end = cutlass.min(row_start + tile_m, seqlen_q)
+    return seen_key_tiles((seqlen_k + tile_n - 1) // tile_n, row_end, seqlen_k - seqlen_q, tile_n, causal)
+
+
+@cute.jit
 def _list_work_tile(
     tile_list: TileList,
     position: Int32,
@@ -294,8 +309,7 @@ def _list_work_tile(
         position = list_key_tiles(tile_list, header + 1, bounds, row_start, row_start + real_rows, seqlen_k, 0, *flags)
     key_tiles = position - header - 2
     if const_expr(counted_keys):
-        row_end = cutlass.min(row_start + tile_m, seqlen_q)
-        key_tiles = seen_key_tiles((seqlen_k + tile_n - 1) // tile_n, row_end, seqlen_k - seqlen_q, tile_n, causal)
+        key_tiles = counted_key_tiles(row_start, seqlen_q, seqlen_k, tile_m, tile_n, causal)
     if cute.arch.lane_idx() == 0:
         timeline.record(tiles_done, Event.LIST_END)
         timeline.record(tiles_done, Event.KEY_TILES, key_tiles)

@@ -97,10 +97,11 @@ def forward_plan(
     (Sq != Sk, or a CUDA graph being captured, where a kept plan would be replayed stale);
     `plain`: the mask stands for no mask or for the causal one alone (no interval hides a row)."""
     tile_rows = None
+    # Counted only where no tile is masked by more than the diagonal (else the list says which),
+    # and not by the causal build at 192-row tiles, whose consumers then hold more in local memory.
     whole_key_tiles = mask.startend_row_indices.shape[-2] % config.tile_n == 0
-    if config.counted_keys and not (plain and whole_key_tiles and not (mask.causal and config.tile_m == 192)):
-        # A tile masked by more than the diagonal: the list says which. The causal build at
-        # 192-row tiles keeps the list too (counted, its consumers hold more in local memory).
+    countable = plain and whole_key_tiles and not (mask.causal and config.tile_m == 192)
+    if config.counted_keys and not countable:
         config = dataclasses.replace(config, counted_keys=False)
     if config.segment_tiles:
         if uniform_work or sequence_tiles:
