@@ -97,7 +97,7 @@ class FwdConfig:
     # work tile's key tiles counted in registers by the producer and the consumers, as FA4 walks
     # them, instead of read from the mask warp's list (which then holds the work tiles only); only
     # the causal diagonal cuts a tile, masked by the comparison. The plan keeps the list for every
-    # other call, and for the causal one at 192-row tiles (whose consumers would spill more).
+    # other call.
     counted_keys: bool
 
     def __post_init__(self) -> None:
@@ -270,50 +270,53 @@ causal blockwise, -1.5% on the sliding window (4 classes: +15% and +14% on those
 sliding window); on an H200, 16 classes were within 1-2% of 8 on six masks."""
 
 
-def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = False) -> FwdConfig:
+def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = False, plain: bool = False) -> FwdConfig:
     """The forward's configuration for this head dim and mask variant (`segmented`: the mask's
-    `ColumnMask.segmented` hint). 192-row query tiles at head
-    dim 64 (FA3/FA4's SM90 shape: 1.5x the rows per K/V load; +8-12% on four of five masks at 8K,
-    -7.5% on the sliding window), 128 at 128; two K/V stages (a third measured no faster); the
-    persistent grid (up to +21% over one CTA per work tile on the short-list masks, even on the
-    dense ones); uniform partial tiles masked per row (+1-4% on the document-like masks at 8K, 0 on
-    full); at 128-row tiles the K stage released after the mask (+0.5-4.5% on every mask, bit for bit
-    the same numbers); one Q buffer at head dims 192 and 256, where two do not fit beside two K/V
-    stages, and their work tiles longest first only up to 64 per SM; 64-key tiles at head dim 256
-    (FA4's SM90 choice there is 80; a 64-key tile keeps the scores' registers beside O's 128 per
-    thread and two K/V stages in smem); at head dim 128 the row maxima by fmax
-    chains on the non-causal variants (+0.9-2.4% on full and document; -0.1 to -2.4% on the causal
-    masks, so not there); O rescaled lazily (only when a row's max moves by more than 2^8) on
+    `ColumnMask.segmented` hint; `plain`: a call without a mask, or with the causal one alone).
+    192-row query tiles at head dim 64 (FA3/FA4's SM90 shape: 1.5x the rows per K/V load; +8-12% on
+    four of five masks at 8K, -7.5% on the sliding window), 128 at 128; two K/V stages (a third
+    measured no faster); the persistent grid (up to +21% over one CTA per work tile on the
+    short-list masks, even on the dense ones); uniform partial tiles masked per row (+1-4% on the
+    document-like masks at 8K, 0 on full); at 128-row tiles the K stage released after the mask
+    (+0.5-4.5% on every mask, bit for bit the same numbers); one Q buffer at head dims 192 and 256,
+    where two do not fit beside two K/V stages, and their work tiles longest first only up to 64 per
+    SM; 64-key tiles at head dim 256 (FA4's SM90 choice there is 80; a 64-key tile keeps the scores'
+    registers beside O's 128 per thread and two K/V stages in smem); at head dim 128 the row maxima
+    by fmax chains on the non-causal variants (+0.9-2.4% on full and document; -0.1 to -2.4% on the
+    causal masks, so not there); O rescaled lazily (only when a row's max moves by more than 2^8) on
     the variants where it was measured and checked on a GPU: at head dim 256 every variant (+4-11%
-    on six masks with one or two bounds at 8K, +7-8% on causal blockwise and qk-sparse, +2.5-6.9% at equal
-    clocks, +3.8% on the global sliding window, on an H100), at 128 the
-    non-causal two-bound ones (full and documents +2.7-5.0%); not on the causal masks at 128 (-1.6
-    to +1%, where ptxas exposes more of the exponentials; deciding over the warpgroup instead of
-    the warp, with a barrier, lost 9-10%) nor at 192/128 (-6 to -1.5% on causal documents); on
-    the causal masks with one bound per key, the tiles only the diagonal cuts
-    masked without their bounds (sliding window +5.2% at 8K, +0.9-1.1% at 32K, the others within
-    +-0.7%; on causal_blockwise, two bounds, -0.9% at 32K, so not there; not at 192-row tiles
-    either, whose consumers it makes spill more); on the causal masks with two bounds per key at
-    128-row tiles, the partial tiles the diagonal does not cut masked by their bounds alone
-    (causal_blockwise +0.7-1.7% at 8K and 32K, qk_sparse -0.2 to -0.4%; with one bound it gains
-    on share_question, +1.9-5.5%, and loses on causal and the 32K sliding window, -1 to -4.3%); at
-    128-row tiles (head dims 128, 192/128 and 256) on segmented masks, the tiles aligned to the
-    segments (`segments.py`, planned without a host sync; on an H100 +1.5-8.0% on the four document
-    masks at 8K and 32K at 128; at 256 +4.3-6.6% on documents, +1.5-17.6% on causal documents,
-    +1.8% on share-question and +10.8% on prefix-LM documents in two runs; at 192/128 +4.5-7.0% on
-    the four at 8K; but -1 to -3.4% on masks without segments, hence only on the hint); at head
-    dims 192 and 256, O stored
-    from registers and Q's buffer freed after the last S GEMM (on an H100 at 8K +0.1-6.0% at 256,
-    +1.0-4.6% at 192/128 on full, causal, causal documents and documents; at 128, measured with
-    two Q buffers, -2 to -3% on the sliding window and share-question, and its causal builds hold
-    registers in local memory, so not there). 128-key tiles at head dim 128 also without a mask: FA3's
-    176 (one Q buffer, O from registers) measured -2.0 to +4.5% against them there, on an H100 in
-    four runs, and -1 to -10% on the masks with partial tiles; at head dim 256 FA4's 80-key tiles
-    (causal masks with one bound per key: what fits in smem) +1.5% on causal, -6% on the sliding
-    window and within 0.3% on causal documents and share-question (an H100, 8K). At 192/128 the
-    consumer warpgroups issue their GEMMs without taking turns, FA4's choice above head dim 128
-    (on an H100 at 8K +0.9-4.1% on full, causal, the documents, share-question and causal
-    blockwise); at 256 that loses 7.6% on share-question and is within 1% elsewhere, so not there."""
+    on six masks with one or two bounds at 8K, +7-8% on causal blockwise and qk-sparse, +2.5-6.9% at
+    equal clocks, +3.8% on the global sliding window, on an H100), at 128 the non-causal two-bound
+    ones (full and documents +2.7-5.0%); not on the causal masks at 128 (-1.6 to +1%, where ptxas
+    exposes more of the exponentials; deciding over the warpgroup instead of the warp, with a
+    barrier, lost 9-10%) nor at 192/128 (-6 to -1.5% on causal documents); on the causal masks with
+    one bound per key, the tiles only the diagonal cuts masked without their bounds (sliding window
+    +5.2% at 8K, +0.9-1.1% at 32K, the others within +-0.7%; on causal_blockwise, two bounds, -0.9%
+    at 32K, so not there; not at 192-row tiles either, whose consumers it makes spill more); on the
+    causal masks with two bounds per key at 128-row tiles, the partial tiles the diagonal does not
+    cut masked by their bounds alone (causal_blockwise +0.7-1.7% at 8K and 32K, qk_sparse -0.2 to
+    -0.4%; with one bound it gains on share_question, +1.9-5.5%, and loses on causal and the 32K
+    sliding window, -1 to -4.3%); at 128-row tiles (head dims 128, 192/128 and 256) on segmented
+    masks, the tiles aligned to the segments (`segments.py`, planned without a host sync; on an H100
+    +1.5-8.0% on the four document masks at 8K and 32K at 128; at 256 +4.3-6.6% on documents,
+    +1.5-17.6% on causal documents, +1.8% on share-question and +10.8% on prefix-LM documents in two
+    runs; at 192/128 +4.5-7.0% on the four at 8K; but -1 to -3.4% on masks without segments, hence
+    only on the hint); at head dims 192 and 256, O stored from registers and Q's buffer freed after
+    the last S GEMM (on an H100 at 8K +0.1-6.0% at 256, +1.0-4.6% at 192/128 on full, causal, causal
+    documents and documents; at 128, measured with two Q buffers, -2 to -3% on the sliding window
+    and share-question, and its causal builds hold registers in local memory, so not there). 128-key
+    tiles at head dim 128 also without a mask: FA3's 176 (one Q buffer, O from registers) measured
+    -2.0 to +4.5% against them there, on an H100 in four runs, and -1 to -10% on the masks with
+    partial tiles; at head dim 256 FA4's 80-key tiles (causal masks with one bound per key: what
+    fits in smem) +1.5% on causal, -6% on the sliding window and within 0.3% on causal documents and
+    share-question (an H100, 8K). At 192/128 the consumer warpgroups issue their GEMMs without
+    taking turns, FA4's choice above head dim 128 (on an H100 at 8K +0.9-4.1% on full, causal, the
+    documents, share-question and causal blockwise); at 256 that loses 7.6% on share-question and is
+    within 1% elsewhere, so not there. On plain calls the key tiles counted in registers instead of
+    listed (on an H100 at head dim 128 +1.0-3.5% on full and +0.3-5.8% on causal at 8K, 32K and the
+    training shape; at 192/128 +3.4% on full, -0.7% on causal at 32K, within the clocks' spread),
+    but not by the causal build at 192-row tiles, whose consumers then hold 35 values in local
+    memory against the list's 18."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,
@@ -333,7 +336,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
         turn_barriers=head_dim != 192,
-        counted_keys=False,
+        counted_keys=plain and not (causal and tile_m == 192),
     )
 
 

@@ -117,13 +117,15 @@ def mask_configs(
     mask: ColumnMask | None,
     overrides: Mapping[str, bool | int] | None = None,
     deterministic: bool = False,
+    causal: bool = False,
 ) -> tuple[FwdConfig, BwdConfig]:
     """Both directions' choices for this head dim and mask (the backward's for `deterministic`
-    mode), with `overrides` (`apply_overrides`)."""
+    mode), with `overrides` (`apply_overrides`); `mask` None: no mask, or with `causal` the causal
+    mask alone."""
     changes = overrides or {}
     return (
-        apply_overrides(mask_fwd_config(head_dim, mask), changes),
-        apply_overrides(bwd_config(head_dim, *mask_variant(mask), deterministic), changes),
+        apply_overrides(mask_fwd_config(head_dim, mask, causal), changes),
+        apply_overrides(bwd_config(head_dim, *mask_variant(mask, causal), deterministic), changes),
     )
 
 
@@ -379,10 +381,10 @@ def forward(
         check_sinks(sinks, q)
     plain = _check_plain(mask, causal)
     uniform_work = plain and not causal  # every work tile sees every key tile: nothing to order
+    config = config or mask_fwd_config(d, mask, causal)
     if mask is None:
         mask = _no_mask(q, sk, causal)
     width = mask.startend_row_indices.shape[-1]
-    config = config or mask_fwd_config(d, mask)
     if config.tile_m == 192 and turn_profile is not None:  # three consumer warpgroups at 160 registers each
         raise ValueError(
             "the turn profile spills at tile_m=192 (head dim 64's tiles, causal): profile a config with tile_m=128"
@@ -608,6 +610,7 @@ def compile_check(
     turn_profile: bool = False,
     segmented: bool = False,
     sinks: bool = False,
+    plain: bool = False,
 ) -> float:
     """Compile the forward kernel (or, `direction="bwd"`, the backward's three kernels) for sm_90a
     without a GPU, for the stand-ins `_launch` compiles them for (`_stand_in`), i.e. the kernels
@@ -617,7 +620,8 @@ def compile_check(
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
     backward's profiled build; `turn_profile`: the forward's turn-profiled build; `segmented`: the
     forward chosen for a segmented mask (`ColumnMask.segmented`); `sinks`: the forward with the
-    heads' sink logits."""
+    heads' sink logits; `plain`: the forward chosen for a call without a mask (`causal`: with the
+    causal one alone; `width` then 2, or 1 with `causal`)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -652,7 +656,7 @@ def compile_check(
         pre_args = each(qkv, qkv, (f32, 3), (f32, 3), (f32, 3), accumulator, step_rows)
         post_args = [*each(accumulator, qkv, step_rows), Float32(0.1)]
     else:
-        config = config or fwd_config(head_dim, causal, width, segmented)
+        config = config or fwd_config(head_dim, causal, width, segmented, plain)
         # q, k, v, out, LSE, the row indices, block bounds, tile counter, work order, tile rows,
         # timeline, turn profile, sinks.
         tensors = each(qkv, qkv, qkv, qkv, (f32, 3), rows, bounds, (i32, 1))

@@ -97,11 +97,9 @@ def forward_plan(
     (Sq != Sk, or a CUDA graph being captured, where a kept plan would be replayed stale);
     `plain`: the mask stands for no mask or for the causal one alone (no interval hides a row)."""
     tile_rows = None
-    # Counted only where no tile is masked by more than the diagonal (else the list says which),
-    # and not by the causal build at 192-row tiles, whose consumers then hold more in local memory.
+    # Counted only where no tile is masked by more than the diagonal (else the list says which).
     whole_key_tiles = mask.startend_row_indices.shape[-2] % config.tile_n == 0
-    countable = plain and whole_key_tiles and not (mask.causal and config.tile_m == 192)
-    if config.counted_keys and not countable:
+    if config.counted_keys and not (plain and whole_key_tiles):
         config = dataclasses.replace(config, counted_keys=False)
     if config.segment_tiles:
         if uniform_work or sequence_tiles:
@@ -184,14 +182,20 @@ def backward_plan(
     return BackwardPlan(mask, config, step_rows, bounds, order, split_table, slots, ranks)
 
 
-def mask_variant(mask: ColumnMask | None) -> tuple[bool, int]:
-    """(causal, width) of `mask`, as `fwd_config` / `bwd_config` take it (no mask: non-causal, 2)."""
-    return (False, 2) if mask is None else (mask.causal, mask.startend_row_indices.shape[-1])
+def mask_variant(mask: ColumnMask | None, causal: bool = False) -> tuple[bool, int]:
+    """(causal, width) of `mask`, as `fwd_config` / `bwd_config` take it (no mask: non-causal, 2,
+    or with `causal` the causal mask alone: causal, 1; the kernels' stand-ins for them)."""
+    if mask is None:
+        return (True, 1) if causal else (False, 2)
+    return mask.causal, mask.startend_row_indices.shape[-1]
 
 
-def mask_fwd_config(head_dim: int, mask: ColumnMask | None) -> FwdConfig:
-    """`fwd_config`'s choice for this head dim and mask: its variant and its segmented hint."""
-    return fwd_config(head_dim, *mask_variant(mask), segmented=mask is not None and mask.segmented)
+def mask_fwd_config(head_dim: int, mask: ColumnMask | None, causal: bool = False) -> FwdConfig:
+    """`fwd_config`'s choice for this head dim and mask: its variant and its segmented hint; `mask`
+    None: a plain call, without a mask or (`causal`) with the causal one alone."""
+    if mask is None:
+        return fwd_config(head_dim, *mask_variant(None, causal), plain=True)
+    return fwd_config(head_dim, *mask_variant(mask), segmented=mask.segmented)
 
 
 @functools.cache

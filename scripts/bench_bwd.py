@@ -220,8 +220,8 @@ def backward_step(
     backward (`deterministic` mode's configuration and kernel where set) -> (dq, dk, dv). `causal`:
     as `bench_fwd.forward_step`'s."""
     scale = head_dim**-0.5
-    fwd, bwd = mask_configs(head_dim, mask, overrides, deterministic)
     called = None if causal else mask
+    fwd, bwd = mask_configs(head_dim, called, overrides, deterministic, causal)
 
     def run(q, k, v, dout):
         out, lse = cute_forward(q, k, v, called, scale, config=fwd, causal=causal)

@@ -321,10 +321,9 @@ def variant_overrides(variant: str) -> dict:
 
 def forward_step(mask: ColumnMask | None, head_dim: int, overrides: dict, causal: bool = False):
     """The timed call of the forward ablation under a variant's changes: q, k, v, dout -> (out,).
-    `causal`: ours called with the causal mask alone (no mask), `mask` its built form, which
-    picks the configuration."""
-    config, _ = mask_configs(head_dim, mask, overrides)
+    `causal`: ours called with the causal mask alone (no mask; `mask` its built form)."""
     called = None if causal else mask
+    config, _ = mask_configs(head_dim, called, overrides, causal=causal)
     return lambda q, k, v, dout: cute_forward(q, k, v, called, head_dim**-0.5, config=config, causal=causal)[:1]
 
 

@@ -99,7 +99,7 @@ def test_the_full_rows_of_an_ablation_run_without_a_mask(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     (row,) = bench_fwd.run_ablation([8192], 128, ["full"], ["num_stages=3"])
     assert {mask for mask, _ in seen} == {None}
-    chosen = fwd_config(128, False, 2)
+    chosen = fwd_config(128, False, 2, plain=True)
     assert {config for _, config in seen} == {chosen, dataclasses.replace(chosen, num_stages=3)}
     assert row["default_tflops"] == pytest.approx(4 * 16 * 32 * 8192**2 * 128 / 2e-3 / 1e12)
 
@@ -136,7 +136,7 @@ def test_ablation_times_each_variant_in_its_configuration(monkeypatch):
     assert row["default_ms"] == row["persistent=false_ms"] == 2.0 and row["num_stages=3_ms"] == 3.0
     assert timed == [2, 3, 2] * 6  # a warm-up, then 5 rounds in which the three take turns (odd ones reversed)
     assert row["default_tflops"] == pytest.approx(4 * 16 * 32 * 8192**2 * 128 * 0.5 / 2e-3 / 1e12)
-    chosen = fwd_config(128, True, 1)
+    chosen = fwd_config(128, True, 1, plain=True)  # the causal mask alone: a plain call
     assert set(seen) == {
         chosen,
         dataclasses.replace(chosen, num_stages=3),

@@ -380,9 +380,8 @@ def test_the_forward_draws_longest_first_when_few_per_sm(monkeypatch):
 def test_the_causal_mask_alone_launches_the_causal_kernels_on_bounds_kept_per_shape(monkeypatch):
     """`causal=True` without a mask: both directions launch the causal one-bound kernels on a kept
     causal mask (every bound at Sq: only the diagonal cuts a tile), the same tensor call after call,
-    with the forward's work tiles drawn longest first (they are not alike, unlike no mask's) and
-    `counted_keys` kept where asked for."""
-    import dataclasses
+    with the forward's work tiles drawn longest first (they are not alike, unlike no mask's), the
+    key tiles counted by default (`counted_keys`) and listed where a configuration says so."""
 
     import torch
     from flashmask3.optimized import fwd_config, interface
@@ -391,14 +390,15 @@ def test_the_causal_mask_alone_launches_the_causal_kernels_on_bounds_kept_per_sh
     monkeypatch.setattr(interface, "_launch", lambda direction, *args, **kw: launched.append((direction, args)))
     monkeypatch.setattr(interface, "_sm_count", lambda device: 2)
     q, k, v = torch.randn(3, 1, 512, 2, 128, dtype=torch.bfloat16)
-    counted = dataclasses.replace(fwd_config(128, True, 1), counted_keys=True)
-    for config in (None, counted):
+    listed = fwd_config(128, True, 1)
+    assert not listed.counted_keys
+    for config in (None, listed):
         interface.forward(q, k, v, None, 0.125, config=config, causal=True)
     interface.backward(q, q, k, v, q, torch.zeros(1, 2, 512), None, 0.125, causal=True)
     forwards = [args for direction, args in launched if direction == "fwd"]
     (backward,) = [args for direction, args in launched if direction == "bwd"]
     assert [args[1:4] for args in forwards + [backward]] == [(128, True, 1)] * 3  # (d, causal, width)
-    assert [args[4].counted_keys for args in forwards] == [False, True]  # (..., config, tensors, ...)
+    assert [args[4].counted_keys for args in forwards] == [True, False]  # (..., config, tensors, ...)
     bounds = [args[5][5].tensor for args in forwards]  # tensors: q, k, v, out, lse, the mask's bounds
     assert bounds[0] is bounds[1] and bounds[0].shape[-1] == 1 and bool((bounds[0] == 512).all())
     assert forwards[0][5][8] is not None  # the draw order

@@ -294,7 +294,8 @@ def test_short_grids_take_two_query_stages_on_the_one_bound_causal_masks_at_head
 
 
 def test_the_chosen_forward_for_a_mask_follows_its_variant_and_segmented_hint():
-    """`mask_fwd_config`: `fwd_config` of the mask's variant and hint; no mask is non-causal, width 2."""
+    """`mask_fwd_config`: `fwd_config` of the mask's variant and hint; no mask is a plain call,
+    non-causal, width 2, or with `causal` the causal mask alone, width 1."""
     from flashmask3.optimized.interface import mask_fwd_config
     from flashmask3.reference import ColumnMask, masks
 
@@ -303,7 +304,8 @@ def test_the_chosen_forward_for_a_mask_follows_its_variant_and_segmented_hint():
     assert mask_fwd_config(128, documents).segment_tiles
     plain = ColumnMask(documents.startend_row_indices, True, 1024)
     assert mask_fwd_config(128, plain) == fwd_config(128, True, 1) and not mask_fwd_config(128, plain).segment_tiles
-    assert mask_fwd_config(64, None) == fwd_config(64, False, 2)
+    assert mask_fwd_config(64, None) == fwd_config(64, False, 2, plain=True)
+    assert mask_fwd_config(128, None, causal=True) == fwd_config(128, True, 1, plain=True)
 
 
 def test_a_masks_configs_take_the_overrides_in_both_directions():
@@ -317,7 +319,8 @@ def test_a_masks_configs_take_the_overrides_in_both_directions():
     fwd, bwd = mask_configs(128, documents, {"persistent": False, "q_stages": 2})
     assert fwd == dataclasses.replace(mask_fwd_config(128, documents), persistent=False)
     assert bwd == dataclasses.replace(bwd_config(128, True, 1), q_stages=2, short_grid_q_stages=0)
-    assert mask_configs(64, None) == (fwd_config(64, False, 2), bwd_config(64, False, 2))
+    assert mask_configs(64, None) == (fwd_config(64, False, 2, plain=True), bwd_config(64, False, 2))
+    assert mask_configs(128, None, causal=True) == (fwd_config(128, True, 1, plain=True), bwd_config(128, True, 1))
     assert mask_configs(64, None, deterministic=True)[1] == bwd_config(64, False, 2, deterministic=True)
 
 

@@ -136,17 +136,23 @@ def test_prepare_mask_names_a_bad_argument():
 
 
 def test_counted_key_tiles_only_without_a_mask_over_whole_key_tiles():
-    """`counted_keys` (the readers count the key tiles) stays in the plan of a call without a mask,
-    or with the causal one alone, whose keys fill whole tiles; any mask, a ragged last key tile, or
-    the causal build at 192-row tiles keeps the list."""
-    config = dataclasses.replace(interface.mask_configs(128, None)[0], counted_keys=True)
+    """`counted_keys` (the readers count the key tiles), the choice for plain calls but the causal
+    one at 192-row tiles (head dim 64), stays in the plan of a call without a mask, or with the
+    causal one alone, whose keys fill whole tiles; any mask or a ragged last key tile keeps the
+    list."""
+    for head_dim in (64, 128, 192, 256):
+        assert interface.mask_configs(head_dim, None)[0].counted_keys
+        assert interface.mask_configs(head_dim, None, causal=True)[0].counted_keys == (head_dim != 64)
+        causal_mask = masks.build("causal", 1024, batch=1, heads=1, seed=0)
+        assert not interface.mask_configs(head_dim, causal_mask)[0].counted_keys  # a mask given
+    config = interface.mask_configs(128, None)[0]
     no_mask = tile_plan.full_mask(1024, 2048, "cpu")
     assert plans.forward_plan(no_mask, config, 2, 4, SMS, uniform_work=True, plain=True).config == config
     kept_list = dataclasses.replace(config, counted_keys=False)
     ragged = tile_plan.full_mask(1024, 2000, "cpu")
     assert plans.forward_plan(ragged, config, 2, 4, SMS, uniform_work=True, plain=True).config == kept_list
     causal = masks.build("causal", 2048, batch=1, heads=1, seed=0)
-    for head_dim, counted in ((128, True), (64, False)):
+    for head_dim in (128, 64):  # asked for at 64 too (an ablation), the plan keeps it
         causal_config = dataclasses.replace(interface.mask_configs(head_dim, causal)[0], counted_keys=True)
-        assert plans.forward_plan(causal, causal_config, 1, 4, SMS, plain=True).config.counted_keys == counted
+        assert plans.forward_plan(causal, causal_config, 1, 4, SMS, plain=True).config.counted_keys
         assert not plans.forward_plan(causal, causal_config, 1, 4, SMS).config.counted_keys  # a mask given

@@ -6,7 +6,8 @@
 A change that must leave today's kernels as they are (a refactor, plumbing for new head dims or
 tile shapes) is checked by their code: each configuration the host chooses (`fwd_config` /
 `bwd_config` at head dim 64 and 128, the four mask variants; the forward at 128, 192/128 and 256 on
-segmented masks, at 128 and 256 with attention sinks; the deterministic backward and fp16 at 128, 192 with v
+segmented masks, at 128 and 256 with attention sinks, at every head dim without a mask and with the
+causal one alone (counted key tiles); the deterministic backward and fp16 at 128, 192 with v
 128 and 256;
 the forward and the backward at q/k 192 with v 128 and at head dim 256) is
 compiled as `compile_check` does, and the sha256 of each kernel's `.text` sections (the SASS, read
@@ -34,7 +35,7 @@ VARIANTS = ((True, 1), (True, 2), (False, 2), (False, 4))  # (causal, boundaries
 
 def cases() -> dict[str, dict]:
     """label -> `compile_check` keyword arguments, each with the host's chosen configuration."""
-    from flashmask3.optimized import bwd_config
+    from flashmask3.optimized import bwd_config, fwd_config
 
     chosen = {}
     for head_dim in (64, 128):
@@ -70,6 +71,14 @@ def cases() -> dict[str, dict]:
         chosen[f"fwd bf16 d{head_dim} causal w1 sinks"] = dict(
             dtype="bf16", head_dim=head_dim, causal=True, width=1, sinks=True
         )
+    for head_dim in (64, 128, 192, 256):  # calls without a mask, or the causal one alone: counted keys
+        head_dim_v = 128 if head_dim == 192 else head_dim
+        dims = f"d{head_dim}" + (f" v{head_dim_v}" if head_dim_v != head_dim else "")
+        for causal, width in ((False, 2), (True, 1)):
+            if fwd_config(head_dim, causal, width, plain=True).counted_keys:
+                chosen[f"fwd bf16 {dims} {'causal' if causal else 'noncausal'} plain"] = dict(
+                    dtype="bf16", head_dim=head_dim, causal=causal, width=width, plain=True, head_dim_v=head_dim_v
+                )
     for causal, width in VARIANTS:  # the forward at q/k 192, v 128 (MLA)
         label = f"fwd bf16 d192 v128 {'causal' if causal else 'noncausal'} w{width}"
         chosen[label] = dict(dtype="bf16", head_dim=192, causal=causal, width=width, head_dim_v=128)
