@@ -60,7 +60,8 @@ def precompile(
     sinks: bool = False,
 ) -> tuple[int, int]:
     """Compile (or find in the cache) every kernel that `attention` would launch for each mask
-    name (`flashmask3.masks.MASK_NAMES`, or "none": no mask), sequence length, (q/k, v) head dims
+    name (`flashmask3.masks.MASK_NAMES`, or "none": no mask; "causal" both as a mask and alone, as
+    `attention(..., causal=True)` passes it), sequence length, (q/k, v) head dims
     and dtype ("bf16", "fp16"), at `batch` x `heads` query heads over `kv_heads` K/V heads (default:
     as many), forward and, where `backward`, backward (`deterministic`: its deterministic kernels);
     `sinks`: the forwards with attention sinks, a build of their own. Returns (kernels compiled,
@@ -95,9 +96,12 @@ def precompile(
                         k, v = empty(batch, seqlen, kv_heads, d), empty(batch, seqlen, kv_heads, dv)
                         scale = 1 / math.sqrt(d)
                         head_sinks = torch.empty(heads) if sinks else None
-                        out, lse = interface.forward(q, k, v, mask, scale, sinks=head_sinks)
-                        if backward:
-                            interface.backward(dout, q, k, v, out, lse, mask, scale, deterministic)
+                        # "causal": given as a mask, and alone (`attention(..., causal=True)`), which
+                        # counts its key tiles instead of listing them: another forward.
+                        for called, causal in [(mask, False)] + [(None, True)] * (name == "causal"):
+                            out, lse = interface.forward(q, k, v, called, scale, sinks=head_sinks, causal=causal)
+                            if backward:
+                                interface.backward(dout, q, k, v, out, lse, called, scale, deterministic, causal=causal)
     return len(interface.compile_seconds) - compiled, len(interface.loaded_keys) - loaded
 
 

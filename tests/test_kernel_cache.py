@@ -40,6 +40,15 @@ def test_a_new_process_loads_the_kernels_a_first_one_compiled(tmp_path):
     assert sorted(tmp_path.glob("*/*.o")) == sorted(entries)
 
 
+def test_precompiling_causal_takes_the_mask_and_the_causal_call_alone(tmp_path):
+    """`--masks causal`: the forward of the causal mask given as a mask (its key tiles listed) and
+    that of `attention(..., causal=True)` (counted), two kernels."""
+    workload = ("--masks", "causal", "--seqlens", "512", "--head-dims", "128", "--heads", "2", "--forward-only")
+    first = precompile(tmp_path, *workload)
+    assert first.startswith("2 kernels: 2 compiled, 0 loaded"), first
+    assert len(list(tmp_path.glob("*/*.o"))) == 2
+
+
 def test_an_entry_that_cannot_be_loaded_is_a_miss(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHMASK3_KERNEL_CACHE", str(tmp_path))
     key = ("fwd", torch.bfloat16, 128, None, True, 1, config.fwd_config(128, True, 1), False, (False,), 64)
