@@ -220,12 +220,11 @@ def backward_step(
     backward (`deterministic` mode's configuration and kernel where set) -> (dq, dk, dv). `causal`:
     as `bench_fwd.forward_step`'s."""
     scale = head_dim**-0.5
-    called = None if causal else mask
-    fwd, bwd = mask_configs(head_dim, called, overrides, deterministic, causal)
+    fwd, bwd = mask_configs(head_dim, mask, overrides, deterministic, causal)
 
     def run(q, k, v, dout):
-        out, lse = cute_forward(q, k, v, called, scale, config=fwd, causal=causal)
-        return cute_backward(dout, q, k, v, out, lse, called, scale, deterministic, config=bwd, causal=causal)
+        out, lse = cute_forward(q, k, v, mask, scale, config=fwd, causal=causal)
+        return cute_backward(dout, q, k, v, out, lse, mask, scale, deterministic, config=bwd, causal=causal)
 
     return run
 

@@ -321,10 +321,9 @@ def variant_overrides(variant: str) -> dict:
 
 def forward_step(mask: ColumnMask | None, head_dim: int, overrides: dict, causal: bool = False):
     """The timed call of the forward ablation under a variant's changes: q, k, v, dout -> (out,).
-    `causal`: ours called with the causal mask alone (no mask; `mask` its built form)."""
-    called = None if causal else mask
-    config, _ = mask_configs(head_dim, called, overrides, causal=causal)
-    return lambda q, k, v, dout: cute_forward(q, k, v, called, head_dim**-0.5, config=config, causal=causal)[:1]
+    `mask` and `causal` as ours is called (`bench.called_mask`: with `causal` the causal mask alone)."""
+    config, _ = mask_configs(head_dim, mask, overrides, causal=causal)
+    return lambda q, k, v, dout: cute_forward(q, k, v, mask, head_dim**-0.5, config=config, causal=causal)[:1]
 
 
 def run_ablation(
@@ -357,8 +356,7 @@ def run_ablation(
         for name in progress(mask_names, f"ablate {seqlen}"):
             mask = masks.build(name, seqlen, batch=batch_size, heads=heads, seed=0, device="cuda")
             flops = flops_per_fwd * forward_flops(batch_size, heads, seqlen, head_dim, head_dim_v, mask.density())
-            ours_mask, causal = called_mask(name, mask)
-            mask = mask if causal else ours_mask
+            mask, causal = called_mask(name, mask)
             run = step(mask, head_dim, {}, causal=causal)
             reference = run(*inputs[0])
             row = {"mask": name, "seqlen": seqlen, "batch": batch_size, "heads": heads, "kv_heads": kv_heads}
