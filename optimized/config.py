@@ -197,6 +197,12 @@ class BwdConfig:
     split_ctas_max_parts: int
     # The deadline of that split: the ideal makespan plus this percentage (-100 splits every CTA).
     split_ctas_slack_pct: int
+    # Calls without a mask, or with the causal one alone, over keys that fill whole tiles: each key
+    # tile's query tiles counted in registers by the producer and the consumers, as FA4 walks its
+    # steps, instead of listed by the mask warp and handed on with each Q stage (no smem word
+    # between the Q wait and the S GEMM, no stage for a head's end); only the causal diagonal cuts
+    # a step. The plan keeps the list for every other call.
+    counted_steps: bool
 
     def __post_init__(self) -> None:
         if self.q_stages not in (2, 3):
@@ -340,8 +346,11 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     )
 
 
-def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool = False) -> BwdConfig:
-    """The backward's configuration for this head dim, mask variant and mode (`deterministic`).
+def bwd_config(
+    head_dim: int, causal: bool, mask_width: int, deterministic: bool = False, plain: bool = False
+) -> BwdConfig:
+    """The backward's configuration for this head dim, mask variant and mode (`deterministic`;
+    `plain`: a call without a mask, or with the causal one alone).
     At head dim 64, 128 query rows per step (FA4's SM90 step there; two Q/dO stages, the LSE after
     the S GEMM) where that build keeps its registers: non-causal masks with two bounds per key and
     causal ones with one (on an H100 at 8K, fwd+bwd +6.6 to +10.3% on full, documents, causal and
@@ -398,6 +407,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
         split_ctas_max_parts=4 if split_ctas and not deterministic else 0,
         split_ctas_slack_pct=2,
+        counted_steps=plain,
     )
 
 

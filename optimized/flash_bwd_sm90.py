@@ -66,7 +66,16 @@ from .hopper import (
 )
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
 from .mask import apply_causal_diagonal, apply_column_mask
-from .mask_role import DIAGONAL_ONLY, END_OF_LIST, PARTIAL, TileList, entry_tile, list_query_tiles
+from .mask_role import (
+    DIAGONAL_ONLY,
+    END_OF_LIST,
+    FLAG_BITS,
+    PARTIAL,
+    TileList,
+    counted_query_tiles,
+    entry_tile,
+    list_query_tiles,
+)
 from .softmax import LOG2_E
 from .timeline import STEP_SEGMENTS, BwdEvent, SegmentProfile
 
@@ -174,6 +183,9 @@ class FlashMaskBackwardSm90:
         self.diagonal_steps = config.diagonal_steps and causal
         self.segment_steps = config.segment_steps
         self.dq_writer = config.dq_writer
+        self.counted_steps = config.counted_steps
+        # Steps masked by their keys' bounds (PARTIAL): none where counted steps cut only by the diagonal.
+        self.partial_steps = not self.counted_steps or (causal and not self.diagonal_steps)
         self.deterministic = deterministic
 
     @classmethod
@@ -479,6 +491,16 @@ class FlashMaskBackwardSm90:
         if const_expr(self.dq_writer):
             dq_targets = storage.dq_targets.get_tensor(cute.make_layout((4, self.num_consumer_wgs)))
         mask_batch = batch * mask_batch_stride
+        tile_range = None
+        if const_expr(mWork is not None):  # the part's query tiles [first, end)
+            row = cute.arch.block_idx()[0]
+            tile_range = (mWork[row, 1], mWork[row, 2])
+        steps = None
+        if const_expr(self.counted_steps):
+            rows_q, rows_k = self.rows(mQ, mStepRows), self.rows(mK, mStepRows)
+            steps = counted_query_tiles(
+                n_block * self.tile_n, rows_q, rows_k, self.tile_m, self.tile_n, self.causal, tile_range
+            )
 
         if active:  # an idle row (split CTAs) only initialises its barriers
             if warp_idx < 4:
@@ -511,32 +533,30 @@ class FlashMaskBackwardSm90:
                         batch,
                         tile_list,
                         stage_entries,
+                        steps,
                         qheads_per_kvhead,
                         mStepRows,
                     )
-                if warp_idx == 1:
-                    position = Int32(0)
-                    for g in cutlass.range(qheads_per_kvhead, unroll=1):
-                        tile_range = None
-                        if const_expr(mWork is not None):  # the part's query tiles [first, end)
-                            row = cute.arch.block_idx()[0]
-                            tile_range = (mWork[row, 1], mWork[row, 2])
-                        mask_head = (head_kv * qheads_per_kvhead + g) // qheads_per_maskhead
-                        position = list_query_tiles(
-                            tile_list,
-                            position,
-                            mBlockBounds[mask_batch, mask_head, n_block, None],
-                            n_block * self.tile_n,
-                            self.rows(mQ, mStepRows),
-                            self.rows(mK, mStepRows),
-                            self.rows(mK, mStepRows) - self.rows(mQ, mStepRows),
-                            self.tile_m,
-                            self.tile_n,
-                            self.causal,
-                            self.mask_width,
-                            self.diagonal_steps,
-                            tile_range,
-                        )
+                if const_expr(not self.counted_steps):  # the list of each head's query tiles
+                    if warp_idx == 1:
+                        position = Int32(0)
+                        for g in cutlass.range(qheads_per_kvhead, unroll=1):
+                            mask_head = (head_kv * qheads_per_kvhead + g) // qheads_per_maskhead
+                            position = list_query_tiles(
+                                tile_list,
+                                position,
+                                mBlockBounds[mask_batch, mask_head, n_block, None],
+                                n_block * self.tile_n,
+                                self.rows(mQ, mStepRows),
+                                self.rows(mK, mStepRows),
+                                self.rows(mK, mStepRows) - self.rows(mQ, mStepRows),
+                                self.tile_m,
+                                self.tile_n,
+                                self.causal,
+                                self.mask_width,
+                                self.diagonal_steps,
+                                tile_range,
+                            )
                 if const_expr(self.dq_writer):
                     if warp_idx == 2:
                         self.write_dq(sdQ, dq_targets, mdQaccum, mSemaphore)
@@ -554,6 +574,7 @@ class FlashMaskBackwardSm90:
                     (mdK_rows, mdV_rows, mStepRows),
                     mRowIndices,
                     stage_entries,
+                    steps,
                     mDqRanks,
                     mSemaphore,
                     sQ,
@@ -615,13 +636,15 @@ class FlashMaskBackwardSm90:
         batch,
         tile_list,
         stage_entries,
+        steps,
         qheads_per_kvhead,
         mStepRows,
     ):
         """Producer warp: K and V once, then Q (+ LSE) and dO (+ Delta) of every listed query tile of
-        every query head. With segment_steps each tile is loaded from its real first row
-        (`mStepRows`; the query heads of a KV head share one mask head, so the key tile's rows are
-        those of the first one's two query tiles it spans)."""
+        every query head (`steps`: with counted_steps, `counted_query_tiles`' count, else None).
+        With segment_steps each tile is loaded from its real first row (`mStepRows`; the query
+        heads of a KV head share one mask head, so the key tile's rows are those of the first one's
+        two query tiles it spans)."""
         if const_expr(self.segment_steps):
             first = mStepRows[batch, head_kv * qheads_per_kvhead, n_block * (self.tile_n // self.tile_m), 0]
             mK_tile = cute.domain_offset((first, 0), mK[None, None, head_kv, batch])
@@ -650,12 +673,15 @@ class FlashMaskBackwardSm90:
             gDelta = cute.local_tile(mDelta[None, head, batch], (self.tile_m,), (None,))
             tLsL, tLgL = tma_tiles(tma_lse, sLSE, gLSE, 1)
             tDsD, tDgD = tma_tiles(tma_delta, sDelta, gDelta, 1)
-            entry = tile_list.read(position)
+            if const_expr(self.counted_steps):
+                position = steps[0]
+            entry = self.step_entry(tile_list, position, steps)
             position += 1
             while entry != END_OF_LIST:
                 m_block = entry_tile(entry)
                 pipe_q.sync_object_empty.wait(state.index, state.phase)
-                stage_entries[state.index] = entry  # before the arrive that publishes it with the stage
+                if const_expr(not self.counted_steps):
+                    stage_entries[state.index] = entry  # before the arrive that publishes it with the stage
                 pipe_q.sync_object_full.arrive(state.index, pipe_q.producer_mask)
                 q_bar = pipe_q.producer_get_barrier(state)
                 q_tile, do_tile = tQgQ[None, m_block], tdOgdO[None, m_block]
@@ -683,17 +709,18 @@ class FlashMaskBackwardSm90:
                 cute.copy(tma_do, do_tile, tdOsdO[None, do_state.index], tma_bar_ptr=do_bar)
                 cute.copy(tma_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
                 state.advance()
-                entry = tile_list.read(position)
+                entry = self.step_entry(tile_list, position, steps)
                 position += 1
-            # The head's end as a stage of its own: no bytes, the full barriers only arrived on.
-            pipe_q.sync_object_empty.wait(state.index, state.phase)
-            stage_entries[state.index] = entry
-            do_state = self.do_state(state, producer=True)
-            pipe_do.sync_object_empty.wait(do_state.index, do_state.phase)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(state))
-                cute.arch.mbarrier_arrive(pipe_do.producer_get_barrier(do_state))
-            state.advance()
+            if const_expr(not self.counted_steps):  # the consumers count theirs
+                # The head's end as a stage of its own: no bytes, the full barriers only arrived on.
+                pipe_q.sync_object_empty.wait(state.index, state.phase)
+                stage_entries[state.index] = entry
+                do_state = self.do_state(state, producer=True)
+                pipe_do.sync_object_empty.wait(do_state.index, do_state.phase)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(state))
+                    cute.arch.mbarrier_arrive(pipe_do.producer_get_barrier(do_state))
+                state.advance()
 
     @cute.jit
     def consume(
@@ -706,6 +733,7 @@ class FlashMaskBackwardSm90:
         segments,
         mRowIndices,
         stage_entries,
+        steps,
         mDqRanks,
         mSemaphore,
         sQ,
@@ -741,7 +769,8 @@ class FlashMaskBackwardSm90:
         P, dS), the dV/dK/dQ products. `profile`: the profiled build's `SegmentProfile` (compiles to
         nothing otherwise). `segments`: with segment_steps, dK and dV themselves and the query
         tiles' real rows (`store_dkv`); the steps work on the virtual rows. `split_part`: with split
-        CTAs, (work table, partials, counters) for `gather_split_parts`, else None."""
+        CTAs, (work table, partials, counters) for `gather_split_parts`, else None. `steps`: with
+        counted_steps, `counted_query_tiles`' count, else None."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -797,10 +826,13 @@ class FlashMaskBackwardSm90:
         clock = profile.start()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         step = Int32(0)
+        tile = Int32(0)  # with counted_steps, the next query tile
         for g in cutlass.range(qheads_per_kvhead, unroll=1):
             head = head_kv * qheads_per_kvhead + g
             mask_head = head // qheads_per_maskhead
-            entry = self.next_entry(pipe_q, state, stage_entries)
+            if const_expr(self.counted_steps):
+                tile = steps[0]
+            entry = self.next_entry(pipe_q, state, stage_entries, tile, steps)
             while entry != END_OF_LIST:
                 m_block = entry_tile(entry)
                 query_start = m_block * self.tile_m
@@ -827,21 +859,22 @@ class FlashMaskBackwardSm90:
                         apply_causal_diagonal(
                             acc_S, st_coords, query_start, key_start, causal_offset, keys_on_rows=self.keys_on_rows
                         )
-                if (entry & PARTIAL) != 0:
-                    apply_column_mask(
-                        acc_S,
-                        st_coords,
-                        mRowIndices,
-                        mask_batch,
-                        mask_head,
-                        query_start,
-                        key_start,
-                        seqlen_k,
-                        causal_offset,
-                        self.causal,
-                        self.mask_width,
-                        keys_on_rows=self.keys_on_rows,
-                    )
+                if const_expr(self.partial_steps):
+                    if (entry & PARTIAL) != 0:
+                        apply_column_mask(
+                            acc_S,
+                            st_coords,
+                            mRowIndices,
+                            mask_batch,
+                            mask_head,
+                            query_start,
+                            key_start,
+                            seqlen_k,
+                            causal_offset,
+                            self.causal,
+                            self.mask_width,
+                            keys_on_rows=self.keys_on_rows,
+                        )
                 p_rows = acc_rows_view(acc_S)
                 for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
@@ -912,11 +945,13 @@ class FlashMaskBackwardSm90:
                 clock = profile.mark(clock, BwdEvent.WAIT_DK)
                 state.advance()
                 step += 1
-                entry = self.next_entry(pipe_q, state, stage_entries)
+                tile += 1
+                entry = self.next_entry(pipe_q, state, stage_entries, tile, steps)
                 clock = profile.mark(clock, BwdEvent.NEXT_ENTRY)
-            pipe_q.consumer_release(state)  # the stage that carried the head's end
-            pipe_do.consumer_release(self.do_state(state, producer=False))
-            state.advance()
+            if const_expr(not self.counted_steps):
+                pipe_q.consumer_release(state)  # the stage that carried the head's end
+                pipe_do.consumer_release(self.do_state(state, producer=False))
+                state.advance()
 
         profile.stamp(cta, BwdEvent.LOOP_END)
         profile.stamp(cta, BwdEvent.STEPS, step)
@@ -970,10 +1005,40 @@ class FlashMaskBackwardSm90:
         return st_cols[0, i][1] if self.keys_on_rows else st_cols[i, 0][0]
 
     @cute.jit
-    def next_entry(self, pipe_q, state, stage_entries) -> Int32:
-        """A consumer's next list entry, from the Q stage it came with, once the stage is full."""
-        pipe_q.consumer_wait(state)
-        return stage_entries[state.index]
+    def next_entry(self, pipe_q, state, stage_entries, tile, steps) -> Int32:
+        """A consumer's next list entry, from the Q stage it came with, once the stage is full; with
+        counted_steps query tile `tile`'s (`counted_entry`), its stage waited for where there is one."""
+        if const_expr(self.counted_steps):
+            entry = self.counted_entry(tile, steps)
+            if entry != END_OF_LIST:
+                pipe_q.consumer_wait(state)
+            return entry
+        else:
+            pipe_q.consumer_wait(state)
+            return stage_entries[state.index]
+
+    @cute.jit
+    def step_entry(self, tile_list, position, steps) -> Int32:
+        """The producer's list entry at `position`: the mask warp's, or with counted_steps query tile
+        `position`'s (`counted_entry`)."""
+        if const_expr(self.counted_steps):
+            return self.counted_entry(position, steps)
+        else:
+            return tile_list.read(position)
+
+    @cute.jit
+    def counted_entry(self, tile, steps) -> Int32:
+        """With counted_steps: query tile `tile`'s entry as the mask warp lists it on a plain call
+        (DIAGONAL_ONLY where the causal diagonal cuts it, PARTIAL without diagonal_steps, else
+        unmasked), END_OF_LIST past the CTA's last (`steps`: `counted_query_tiles`' count)."""
+        _, end, cut_end = steps
+        entry = tile << FLAG_BITS
+        if const_expr(self.causal):
+            if tile < cut_end:
+                entry = entry | (DIAGONAL_ONLY if self.diagonal_steps else PARTIAL)
+        if tile >= end:
+            entry = Int32(END_OF_LIST)
+        return entry
 
     @cute.jit
     def add_dq(self, acc_dQ, sdQ_thread, sdQ, mdQaccum, mSemaphore, m_block, head, batch, rank, lane_in_wg, wg):

@@ -363,6 +363,50 @@ def list_work_tiles(
 
 
 @cute.jit
+def query_tile_range(
+    key_start: Int32,
+    seqlen_q: Int32,
+    causal_offset: Int32,
+    tile_m: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+    tile_range: tuple[Int32, Int32] | None = None,
+) -> tuple[Int32, Int32]:
+    """The backward's query tiles [first, end) that may see the keys from `key_start`: every one,
+    or with `causal` those from the key tile's diagonal on (the ones ending before it are SKIP);
+    `tile_range`: only those in [first, end) (a split CTA's part)."""
+    end = (seqlen_q + tile_m - 1) // tile_m
+    first = Int32(0)
+    if const_expr(causal):
+        first = cutlass.max(key_start - causal_offset, 0) // tile_m
+    if const_expr(tile_range is not None):
+        first = cutlass.max(first, tile_range[0])
+        end = cutlass.min(end, tile_range[1])
+    return first, end
+
+
+@cute.jit
+def counted_query_tiles(
+    key_start: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+    tile_range: tuple[Int32, Int32] | None = None,
+) -> tuple[Int32, Int32, Int32]:
+    """With `counted_steps` (no interval hides a row, whole key tiles): (first, end, cut_end), the
+    query tiles [first, end) that see the key tile from `key_start` (`query_tile_range`), of which
+    the causal diagonal cuts those below `cut_end`: tile m is cut where its first row's last
+    visible key, m * tile_m + Sk - Sq, comes before the key tile's last key."""
+    causal_offset = seqlen_k - seqlen_q
+    first, end = query_tile_range(key_start, seqlen_q, causal_offset, tile_m, causal, tile_range)
+    cut_end = Int32(0)
+    if const_expr(causal):
+        cut_end = (cutlass.max(key_start + tile_n - 1 - causal_offset, 0) + tile_m - 1) // tile_m
+    return first, end, cut_end
+
+
+@cute.jit
 def list_query_tiles(
     tile_list: TileList,
     position: Int32,
@@ -386,14 +430,7 @@ def list_query_tiles(
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
     for w in cutlass.range_constexpr(2 * width):
         bounds[w] = mBounds[w]
-    num_tiles = (seqlen_q + tile_m - 1) // tile_m
-    first = Int32(0)
-    if const_expr(causal):
-        # Query tiles that end before the key tile's diagonal are SKIP.
-        first = cutlass.max(key_start - causal_offset, 0) // tile_m
-    if const_expr(tile_range is not None):
-        first = cutlass.max(first, tile_range[0])
-        num_tiles = cutlass.min(num_tiles, tile_range[1])
+    first, num_tiles = query_tile_range(key_start, seqlen_q, causal_offset, tile_m, causal, tile_range)
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
         tile = base + lane
         row_start = tile * tile_m

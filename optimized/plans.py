@@ -130,11 +130,16 @@ def backward_plan(
     sequence_tiles: bool = False,
     deterministic: bool = False,
     profiled: bool = False,
+    plain: bool = False,
 ) -> BackwardPlan:
     """The backward's plan, as `forward_plan`'s, for K/V of `kv_heads` heads. Deterministic mode
     keeps the grid order (its key tiles wait for the ones before them); a profiled build
     (`profiled`) does not split its CTAs."""
     step_rows = None
+    # Counted only where no step is masked by more than the diagonal (else the list says which).
+    whole_key_tiles = mask.startend_row_indices.shape[-2] % config.key_tile == 0
+    if config.counted_steps and not (plain and whole_key_tiles):
+        config = dataclasses.replace(config, counted_steps=False)
     if config.segment_steps:
         # A CTA's key tile serves every query head of its KV head: they must share one virtual layout.
         shared_layout = (q_heads // mask.heads) % (q_heads // kv_heads) == 0
@@ -198,6 +203,13 @@ def mask_fwd_config(head_dim: int, mask: ColumnMask | None, causal: bool = False
     return fwd_config(head_dim, *mask_variant(mask), segmented=mask.segmented)
 
 
+def mask_bwd_config(
+    head_dim: int, mask: ColumnMask | None, deterministic: bool = False, causal: bool = False
+) -> BwdConfig:
+    """`bwd_config`'s choice for this head dim, mask and mode, as `mask_fwd_config`'s."""
+    return bwd_config(head_dim, *mask_variant(mask, causal), deterministic, plain=mask is None)
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """The SMs of CUDA `device`."""
@@ -212,7 +224,7 @@ def plan_mask(
     configurations they choose (v's head dim changes no plan)."""
     sequence_tiles = mask.seqlen_q != mask.seqlen_k
     forward_plan(mask, mask_fwd_config(head_dim, mask), batch, q_heads, sms, sequence_tiles=sequence_tiles)
-    config = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1], deterministic)
+    config = mask_bwd_config(head_dim, mask, deterministic)
     backward_plan(
         mask, config, batch, q_heads, kv_heads, sms, sequence_tiles=sequence_tiles, deterministic=deterministic
     )

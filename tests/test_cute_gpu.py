@@ -720,6 +720,42 @@ def test_counted_key_tiles_give_the_listed_tiles_numbers(causal, head_dim, head_
     assert torch.equal(out, counted[0]) and torch.equal(lse, counted[1])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (64, 64), (192, 128), (256, 256)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1531, 2048), (2048, 1536), (4096, 4096)])
+def test_counted_query_steps_give_the_listed_steps_gradients(causal, head_dim, head_dim_v, seqlen_q, seqlen_k):
+    """`counted_steps` on calls without a mask or with the causal one alone: each key tile's query
+    tiles counted by the loads and the steps instead of listed by the mask warp, with no stage for a
+    head's end. Against the list (GQA 4 on 2, a ragged last query tile, rows that see no key): dK
+    and dV bit for bit and dQ within the fp32 adds' order in whole CTAs, deterministic mode bit for
+    bit, also against the causal mask given with its bounds; split CTAs (every one split, each part
+    counting its own query tiles) within their parts' summation order."""
+    from conftest import plain_causal_mask
+    from flashmask3.optimized.interface import backward, forward, mask_configs
+
+    scale = 1 / math.sqrt(head_dim)
+    q, k, v, dout = random_inputs(
+        2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16, "cuda", seed=61, head_dim_v=head_dim_v
+    )
+    out, lse = forward(q, k, v, None, scale, causal=causal)
+    args = (dout, q, k, v, out, lse, None, scale)
+    listed = dataclasses.replace(mask_configs(head_dim, None, causal=causal)[1], counted_steps=False)
+    counted = dataclasses.replace(listed, counted_steps=True)
+    whole = [dataclasses.replace(c, split_ctas_max_parts=0) for c in (listed, counted)]
+    (dq, dk, dv), (dq2, dk2, dv2) = (backward(*args, config=c, causal=causal) for c in whole)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+    torch.testing.assert_close(dq2, dq, rtol=1e-2, atol=1e-3)
+    deterministic = [backward(*args, True, config=c, causal=causal) for c in whole]
+    assert all(torch.equal(a, b) for a, b in zip(*deterministic))
+    if causal:
+        mask = plain_causal_mask(1, seqlen_q, seqlen_k, 1, "cuda")
+        bounded = backward(dout, q, k, v, out, lse, mask, scale, True, config=whole[0])
+        assert all(torch.equal(a, b) for a, b in zip(deterministic[1], bounded))
+        split = [dataclasses.replace(c, split_ctas_max_parts=4, split_ctas_slack_pct=-100) for c in (listed, counted)]
+        for a, b in zip(*(backward(*args, config=c, causal=causal) for c in split)):
+            torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     "name", ["sliding_window", "causal_document", "share_question", "causal_blockwise", "qk_sparse", "random_eviction"]
 )
