@@ -491,15 +491,11 @@ class FlashMaskBackwardSm90:
         if const_expr(self.dq_writer):
             dq_targets = storage.dq_targets.get_tensor(cute.make_layout((4, self.num_consumer_wgs)))
         mask_batch = batch * mask_batch_stride
-        tile_range = None
-        if const_expr(mWork is not None):  # the part's query tiles [first, end)
-            row = cute.arch.block_idx()[0]
-            tile_range = (mWork[row, 1], mWork[row, 2])
         steps = None
         if const_expr(self.counted_steps):
             rows_q, rows_k = self.rows(mQ, mStepRows), self.rows(mK, mStepRows)
             steps = counted_query_tiles(
-                n_block * self.tile_n, rows_q, rows_k, self.tile_m, self.tile_n, self.causal, tile_range
+                n_block * self.tile_n, rows_q, rows_k, self.tile_m, self.tile_n, self.causal, self.part_range(mWork)
             )
 
         if active:  # an idle row (split CTAs) only initialises its barriers
@@ -541,6 +537,7 @@ class FlashMaskBackwardSm90:
                     if warp_idx == 1:
                         position = Int32(0)
                         for g in cutlass.range(qheads_per_kvhead, unroll=1):
+                            tile_range = self.part_range(mWork)
                             mask_head = (head_kv * qheads_per_kvhead + g) // qheads_per_maskhead
                             position = list_query_tiles(
                                 tile_list,
@@ -1003,6 +1000,13 @@ class FlashMaskBackwardSm90:
         """The query (row of the query tile) of the thread's i-th query: column i of its fragment
         with keys on rows, else row i."""
         return st_cols[0, i][1] if self.keys_on_rows else st_cols[i, 0][0]
+
+    def part_range(self, mWork: cute.Tensor | None) -> tuple[Int32, Int32] | None:
+        """With split CTAs, the query tiles [first, end) of this CTA's part, else None."""
+        if mWork is None:
+            return None
+        row = cute.arch.block_idx()[0]
+        return mWork[row, 1], mWork[row, 2]
 
     @cute.jit
     def next_entry(self, pipe_q, state, stage_entries, tile, steps) -> Int32:

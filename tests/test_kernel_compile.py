@@ -995,3 +995,26 @@ def test_counted_key_tiles_leave_the_bounds_out_of_the_kernel(tmp_path, head_dim
         blocks, _ = hot_loop_in_registers(sass, name)
         loops[counted] = [inst for _, block in blocks for inst in block]
     assert len(loops[True]) < len(loops[False])
+
+
+@pytest.mark.slow  # compiles and disassembles eight backwards, ~40 s
+@pytest.mark.parametrize(
+    "head_dim, head_dim_v, causal, width",
+    [(128, 128, False, 2), (128, 128, True, 1), (64, 64, False, 2), (256, 256, True, 1)],
+)
+def test_counted_query_steps_leave_the_bounds_mask_out_of_the_step(tmp_path, head_dim, head_dim_v, causal, width):
+    """`counted_steps` (calls without a mask, or with the causal one alone): no step is masked by
+    its keys' bounds, so the step's loop is shorter than the listed build's; no local memory, the
+    WGMMAs in flight, as many as the list's."""
+    setup = "import dataclasses; from flashmask3.optimized import bwd_config"
+    loops, summaries = {}, {}
+    for counted in (False, True):
+        config = f"dataclasses.replace(bwd_config({head_dim}, {causal}, {width}, plain=True), counted_steps={counted})"
+        args = f"'bf16', {head_dim}, {causal}, {width}, {config}, direction='bwd', head_dim_v={head_dim_v}"
+        name = f"counted_steps_{head_dim}_{causal}_{counted}"
+        blocks, summary = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskBackward", args, setup), name)
+        loops[counted] = [inst for _, block in blocks for inst in block]
+        summaries[counted] = [part for part in summary.split(",") if "HGMMA" in part]
+    assert summaries[True] == summaries[False]
+    assert len(loops[True]) < len(loops[False])
+

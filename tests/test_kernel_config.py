@@ -122,6 +122,7 @@ def test_the_backward_reads_the_lse_ahead_except_at_mask_width_4_and_in_128_row_
             short_grid_q_stages=0,
             split_ctas_max_parts=0,
             split_ctas_slack_pct=2,
+            counted_steps=False,
         )
     splits = {(c, w): bwd_config(128, c, w).split_ctas_max_parts for c, w in ((True, 1), (True, 2), (False, 2))}
     assert splits == {(True, 1): 4, (True, 2): 4, (False, 2): 0}
@@ -218,6 +219,7 @@ def test_overrides_go_to_the_configuration_that_has_the_field():
         "short_grid_q_stages": int,
         "split_ctas_max_parts": int,
         "split_ctas_slack_pct": int,
+        "counted_steps": bool,
     }
     changes = {"persistent": False, "lse_ahead": False}
     assert apply_overrides(fwd_config(64, True, 1), changes) == FwdConfig(
@@ -319,9 +321,14 @@ def test_a_masks_configs_take_the_overrides_in_both_directions():
     fwd, bwd = mask_configs(128, documents, {"persistent": False, "q_stages": 2})
     assert fwd == dataclasses.replace(mask_fwd_config(128, documents), persistent=False)
     assert bwd == dataclasses.replace(bwd_config(128, True, 1), q_stages=2, short_grid_q_stages=0)
-    assert mask_configs(64, None) == (fwd_config(64, False, 2, plain=True), bwd_config(64, False, 2))
-    assert mask_configs(128, None, causal=True) == (fwd_config(128, True, 1, plain=True), bwd_config(128, True, 1))
-    assert mask_configs(64, None, deterministic=True)[1] == bwd_config(64, False, 2, deterministic=True)
+    plain = mask_configs(64, None)
+    assert plain == (fwd_config(64, False, 2, plain=True), bwd_config(64, False, 2, plain=True))
+    plain_causal = mask_configs(128, None, causal=True)
+    assert plain_causal == (fwd_config(128, True, 1, plain=True), bwd_config(128, True, 1, plain=True))
+    assert mask_configs(64, None, deterministic=True)[1] == bwd_config(64, False, 2, deterministic=True, plain=True)
+    assert (
+        plain[1].counted_steps and plain_causal[1].counted_steps and not mask_configs(128, documents)[1].counted_steps
+    )
 
 
 def test_128_row_steps_are_for_keys_on_rows_with_two_stages():
