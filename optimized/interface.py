@@ -43,7 +43,7 @@ from .config import (
     bwd_config,
     fwd_config,
 )
-from .plans import backward_grid, backward_plan, forward_plan, mask_bwd_config, mask_fwd_config, work_tiles
+from .plans import backward_grid, backward_plan, forward_plan, mask_fwd_config, mask_variant, work_tiles
 from .plans import sm_count as gpu_sm_count
 from .segments import forward_virtual_length
 from .tile_plan import full_mask
@@ -125,7 +125,7 @@ def mask_configs(
     changes = overrides or {}
     return (
         apply_overrides(mask_fwd_config(head_dim, mask, causal), changes),
-        apply_overrides(mask_bwd_config(head_dim, mask, deterministic, causal), changes),
+        apply_overrides(bwd_config(head_dim, *mask_variant(mask, causal), deterministic), changes),
     )
 
 
@@ -526,10 +526,10 @@ def backward(
     sk, hkv = k.shape[1], k.shape[2]
     plain = _check_plain(mask, causal)
     uniform_work = plain and not causal  # every CTA sees every query tile: nothing to order
-    config = config or mask_bwd_config(d, mask, deterministic, causal)
     if mask is None:
         mask = _no_mask(q, sk, causal)
     width = mask.startend_row_indices.shape[-1]
+    config = config or bwd_config(d, mask.causal, width, deterministic)
     if config.segment_steps and timeline is not None:  # its buffer is sized for the sequence's tiles
         raise ValueError("a profiled build runs on the sequence's tiles: pass a config with segment_steps=False")
     sms = _sm_count(q.device)
@@ -621,7 +621,7 @@ def compile_check(
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
     backward's profiled build; `turn_profile`: the forward's turn-profiled build; `segmented`: the
     forward chosen for a segmented mask (`ColumnMask.segmented`); `sinks`: the forward with the
-    heads' sink logits; `plain`: the kernels chosen for a call without a mask (`causal`: with the
+    heads' sink logits; `plain`: the forward chosen for a call without a mask (`causal`: with the
     causal one alone; `width` then 2, or 1 with `causal`)."""
     import cutlass
     import cutlass.cute as cute
@@ -640,7 +640,7 @@ def compile_check(
     qkv = (cute_dtype, 4)
     rows, bounds = (i32, 4, width), (i32, 4, 2 * width)
     if direction == "bwd":
-        config = config or bwd_config(head_dim, causal, width, deterministic, plain)
+        config = config or bwd_config(head_dim, causal, width, deterministic)
         split = config.split_ctas_max_parts > 0 and not (deterministic or config.segment_steps or timeline)
         ordered = config.longest_ctas_first_waves > 0 and not (deterministic or split)
         step_rows = (i32, 4, 2) if config.segment_steps else None

@@ -1009,7 +1009,7 @@ def test_counted_query_steps_leave_the_bounds_mask_out_of_the_step(tmp_path, hea
     setup = "import dataclasses; from flashmask3.optimized import bwd_config"
     loops, summaries = {}, {}
     for counted in (False, True):
-        config = f"dataclasses.replace(bwd_config({head_dim}, {causal}, {width}, plain=True), counted_steps={counted})"
+        config = f"dataclasses.replace(bwd_config({head_dim}, {causal}, {width}), counted_steps={counted})"
         args = f"'bf16', {head_dim}, {causal}, {width}, {config}, direction='bwd', head_dim_v={head_dim_v}"
         name = f"counted_steps_{head_dim}_{causal}_{counted}"
         blocks, summary = hot_loop_in_registers(compiled_sass(tmp_path, name, "FlashMaskBackward", args, setup), name)
@@ -1017,4 +1017,3 @@ def test_counted_query_steps_leave_the_bounds_mask_out_of_the_step(tmp_path, hea
         summaries[counted] = [part for part in summary.split(",") if "HGMMA" in part]
     assert summaries[True] == summaries[False]
     assert len(loops[True]) < len(loops[False])
-

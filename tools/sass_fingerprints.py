@@ -71,25 +71,14 @@ def cases() -> dict[str, dict]:
         chosen[f"fwd bf16 d{head_dim} causal w1 sinks"] = dict(
             dtype="bf16", head_dim=head_dim, causal=True, width=1, sinks=True
         )
-    for head_dim in (64, 128, 192, 256):  # calls without a mask, or the causal one alone: counted tiles
+    for head_dim in (64, 128, 192, 256):  # calls without a mask, or the causal one alone: counted keys
         head_dim_v = 128 if head_dim == 192 else head_dim
         dims = f"d{head_dim}" + (f" v{head_dim_v}" if head_dim_v != head_dim else "")
         for causal, width in ((False, 2), (True, 1)):
-            counted = {
-                "fwd": fwd_config(head_dim, causal, width, plain=True).counted_keys,
-                "bwd": bwd_config(head_dim, causal, width, plain=True).counted_steps,
-            }
-            for direction in ("fwd", "bwd"):
-                if counted[direction]:
-                    chosen[f"{direction} bf16 {dims} {'causal' if causal else 'noncausal'} plain"] = dict(
-                        dtype="bf16",
-                        head_dim=head_dim,
-                        causal=causal,
-                        width=width,
-                        plain=True,
-                        head_dim_v=head_dim_v,
-                        direction=direction,
-                    )
+            if fwd_config(head_dim, causal, width, plain=True).counted_keys:
+                chosen[f"fwd bf16 {dims} {'causal' if causal else 'noncausal'} plain"] = dict(
+                    dtype="bf16", head_dim=head_dim, causal=causal, width=width, plain=True, head_dim_v=head_dim_v
+                )
     for causal, width in VARIANTS:  # the forward at q/k 192, v 128 (MLA)
         label = f"fwd bf16 d192 v128 {'causal' if causal else 'noncausal'} w{width}"
         chosen[label] = dict(dtype="bf16", head_dim=192, causal=causal, width=width, head_dim_v=128)
