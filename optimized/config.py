@@ -201,8 +201,7 @@ class BwdConfig:
     # tile's query tiles counted in registers by the producer and the consumers, as FA4 walks its
     # steps, instead of listed by the mask warp and handed on with each Q stage (no smem word
     # between the Q wait and the S GEMM, no stage for a head's end); only the causal diagonal cuts
-    # a step. The plan keeps the list for every other call. Off: the cycles it saves went to a
-    # lower clock at the power cap (`bwd_config`).
+    # a step. The plan keeps the list for every other call.
     counted_steps: bool
 
     def __post_init__(self) -> None:
