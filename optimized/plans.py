@@ -81,6 +81,14 @@ def backward_grid(batch: int, kv_heads: int, seqlen_k: int, config: BwdConfig) -
     return batch * kv_heads * -(-seqlen_k // config.key_tile)
 
 
+def countable(mask: ColumnMask, plain: bool, key_tile: int) -> bool:
+    """Whether the kernels may count their tiles in registers (`FwdConfig.counted_keys`,
+    `BwdConfig.counted_steps`) instead of listing them: a plain call (`plain`: no interval hides a
+    row) whose keys fill whole tiles of `key_tile`, so no tile is masked by more than the causal
+    diagonal (else the list says which)."""
+    return plain and mask.startend_row_indices.shape[-2] % key_tile == 0
+
+
 def forward_plan(
     mask: ColumnMask,
     config: FwdConfig,
@@ -97,9 +105,7 @@ def forward_plan(
     (Sq != Sk, or a CUDA graph being captured, where a kept plan would be replayed stale);
     `plain`: the mask stands for no mask or for the causal one alone (no interval hides a row)."""
     tile_rows = None
-    # Counted only where no tile is masked by more than the diagonal (else the list says which).
-    whole_key_tiles = mask.startend_row_indices.shape[-2] % config.tile_n == 0
-    if config.counted_keys and not (plain and whole_key_tiles):
+    if config.counted_keys and not countable(mask, plain, config.tile_n):
         config = dataclasses.replace(config, counted_keys=False)
     if config.segment_tiles:
         if uniform_work or sequence_tiles:
@@ -136,9 +142,7 @@ def backward_plan(
     keeps the grid order (its key tiles wait for the ones before them); a profiled build
     (`profiled`) does not split its CTAs."""
     step_rows = None
-    # Counted only where no step is masked by more than the diagonal (else the list says which).
-    whole_key_tiles = mask.startend_row_indices.shape[-2] % config.key_tile == 0
-    if config.counted_steps and not (plain and whole_key_tiles):
+    if config.counted_steps and not countable(mask, plain, config.key_tile):
         config = dataclasses.replace(config, counted_steps=False)
     if config.segment_steps:
         # A CTA's key tile serves every query head of its KV head: they must share one virtual layout.
