@@ -7,6 +7,7 @@ import functools
 import math
 from typing import Literal
 
+import numpy as np
 import torch
 
 from . import peers
@@ -65,7 +66,8 @@ def attention(
             else flex on CUDA, else reference.
         softmax_scale: scale of q.k, a finite float; default 1/sqrt(D), D being q's (and k's)
             head dim.
-        return_lse: also return the log-sum-exp of the scaled scores, fp32 [B, Hq, Sq].
+        return_lse: also return the log-sum-exp of the scaled scores, fp32 [B, Hq, Sq];
+            differentiable on every backend (a loss on it reaches dQ, dK and the sinks).
         deterministic: the cute backward adds dQ in a fixed order (and keeps its key tiles'
             dK and dV whole, never split over several CTAs), so gradients are bitwise identical
             run to run (slightly slower; without it dQ's adds, and where a long key tile is split
@@ -275,12 +277,12 @@ def _check_flash_arguments(causal: bool, window_size: tuple[int, int]) -> tuple[
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= -1 for w in window_size)
     ):
         raise ValueError(
             f"window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}"
         )
-    left, right = window_size
+    left, right = (int(w) for w in window_size)  # a numpy int goes on as a plain int
     if causal and right > 0:
         raise ValueError(
             f"window_size[1] must be 0 or -1 with causal=True (no key after its query is seen), got {right}"

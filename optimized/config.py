@@ -346,8 +346,11 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     )
 
 
-def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool = False) -> BwdConfig:
-    """The backward's configuration for this head dim, mask variant and mode (`deterministic`).
+def bwd_config(
+    head_dim: int, causal: bool, mask_width: int, deterministic: bool = False, plain: bool = False
+) -> BwdConfig:
+    """The backward's configuration for this head dim, mask variant and mode (`deterministic`;
+    `plain`: a call without a mask, or with the causal one alone).
     At head dim 64, 128 query rows per step (FA4's SM90 step there; two Q/dO stages, the LSE after
     the S GEMM) where that build keeps its registers: non-causal masks with two bounds per key and
     causal ones with one (on an H100 at 8K, fwd+bwd +6.6 to +10.3% on full, documents, causal and
@@ -380,10 +383,11 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
     192/128 (on an H100, the training shape) they split too, up to two bounds per key (+12.6% causal
     documents, +12.8% share-question, +3.9% documents, +0.5 to +1.9% prefix-LM documents, causal and
     the sliding window), not with four (the global window -3.4%).
-    On calls without a mask or with the causal one alone, the query steps stay listed: counting
-    them in registers (`counted_steps`) measured on an H100 fwd+bwd +1.0-2.0% on full and +0.3-1.1%
-    on causal at 8K, but -3.0 to -3.9% on full and -0.3 to -2.5% on causal at the training shape,
-    where it ran 30-165 MHz slower at the 700 W cap (per clock +1 to +7% almost everywhere).
+    On calls without a mask or with the causal one alone, each key tile's query steps counted in
+    registers instead of listed (`counted_steps`; on an H100 over three runs fwd+bwd +1.0 to +3.0%
+    on full and +0.3 to +1.2% on causal at 8K, -3.9 to +7.5% on full and -2.5 to +1.2% on causal
+    at the training shape, where the clock the 700 W cap leaves moved more than the kernel: per
+    clock +1.2 to +7% in 11 of 12 pairs).
     Head dims 192 (with v 128) and 256 take FA4's SM90 shapes, queries on rows: 96 and 48 keys per
     CTA, two Q stages, two and one dO stages, the LSE ahead at every mask width (two values per
     thread; read after the S GEMM, the width-4 build at 192 spills)."""
@@ -408,7 +412,7 @@ def bwd_config(head_dim: int, causal: bool, mask_width: int, deterministic: bool
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,
         split_ctas_max_parts=4 if split_ctas and not deterministic else 0,
         split_ctas_slack_pct=2,
-        counted_steps=False,
+        counted_steps=plain,
     )
 
 

@@ -125,7 +125,7 @@ def mask_configs(
     changes = overrides or {}
     return (
         apply_overrides(mask_fwd_config(head_dim, mask, causal), changes),
-        apply_overrides(bwd_config(head_dim, *mask_variant(mask, causal), deterministic), changes),
+        apply_overrides(bwd_config(head_dim, *mask_variant(mask, causal), deterministic, mask is None), changes),
     )
 
 
@@ -505,6 +505,7 @@ def backward(
     config: BwdConfig | None = None,
     timeline: torch.Tensor | None = None,
     causal: bool = False,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the Hopper backward kernel, in q's dtype; dk, dv summed over each GQA group.
 
@@ -514,7 +515,9 @@ def backward(
     `config`: the main kernel's configuration (default: `bwd_config`'s choice for the head dim and
     mask). `timeline`: an int64 [CTAs, len(timeline.BwdEvent)] buffer runs a build of the main
     kernel that records each CTA's phases and the cycles of each segment of its steps
-    (`optimized/timeline.py`); CTAs = `backward_ctas(...)`. `causal`: as in `forward`.
+    (`optimized/timeline.py`); CTAs = `backward_ctas(...)`. `causal`: as in `forward`. `dlse`
+    [B, Hq, Sq]: a gradient that reaches the LSE too, taken off each row's Delta (rowsum(dO * O))
+    between the preprocess and the main kernel (`reference.attention.row_sums`).
     """
     from .flash_bwd_sm90 import head_dims_refusal
 
@@ -529,7 +532,7 @@ def backward(
     if mask is None:
         mask = _no_mask(q, sk, causal)
     width = mask.startend_row_indices.shape[-1]
-    config = config or bwd_config(d, mask.causal, width, deterministic)
+    config = config or bwd_config(d, mask.causal, width, deterministic, plain)
     if config.segment_steps and timeline is not None:  # its buffer is sized for the sequence's tiles
         raise ValueError("a profiled build runs on the sequence's tiles: pass a config with segment_steps=False")
     sms = _sm_count(q.device)
@@ -551,6 +554,12 @@ def backward(
     prepared = [out.contiguous(), dout, lse.contiguous(), lse2, delta, accumulator, rows]
     dims_v = None if head_dim_v == d else head_dim_v
     _launch("bwd_pre", q.dtype, d, False, 2, None, prepared, [], head_dim_v=dims_v, query_tile=tile_m)
+    if dlse is not None:
+        if step_rows is not None:  # Delta's rows are then the segments', not the sequence's
+            raise ValueError(
+                "a gradient through the LSE needs the sequence's rows: pass a config with segment_steps=False"
+            )
+        delta[..., :sq] -= dlse
     dk = k.new_empty(k.shape) if dk is None else dk  # contiguous, whatever the inputs' strides
     dv = v.new_empty(v.shape) if dv is None else dv
     # One memset: the dQ semaphores, then (16-byte aligned, as every kernel tensor) the split CTAs' counters.
@@ -621,7 +630,7 @@ def compile_check(
     configuration, by default the chosen one; `timeline`: the forward's timeline build, or the
     backward's profiled build; `turn_profile`: the forward's turn-profiled build; `segmented`: the
     forward chosen for a segmented mask (`ColumnMask.segmented`); `sinks`: the forward with the
-    heads' sink logits; `plain`: the forward chosen for a call without a mask (`causal`: with the
+    heads' sink logits; `plain`: the kernels chosen for a call without a mask (`causal`: with the
     causal one alone; `width` then 2, or 1 with `causal`)."""
     import cutlass
     import cutlass.cute as cute
@@ -640,7 +649,7 @@ def compile_check(
     qkv = (cute_dtype, 4)
     rows, bounds = (i32, 4, width), (i32, 4, 2 * width)
     if direction == "bwd":
-        config = config or bwd_config(head_dim, causal, width, deterministic)
+        config = config or bwd_config(head_dim, causal, width, deterministic, plain)
         split = config.split_ctas_max_parts > 0 and not (deterministic or config.segment_steps or timeline)
         ordered = config.longest_ctas_first_waves > 0 and not (deterministic or split)
         step_rows = (i32, 4, 2) if config.segment_steps else None

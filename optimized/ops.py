@@ -90,16 +90,18 @@ def cute_backward(
     causal: bool,
     softmax_scale: float,
     deterministic: bool,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Hopper backward kernels: (dq, dk, dv), dk and dv summed over each GQA group."""
+    """The Hopper backward kernels: (dq, dk, dv), dk and dv summed over each GQA group; `dlse`: the
+    gradient that reaches the LSE too, if any."""
     mask = _mask(row_indices, causal, q.shape[1])
     return interface.backward(
-        dout, q, k, v, out, lse, mask, softmax_scale, deterministic, causal=causal and mask is None
+        dout, q, k, v, out, lse, mask, softmax_scale, deterministic, causal=causal and mask is None, dlse=dlse
     )
 
 
 @cute_backward.register_fake
-def _backward_fake(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, deterministic):
+def _backward_fake(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, deterministic, dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -108,15 +110,18 @@ def _setup_context(ctx, inputs, output) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, row_indices, sinks)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused out or LSE brings None, not zeros
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse):
     q, k, v, out, lse, row_indices, sinks = ctx.saved_tensors
-    dq, dk, dv = cute_backward(dout, q, k, v, out, lse, row_indices, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = cute_backward(
+        dout, q, k, v, out, lse, row_indices, ctx.causal, ctx.softmax_scale, ctx.deterministic, dlse
+    )
     dsinks = None
     if sinks is not None and ctx.needs_input_grad[8]:
-        dsinks = sinks_backward(dout, out, lse, sinks, torch.float32).to(sinks.dtype)
+        dsinks = sinks_backward(dout, out, lse, sinks, torch.float32, dlse).to(sinks.dtype)
     return dq, dk, dv, None, None, None, None, None, dsinks
 
 

@@ -157,20 +157,21 @@ def backward(
     mask: ColumnMask | None,
     softmax_scale: float,
     compute_dtype: torch.dtype,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV from dO, O and LSE, as the kernels compute them (P = exp(S - LSE)); dQ and dK
-    have q's and k's head dim D, dV (like dO and O) v's head dim Dv."""
+    have q's and k's head dim D, dV (like dO and O) v's head dim Dv. `dlse` [B, Hq, Sq]: the
+    gradient that reaches the LSE too, if any (`row_sums`)."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     plan = _Plan(mask, b, hq, sq, sk, q.device)
     qh = _split_heads(q.to(compute_dtype), hkv)
     doh = _split_heads(dout.to(compute_dtype), hkv)
-    oh = _split_heads(out.to(compute_dtype), hkv)
     kh = k.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
     vh = v.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
     acc = _accumulator(compute_dtype)
     lseh = lse.view(b, hkv, hq // hkv, sq).to(acc)
-    delta = (doh.to(acc) * oh.to(acc)).sum(-1)  # rowsum(dO * O)
+    delta = row_sums(dout, out, dlse, compute_dtype).reshape(b, hkv, hq // hkv, sq)
     dq = torch.zeros(qh.shape, dtype=acc, device=q.device)
     dk = torch.zeros(b, hkv, sk, d, dtype=acc, device=q.device)
     dv = torch.zeros(b, hkv, sk, v.shape[-1], dtype=acc, device=q.device)
@@ -196,23 +197,41 @@ def backward(
     return _merge_heads(dq), dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
 
 
-def sinks_backward(
-    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, compute_dtype: torch.dtype
+def row_sums(
+    dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, compute_dtype: torch.dtype
 ) -> torch.Tensor:
-    """d(sinks) [Hq] in the accumulator dtype, from dO, O and the LSE that includes the sinks.
+    """Delta [B, Hq, Sq] in the accumulator dtype: rowsum(dO * O), less `dlse` [B, Hq, Sq] where
+    the LSE has a gradient of its own. With L = log sum_j exp(s_j), dL/ds_j = P_j, so dS = P * (dP
+    - rowsum(dO * O)) + P * dL = P * (dP - (rowsum(dO * O) - dL)): the LSE's gradient is the row
+    sum less dL, and nothing else changes."""
+    acc = _accumulator(compute_dtype)
+    delta = (dout.to(compute_dtype).to(acc) * out.to(compute_dtype).to(acc)).sum(-1).transpose(1, 2)
+    return delta if dlse is None else delta - dlse.to(acc)
+
+
+def sinks_backward(
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sinks: torch.Tensor,
+    compute_dtype: torch.dtype,
+    dlse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """d(sinks) [Hq] in the accumulator dtype, from dO, O and the LSE that includes the sinks
+    (`dlse`: the gradient that reaches that LSE too, if any).
 
     With L the row's LSE, out = sum_j exp(s_j - L) v_j and dL/d(sink) = exp(sink - L), the sink's
     probability, so d(out)/d(sink) = -exp(sink - L) * out and d(sink) = -sum over the batch and
-    rows of exp(sink - L) * rowsum(dO * O). dQ, dK and dV need nothing more than `backward` with
-    this L: the sink is a key of value 0.
+    rows of exp(sink - L) * (rowsum(dO * O) - dL) (`row_sums`). dQ, dK and dV need nothing more
+    than `backward` with this L: the sink is a key of value 0.
     """
     acc = _accumulator(compute_dtype)
-    delta = (dout.to(compute_dtype).to(acc) * out.to(compute_dtype).to(acc)).sum(-1)  # [B, Sq, Hq]
+    delta = row_sums(dout, out, dlse, compute_dtype)  # [B, Hq, Sq]
     sink = sinks.to(acc).view(1, -1, 1)
     # A sink of -inf takes no share of any row, not even of one that sees no key (L = -inf too,
     # where exp(sink - L) would be NaN).
     sink_probability = torch.where(torch.isneginf(sink), 0.0, torch.exp(sink - lse.to(acc)))  # [B, Hq, Sq]
-    return -(sink_probability * delta.transpose(1, 2)).sum((0, 2))
+    return -(sink_probability * delta).sum((0, 2))
 
 
 def join_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,16 +265,17 @@ class ReferenceAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.mask, ctx.softmax_scale, ctx.compute_dtype = mask, softmax_scale, compute_dtype
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused out or LSE brings None, not zeros
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.mask, ctx.softmax_scale, ctx.compute_dtype)
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.mask, ctx.softmax_scale, ctx.compute_dtype, dlse)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[6]:
-            dsinks = sinks_backward(dout, out, lse, sinks, ctx.compute_dtype).to(sinks.dtype)
+            dsinks = sinks_backward(dout, out, lse, sinks, ctx.compute_dtype, dlse).to(sinks.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
 
 

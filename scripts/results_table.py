@@ -49,12 +49,13 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "Forward, the training shape: S = 32K, one sequence, 16 query / 4 KV heads (on an H100 80GB HBM3; "
-        "full, causal, the two document masks and share-question from a later run, against FA4 native and "
-        "block-sparse)",
+        "the two document masks and share-question from a later run, full and causal from a third with their "
+        "key tiles counted in registers, against FA4 native and block-sparse)",
         (
             "fwd_bench_train_32k_peers_segment_tiles_h100.json",
             "fwd_bench_train_32k_lazy_fa4_h100.json",
             "fwd_bench_without_sinks_train_32k_fa4_h100.json",
+            "fwd_bench_train_32k_full_causal_fa4_h100.json",
         ),
     ),
     (
@@ -72,6 +73,15 @@ README_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "full and causal from a later run with their key tiles counted in registers, against FA4 native alone: "
         "full at 1,515 MHz against FA4's 1,320 there, 0.95x per clock)",
         ("fwd_bench_8k_peers_h100.json", "fwd_bench_8k_full_causal_counted_keys_fa4_h100.json"),
+    ),
+    (
+        "Forward, S = 8K, against cuDNN flex_attention (cudnn-frontend 1.32.0; on an H100 80GB HBM3, "
+        "FA4 native and cuDNN's SDPA where they run the mask)",
+        ("fwd_bench_8k_native_masks_cudnn_flex_h100.json", "fwd_bench_8k_column_masks_cudnn_flex_h100.json"),
+    ),
+    (
+        "Forward + backward, S = 8K, against cuDNN flex_attention (cudnn-frontend 1.32.0; on an H100 80GB HBM3)",
+        ("bwd_bench_8k_column_masks_cudnn_flex_h100.json",),
     ),
     (
         "Forward + backward, head dim 256: S = 32K, 4 sequences, 16 heads, against FA4 native and block-sparse "

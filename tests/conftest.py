@@ -59,9 +59,9 @@ def _reference_forward(q, k, v, row_indices, causal, segmented, softmax_scale, d
     return (out, lse) if sinks is None else reference.join_sinks(out, lse, sinks)
 
 
-def _reference_backward(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, deterministic):
+def _reference_backward(dout, q, k, v, out, lse, row_indices, causal, softmax_scale, deterministic, dlse=None):
     mask = _op_mask(q, k, row_indices, causal)
-    grads = reference.backward(dout, q, k, v, out, lse, mask, softmax_scale, torch.float64)
+    grads = reference.backward(dout, q, k, v, out, lse, mask, softmax_scale, torch.float64, dlse)
     return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v)))
 
 

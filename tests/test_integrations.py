@@ -55,7 +55,7 @@ def test_opcheck_of_the_forward_and_backward_ops(cute_on_cpu, mask_name):
     segmented = mask is not None and mask.segmented
     torch.library.opcheck(ops.cute_forward, (q, k, v, rows, causal, segmented, 0.25, False))
     out, lse = ops.cute_forward(q, k, v, rows, causal, segmented, 0.25, False)
-    args = (torch.randn_like(out), *(x.detach() for x in (q, k, v, out)), lse, rows, causal, 0.25, False)
+    args = (torch.randn_like(out), *(x.detach() for x in (q, k, v, out, lse)), rows, causal, 0.25, False)
     torch.library.opcheck(ops.cute_backward, args)
 
 
@@ -150,13 +150,43 @@ def test_cute_ops_match_the_reference_backend(cute_on_cpu):
     mask = fm.masks.build("causal_document", 150, batch=2, seed=2)
     out, lse = fm.attention(q, k, v, mask, backend="cute", return_lse=True)
     ref_out, ref_lse = fm.attention(q, k, v, mask, backend="reference", return_lse=True)
-    assert lse.dtype == torch.float32 and not lse.requires_grad
+    assert lse.dtype == torch.float32 and lse.requires_grad
     assert (out - ref_out).abs().max() < 1e-12 and (lse - ref_lse).abs().max() < 1e-6
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
     for grad, ref_grad in zip(grads, ref_grads):  # the ops' backward reads the fp32 LSE the kernel keeps
         assert ((grad - ref_grad).norm() / ref_grad.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["cute", "reference"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_loss_on_the_lse_has_the_dense_gradients(cute_on_cpu, backend, with_sinks):
+    """The LSE is differentiable on every backend: a loss on out and the LSE (and on the LSE alone)
+    gives textbook autograd's dQ, dK, dV and d(sinks) (GQA, Sq > Sk, rows that see no key)."""
+    from conftest import dense_attention
+
+    q = random_qkv(2, 45, 4, 2, 16, seed=7, requires_grad=True)[0]
+    _, k, v = random_qkv(2, 33, 4, 2, 16, seed=8, requires_grad=True)
+    documents = fm.masks.build("causal_document", 33, batch=2, seed=7)
+    mask = ColumnMask(documents.startend_row_indices, True, 45)  # the first 12 rows see no key
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True) if with_sinks else None
+    leaves = (q, k, v) + ((sinks,) if with_sinks else ())
+    weights = torch.randn(2, 4, 45, dtype=torch.float64)
+    want_out, want_lse = dense_attention(q, k, v, mask.to_dense(), 16**-0.5, sinks)
+    out, lse = fm.attention(q, k, v, mask, backend=backend, return_lse=True, sinks=sinks)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and finite.all() == with_sinks  # rows that see no key
+    losses = (
+        lambda o, log_sum: o.sum() + (log_sum * weights)[finite].sum(),
+        lambda o, log_sum: (log_sum * weights)[finite].sum(),
+    )
+    for loss_of in losses:
+        want = torch.autograd.grad(loss_of(want_out, want_lse), leaves, retain_graph=True, allow_unused=True)
+        got = torch.autograd.grad(loss_of(out, lse), leaves, retain_graph=True, allow_unused=True)
+        for name, g, w in zip("q k v sinks".split(), got, want):
+            w = torch.zeros_like(g) if w is None else w  # v takes no gradient from the LSE alone
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)  # the LSE is kept in fp32
 
 
 @pytest.mark.parametrize("mask_name", ["causal_document", "share_question"])
@@ -407,6 +437,32 @@ def test_packed_batch_matches_each_document_run_alone(llama, packed):
     bounds = packed["cu_seq_lens_q"].tolist()
     alone = torch.cat([sdpa(input_ids=ids[:, a:b]).logits for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
     assert (ours - alone).abs().max() < 1e-6
+
+
+def test_positions_that_jump_with_a_padding_mask_are_one_sequence_per_row(llama):
+    """PoSE-style positions (a jump, no restart) with a 2-D attention_mask at batch 2: HF infers no
+    packing there (sdpa and flex only without the mask, FlashAttention only at batch 1), so every
+    row attends over all of itself, as sdpa does."""
+    model, sdpa = llama
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(6))
+    keep = torch.ones(2, 20, dtype=torch.long)
+    positions = torch.cat([torch.arange(10), torch.arange(50, 60)])[None].expand(2, -1)
+    ours = model(input_ids=ids, attention_mask=keep, position_ids=positions)
+    assert_same(ours, sdpa(input_ids=ids, attention_mask=keep, position_ids=positions))
+    split = sdpa(input_ids=ids, position_ids=positions, attention_mask=document_mask((10, 10)).expand(2, -1, -1, -1))
+    assert (ours.logits[:, 10:] - split.logits[:, 10:]).abs().max() > 1e-3  # a split would have mattered
+
+
+def test_a_packed_row_without_a_mask_splits_where_positions_restart_not_where_they_jump(llama):
+    """A batch of one without attention_mask: a document starts where the position drops back to 0
+    (HF's FlashAttention rule), not at a jump inside a document (here 2 -> 10 in the second one)."""
+    model, sdpa = llama
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(7))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 10, 11, 12, 13]])
+    ours = model(input_ids=ids, position_ids=positions, use_cache=False)
+    assert_same(ours, sdpa(input_ids=ids, position_ids=positions, attention_mask=document_mask((5, 7))))
+    three = document_mask((5, 3, 4))  # had the jump split too
+    assert (ours.logits - sdpa(input_ids=ids, position_ids=positions, attention_mask=three).logits).abs().max() > 1e-3
 
 
 def test_cu_seq_lens_give_the_documents(llama, packed):

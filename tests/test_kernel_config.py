@@ -321,10 +321,13 @@ def test_a_masks_configs_take_the_overrides_in_both_directions():
     fwd, bwd = mask_configs(128, documents, {"persistent": False, "q_stages": 2})
     assert fwd == dataclasses.replace(mask_fwd_config(128, documents), persistent=False)
     assert bwd == dataclasses.replace(bwd_config(128, True, 1), q_stages=2, short_grid_q_stages=0)
-    assert mask_configs(64, None) == (fwd_config(64, False, 2, plain=True), bwd_config(64, False, 2))
-    assert mask_configs(128, None, causal=True) == (fwd_config(128, True, 1, plain=True), bwd_config(128, True, 1))
-    assert mask_configs(64, None, deterministic=True)[1] == bwd_config(64, False, 2, deterministic=True)
-    assert not mask_configs(128, None, causal=True)[1].counted_steps  # measured, not chosen
+    assert mask_configs(64, None) == (fwd_config(64, False, 2, plain=True), bwd_config(64, False, 2, plain=True))
+    plain_causal = (fwd_config(128, True, 1, plain=True), bwd_config(128, True, 1, plain=True))
+    assert mask_configs(128, None, causal=True) == plain_causal
+    assert mask_configs(64, None, deterministic=True)[1] == bwd_config(64, False, 2, deterministic=True, plain=True)
+    # Plain calls count their query steps; a mask's steps are listed.
+    assert mask_configs(128, None, causal=True)[1].counted_steps
+    assert not mask_configs(128, documents)[1].counted_steps
 
 
 def test_128_row_steps_are_for_keys_on_rows_with_two_stages():

@@ -262,13 +262,19 @@ def test_rows_that_see_nothing_with_a_sink_of_minus_inf(cute_on_cpu, backend):
 
 
 def test_reference_gradcheck_with_a_sink_of_minus_inf_and_rows_that_see_nothing():
-    """dq, dk, dv against finite differences with sinks [-inf, finite] (a sink of -inf has none to
-    take), rows [0, 3) seeing no key."""
+    """dq, dk, dv of out and of the LSE against finite differences with sinks [-inf, finite] (a sink
+    of -inf has none to take), rows [0, 3) seeing no key (their LSE of -inf taken as 0, which no
+    input moves)."""
     mask = first_rows_see_nothing(9, 3)
     q, k, v, sinks, _ = inputs_with_sinks(1, 9, 9, 2, 1, 3, seed=14)
     sinks[0] = -math.inf
     leaves = [x.requires_grad_() for x in (q, k, v)]
-    assert torch.autograd.gradcheck(lambda *x: reference_attention(*x, mask, 0.5, sinks=sinks), leaves)
+
+    def out_and_finite_lse(*x):
+        out, lse = reference_attention(*x, mask, 0.5, sinks=sinks)
+        return out, lse.masked_fill(torch.isneginf(lse), 0.0)
+
+    assert torch.autograd.gradcheck(out_and_finite_lse, leaves)
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])

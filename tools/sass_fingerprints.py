@@ -6,10 +6,9 @@
 A change that must leave today's kernels as they are (a refactor, plumbing for new head dims or
 tile shapes) is checked by their code: each configuration the host chooses (`fwd_config` /
 `bwd_config` at head dim 64 and 128, the four mask variants; the forward at 128, 192/128 and 256 on
-segmented masks, at 128 and 256 with attention sinks, at every head dim without a mask and with the
-causal one alone (counted key tiles); the deterministic backward and fp16 at 128, 192 with v
-128 and 256;
-the forward and the backward at q/k 192 with v 128 and at head dim 256) is
+segmented masks, at 128 and 256 with attention sinks, both directions at every head dim without a
+mask and with the causal one alone (counted key tiles and query steps); the deterministic backward
+and fp16 at 128, 192 with v 128 and 256; the forward and the backward at q/k 192 with v 128 and at head dim 256) is
 compiled as `compile_check` does, and the sha256 of each kernel's `.text` sections (the SASS, read
 from the cubin's ELF, so no disassembler is involved) is compared with the recorded one. A change
 that is meant to alter a kernel shows which configurations it touched; record them again with
@@ -71,14 +70,24 @@ def cases() -> dict[str, dict]:
         chosen[f"fwd bf16 d{head_dim} causal w1 sinks"] = dict(
             dtype="bf16", head_dim=head_dim, causal=True, width=1, sinks=True
         )
-    for head_dim in (64, 128, 192, 256):  # calls without a mask, or the causal one alone: counted keys
+    for head_dim in (64, 128, 192, 256):  # calls without a mask, or the causal one alone: counted keys and steps
         head_dim_v = 128 if head_dim == 192 else head_dim
         dims = f"d{head_dim}" + (f" v{head_dim_v}" if head_dim_v != head_dim else "")
         for causal, width in ((False, 2), (True, 1)):
+            kind = "causal" if causal else "noncausal"
             if fwd_config(head_dim, causal, width, plain=True).counted_keys:
-                chosen[f"fwd bf16 {dims} {'causal' if causal else 'noncausal'} plain"] = dict(
+                chosen[f"fwd bf16 {dims} {kind} plain"] = dict(
                     dtype="bf16", head_dim=head_dim, causal=causal, width=width, plain=True, head_dim_v=head_dim_v
                 )
+            chosen[f"bwd bf16 {dims} {kind} plain"] = dict(  # counted query steps
+                dtype="bf16",
+                head_dim=head_dim,
+                causal=causal,
+                width=width,
+                plain=True,
+                head_dim_v=head_dim_v,
+                direction="bwd",
+            )
     for causal, width in VARIANTS:  # the forward at q/k 192, v 128 (MLA)
         label = f"fwd bf16 d192 v128 {'causal' if causal else 'noncausal'} w{width}"
         chosen[label] = dict(dtype="bf16", head_dim=192, causal=causal, width=width, head_dim_v=128)
