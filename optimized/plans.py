@@ -20,6 +20,7 @@ import functools
 import torch
 
 from ..reference import ColumnMask
+from ..reference.constructors import check_flag, check_int
 from .config import BACKWARD_HEAD_DIMS, SPLIT_CTA_SLOTS_PER_SM, BwdConfig, FwdConfig, bwd_config, fwd_config
 from .segments import cached_segment_plan, query_tile_rows
 from .tile_plan import (
@@ -249,14 +250,19 @@ def prepare_mask(
     collate or prefetch, not a worker), with the GPU's index where several are used, and on the
     stream the model runs on (the copies are queued there).
 
-    Raises ValueError if `batch`, `q_heads`, `kv_heads` do not fit the mask (its batch and heads
-    broadcast or match)."""
+    Raises TypeError if `mask` is not a ColumnMask or `deterministic` not a bool, ValueError if
+    `batch`, `q_heads`, `kv_heads` or `head_dim` is not an int >= 1 (Python or numpy) or they do
+    not fit the mask (its batch and heads broadcast or match)."""
+    if not isinstance(mask, ColumnMask):
+        raise TypeError(f"mask must be a ColumnMask, got {type(mask).__name__}")
+    batch, q_heads, kv_heads, head_dim = (
+        check_int(name, value, 1)
+        for name, value in (("batch", batch), ("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim))
+    )
+    check_flag("deterministic", deterministic)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    for name, value in (("batch", batch), ("q_heads", q_heads), ("kv_heads", kv_heads)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
     if q_heads % kv_heads:
         raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
     mask.check_compatible(batch, q_heads, kv_heads, mask.seqlen_q, mask.seqlen_k)

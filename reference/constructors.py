@@ -137,8 +137,7 @@ class MaskConstructors:
         i - left <= j <= i + right, so this is `window_size=(window - 1, 0)` with `causal=True`
         and `(window - 1, window - 1)` without. Equals `masks.build("sliding_window", window=...)`.
         """
-        check_int("seqlen", seqlen, 1)
-        check_int("window", window, 1)
+        seqlen, window = check_int("seqlen", seqlen, 1), check_int("window", window, 1)
         check_flag("causal", causal)
         return cls._band(seqlen, seqlen, window - 1, window - 1, causal, device=device)
 
@@ -153,9 +152,8 @@ class MaskConstructors:
         `window_size=(window, window)`), as in `masks.build("global_sliding_window", window=...)`,
         which this equals.
         """
-        check_int("seqlen", seqlen, 1)
-        check_int("window", window, 0)
-        check_int("global_tokens", global_tokens, 0)
+        seqlen = check_int("seqlen", seqlen, 1)
+        window, global_tokens = check_int("window", window, 0), check_int("global_tokens", global_tokens, 0)
         j = torch.arange(seqlen, device=device)
         is_global = j < global_tokens
         narrow = j < global_tokens + window + 1  # no rows between the global ones and the band
@@ -343,9 +341,9 @@ def check_flag(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def check_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    """`value` an int (Python or numpy, not bool) >= `low` and, if given, <= `high`; else a
-    ValueError naming `name` and the accepted range."""
+def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """`value` an int (Python or numpy, not bool) >= `low` and, if given, <= `high`, as a plain
+    Python int (what a mask stores); else a ValueError naming `name` and the accepted range."""
     if (
         not isinstance(value, (int, np.integer))
         or isinstance(value, bool)
@@ -354,3 +352,4 @@ def check_int(name: str, value: object, low: int, high: int | None = None) -> No
     ):
         accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be an int {accepted}, got {value!r}")
+    return int(value)

@@ -84,8 +84,8 @@ class ColumnMask(MaskConstructors):
                 f"startend_row_indices last dim must be one of {allowed} when causal={self.causal}, got {idx.shape[-1]}"
             )
         check_flag("segmented", self.segmented)
-        if not isinstance(self.seqlen_q, int) or self.seqlen_q < 1:
-            raise ValueError(f"seqlen_q must be a positive int, got {self.seqlen_q!r}")
+        # A numpy int is taken as the constructors take it, and stored as a plain int.
+        object.__setattr__(self, "seqlen_q", check_int("seqlen_q", self.seqlen_q, 1))
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) > self.seqlen_q):
             raise ValueError(
                 f"startend_row_indices values must lie in [0, seqlen_q={self.seqlen_q}], "
@@ -352,8 +352,10 @@ class ColumnMask(MaskConstructors):
         representable. Returns a mask of batch `batch` and `heads` heads. `batch`, `heads`,
         `seqlen_q` and `seqlen_k` are ints >= 1.
         """
-        for name, value in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        batch, heads, seqlen_q, seqlen_k = (
             check_int(name, value, 1)
+            for name, value in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k))
+        )
         device = torch.device(device)
         b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
         h = torch.arange(heads, device=device).view(1, -1, 1, 1)

@@ -232,11 +232,8 @@ def build(
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown mask name {name!r}; accepted: {', '.join(MASK_NAMES)}")
-    if not isinstance(seqlen, int) or seqlen < 2:
-        raise ValueError(f"seqlen must be an int >= 2, got {seqlen!r}")
-    check_int("batch", batch, 1)
-    check_int("heads", heads, 1)
-    check_int("seed", seed, 0)
+    seqlen = check_int("seqlen", seqlen, 2)
+    batch, heads, seed = check_int("batch", batch, 1), check_int("heads", heads, 1), check_int("seed", seed, 0)
     accepted = _accepted_params(name, seqlen)
     params = {key: value for key, value in params.items() if value is not None}
     for key, value in params.items():
@@ -244,7 +241,7 @@ def build(
             raise ValueError(
                 f"mask {name!r} takes no parameter {key!r}; its parameters: {', '.join(accepted) or 'none'}"
             )
-        check_int(f"{key} (mask {name!r}, seqlen {seqlen})", value, *accepted[key])
+        params[key] = check_int(f"{key} (mask {name!r}, seqlen {seqlen})", value, *accepted[key])
     mask_heads = heads if name in _PER_HEAD else 1
     rows, causal = [], True
     for b in range(batch):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from flashmask3.reference import ColumnMask, masks
@@ -127,6 +128,45 @@ def test_a_numpy_scale_is_a_float():
     torch.testing.assert_close(
         fm.attention(q, k, v, softmax_scale=np.float32(0.5)), fm.attention(q, k, v, softmax_scale=0.5)
     )
+
+
+def test_numpy_ints_are_taken_as_plain_ints_everywhere():
+    """One rule for integer arguments: Python and numpy ints, stored as a plain int."""
+    mask = ColumnMask.sliding_window(np.int64(50), np.int32(5))
+    assert type(mask.seqlen_q) is int and mask.seqlen_q == 50
+    again = ColumnMask(mask.startend_row_indices, mask.causal, mask.seqlen_q)
+    assert again == mask and type(again.seqlen_q) is int
+    from_numpy = ColumnMask(mask.startend_row_indices, mask.causal, np.int64(50))
+    assert from_numpy == mask and type(from_numpy.seqlen_q) is int
+    built = masks.build("causal", np.int64(10), batch=np.int64(2), heads=np.int8(3), seed=np.uint8(1))
+    assert built == masks.build("causal", 10, batch=2) and type(built.seqlen_q) is int
+    assert masks.build("sliding_window", 64, window=np.int64(4)) == masks.build("sliding_window", 64, window=4)
+    q, k, v = qkv(sq=12, sk=12)
+    windowed = fm.attention(q, k, v, causal=True, window_size=(np.int64(3), np.int32(0)))
+    assert torch.equal(windowed, fm.attention(q, k, v, causal=True, window_size=(3, 0)))
+    assert not torch.equal(windowed, fm.attention(q, k, v, causal=True))  # the window mattered
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda: ColumnMask(torch.full((1, 1, 4, 1), 4, dtype=torch.int32), True, True),
+            "seqlen_q must be an int >= 1",
+        ),
+        (lambda: masks.build("causal", True), "seqlen must be an int >= 2, got True"),
+        (lambda: masks.build("causal", 64, batch=np.bool_(True)), "batch must be an int >= 1"),
+        (
+            lambda: masks.build("sliding_window", 64, window=True),
+            r"window \(mask 'sliding_window', seqlen 64\) must be",
+        ),
+        (lambda: ColumnMask.sliding_window(64, True), "window must be an int >= 1, got True"),
+        (lambda: fm.attention(*qkv(), causal=True, window_size=(True, 0)), r"window_size must be a pair .*\(True, 0\)"),
+    ],
+)
+def test_bools_are_not_ints(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 def test_paddle_entry_checks_query_before_reading_its_mask():

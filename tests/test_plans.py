@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from flashmask3.optimized import interface, plans, segments, tile_plan
@@ -127,12 +128,21 @@ def test_prepare_mask_names_a_bad_argument():
     for change, message in (
         (dict(batch=3), "batch dim must be"),
         (dict(q_heads=6), "q_heads \\(6\\) must be a multiple of kv_heads \\(4\\)"),
-        (dict(kv_heads=0), "kv_heads must be a positive int"),
+        (dict(kv_heads=0), "kv_heads must be an int >= 1, got 0"),
+        (dict(batch=True), "batch must be an int >= 1, got True"),
+        (dict(head_dim="x"), "head_dim must be an int >= 1, got 'x'"),
+        (dict(head_dim=-1), "head_dim must be an int >= 1, got -1"),
         (dict(q_heads=16, kv_heads=8), "head dim must be"),
     ):
         with pytest.raises(ValueError, match=message):
             prepare_mask(mask, "cpu", **(shape | change))
+    with pytest.raises(TypeError, match="deterministic must be a bool, got str"):
+        prepare_mask(mask, "cpu", **shape, deterministic="x")
+    with pytest.raises(TypeError, match="mask must be a ColumnMask, got Tensor"):
+        prepare_mask(mask.startend_row_indices, "cpu", **shape)
     assert prepare_mask(mask, "cpu", **shape) is mask  # already there, and no kernel runs on a CPU
+    numpy_shape = {name: np.int64(value) for name, value in shape.items()}
+    assert prepare_mask(mask, "cpu", **numpy_shape, deterministic=True) is mask
 
 
 def test_counted_key_tiles_only_without_a_mask_over_whole_key_tiles():

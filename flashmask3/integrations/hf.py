@@ -16,10 +16,14 @@ and the other layers reuse it (under torch.compile, and for inference tensors, e
 it); each call runs `flashmask3.attention` (GQA included).
 
 Packed batches (`DataCollatorWithFlattening`): the documents come from `cu_seq_lens_q` /
-`cu_seq_lens_k` when the call has them, else from `position_ids`, a new document wherever the
-position does not follow the previous one by 1 (HF's packed-sequence rule). As in HF's
-FlashAttention integration, they apply with or without a cache, whenever the queries are the whole
-sequence (no cached keys); HF's sdpa and flex masks look for packing only without a cache.
+`cu_seq_lens_k` when the call has them, else, as HF's FlashAttention integration infers them
+(`_is_packed_sequence`), from the `position_ids` of a batch of one without a 2-D `attention_mask`:
+a new document wherever the position restarts (drops to the row's minimum, 0 from the collator).
+Positions that only jump (PoSE-style, [0..9, 50..59]), a call with a 2-D `attention_mask` (where
+HF's sdpa and flex masks do not look for packing either) and a batch of several rows give one
+sequence per row. As in HF's FlashAttention integration, the documents apply with or without a
+cache, whenever the queries are the whole sequence (no cached keys); HF's sdpa and flex masks look
+for packing only without a cache.
 
 Masks varlen attention cannot express (share-question, prefix-LM documents, ...) go through the
 model call as a `ColumnMask`, the way FlexAttention's integration takes a `BlockMask`:
@@ -283,9 +287,10 @@ def _documents(
                 f"position_ids must be [B, {seqlen}] or [1, {seqlen}] to find the packed documents, "
                 f"got shape {tuple(position_ids.shape)}"
             )
-        # HF's packed-sequence rule: a document starts wherever the position does not follow by 1.
-        steps = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
-        iv = ColumnMask.document(document_ids=(steps != 1).cumsum(-1)).intervals()
+        # HF's FlashAttention rule (`prepare_fa_kwargs_from_position_ids`): a document starts where
+        # the position restarts at its minimum (0, or a RoBERTa-like padding_idx + 1), not at a jump.
+        restarts = position_ids == position_ids.amin(-1, keepdim=True)
+        iv = ColumnMask.document(document_ids=restarts.cumsum(-1)).intervals()
     else:
         return None
     return iv.ute[:, 0], iv.lts[:, 0]  # a document mask hides rows below its start and from its end
@@ -346,10 +351,14 @@ def _mask_of(
 
 def _documents_of(spec: _MaskSpec, sq: int, sk: int, position_ids, cu_seq_lens_q, cu_seq_lens_k):
     """The packed documents, read (as HF's FlashAttention integration does) when the queries are the
-    whole sequence: no cached keys."""
-    if sq == sk and _is_zero(spec.q_offset) and _is_zero(spec.kv_offset):
-        return _documents(sq, position_ids, cu_seq_lens_q, cu_seq_lens_k)
-    return None
+    whole sequence: no cached keys. Packing is inferred from `position_ids` only where HF's
+    `_is_packed_sequence` would: a batch of one without a padding mask (HF unpads by that mask
+    instead, and its sdpa / flex masks look for packing only without one)."""
+    if not (sq == sk and _is_zero(spec.q_offset) and _is_zero(spec.kv_offset)):
+        return None
+    if spec.keep is not None or spec.shape[0] != 1:
+        position_ids = None
+    return _documents(sq, position_ids, cu_seq_lens_q, cu_seq_lens_k)
 
 
 _converted: TensorMemo[ColumnMask] = TensorMemo(size=1)
