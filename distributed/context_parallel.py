@@ -503,13 +503,14 @@ def _local_forward(backend: str, q, kv, mask: ColumnMask, scale: float):
     return reference.forward(q, kv[0], kv[1], mask, scale, _compute_dtype(q))
 
 
-def _local_backward(backend: str, dout, q, kv, out, lse, mask: ColumnMask, scale: float):
-    """(dq, [dk; dv]) in the accumulator dtype, from the merged out and lse."""
+def _local_backward(backend: str, dout, q, kv, out, lse, mask: ColumnMask, scale: float, dlse=None):
+    """(dq, [dk; dv]) in the accumulator dtype, from the merged out and lse (and `dlse`, the
+    gradient reaching the merged lse, if any: each row's, whichever keys the call covers)."""
     compute = _compute_dtype(q)
     if backend == "cute":
-        dq, dk, dv = cute_kernels.backward(dout, q, kv[0], kv[1], out, lse, mask, scale)
+        dq, dk, dv = cute_kernels.backward(dout, q, kv[0], kv[1], out, lse, mask, scale, dlse=dlse)
     else:
-        dq, dk, dv = reference.backward(dout, q, kv[0], kv[1], out, lse, mask, scale, compute)
+        dq, dk, dv = reference.backward(dout, q, kv[0], kv[1], out, lse, mask, scale, compute, dlse)
     return dq.to(compute), torch.stack([dk, dv]).to(compute)
 
 
@@ -545,10 +546,12 @@ def _compact(chunks: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
 
 class _LocalAttention:
     """This rank's attention to sets of K/V chunks: one kernel call per set, over the needed
-    chunks concatenated, with their localized mask (no per-chunk calls)."""
+    chunks concatenated, with their localized mask (no per-chunk calls). `dlse`: in the backward, the
+    gradient that reaches the merged LSE, if any."""
 
-    def __init__(self, layout: _Layout, rank: int, backend: str, scale: float, stats: CPStats):
+    def __init__(self, layout: _Layout, rank: int, backend: str, scale: float, stats: CPStats, dlse=None):
         self.layout, self.rank, self.backend, self.scale, self.stats = layout, rank, backend, scale, stats
+        self.dlse = dlse
         self.plan = layout.plan
         self.own = list(self.plan.assignment[rank])
 
@@ -582,6 +585,7 @@ class _LocalAttention:
                 lse,
                 self.layout.union_mask(self.rank, needed),
                 self.scale,
+                self.dlse,
             )
             for c, g in _split(dkv, needed, self.plan.chunk_size).items():
                 grads[c] = grads[c] + g if c in grads else g
@@ -872,18 +876,19 @@ class _CPFunction(torch.autograd.Function):
         stats.saved_kv_bytes = stats.held_kv_bytes
         last_forward_stats = stats
         _record_stats(0, stats, comm)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused out or LSE brings None, not zeros
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         global last_backward_stats
         q, k, v, out, lse, *kept = ctx.saved_tensors
         layout, group, backend, scale = ctx.attn_args
         plan = layout.plan
         stats = CPStats()
         comm = _Comm(group, q.device, stats)
-        attn = _LocalAttention(layout, comm.rank, backend, scale, stats)
+        dout = torch.zeros_like(out) if dout is None else dout
+        attn = _LocalAttention(layout, comm.rank, backend, scale, stats, dlse)
         local = torch.stack([k, v])
         stats.hold_kv(local, *kept)
         remote_kv = None if ctx.kept_chunks is None else dict(zip(ctx.kept_chunks, kept))
@@ -920,7 +925,7 @@ def cp_attention(
         group: the CP process group (default: the world).
         config: scheme, pruning, overlap, hierarchy, local backend, what the backward keeps.
         softmax_scale: scale of q.k; default 1/sqrt(D).
-        return_lse: also return this rank's LSE.
+        return_lse: also return this rank's LSE, differentiable (a loss on it reaches dQ, dK, dV).
 
     Returns:
         This rank's output [B, local_len, Hq, D] (and LSE [B, Hq, local_len] with `return_lse`).
