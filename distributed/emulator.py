@@ -64,6 +64,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions, ReduceScatterOptions
 
+from ..reference.constructors import check_int
+
 BACKEND = "emulated"
 """The name of the emulated backend in `dist.init_process_group`, valid inside `emulate` only."""
 
@@ -637,8 +639,7 @@ def emulate(
         raises EmulatorError (the rank's exception as its cause).
     """
     global _registered
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    world_size = check_int("world_size", world_size, 1)
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or a CUDA device, got {str(device)!r}")

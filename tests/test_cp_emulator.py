@@ -325,6 +325,12 @@ def test_hangs_and_mismatched_collectives_are_errors():
         emulate(lambda rank, world: dist.barrier() if rank else dist.all_reduce(torch.ones(1)), 2)
 
 
+@pytest.mark.parametrize("world_size", [True, 0, 2.0])
+def test_a_world_size_that_is_not_a_positive_int_is_named(world_size):
+    with pytest.raises(ValueError, match=f"world_size must be an int >= 1, got {world_size!r}"):
+        emulate(lambda rank, world: rank, world_size)
+
+
 def test_a_ranks_exception_stops_the_others_and_names_the_rank():
     def rank_main(rank, world):
         if rank == 2:
