@@ -768,9 +768,9 @@ def _kernel_routing(rank, world):
         out, lse = reference.forward(q, k, v, mask, scale, torch.float64)
         return out.to(q.dtype), lse
 
-    def fake_backward(dout, q, k, v, out, lse, mask, scale):
+    def fake_backward(dout, q, k, v, out, lse, mask, scale, dlse=None):
         calls.append("cute backward")
-        return reference.backward(dout, q, k, v, out, lse, mask, scale, torch.float64)
+        return reference.backward(dout, q, k, v, out, lse, mask, scale, torch.float64, dlse)
 
     interface.unsupported_reason = lambda *inputs, **kwargs: None  # "a Hopper GPU": the fakes compute in fp64
     interface.forward, interface.backward = fake_forward, fake_backward
