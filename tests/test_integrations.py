@@ -5,6 +5,7 @@ without transformers)."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from flashmask3.optimized import ops
@@ -301,6 +302,7 @@ def test_paddle_first_example_per_head_masks_and_gqa():
         ((3, 5), True, (_j <= _i) & (_j >= _i - 3)),  # the right side is not used when causal
         (2, False, (_i - _j).abs() <= 2),
         ((1, 3), False, (_j >= _i - 1) & (_j <= _i + 3)),
+        ((np.int64(1), np.int32(3)), False, (_j >= _i - 1) & (_j <= _i + 3)),  # numpy ints as ints
     ],
 )
 def test_flashmask_attention_window_size(window_size, causal, attend):
@@ -328,6 +330,7 @@ def test_flashmask_attention_without_a_mask_and_with_a_scale():
         ({"rng_name": "local_seed"}, ValueError, "rng_name='local_seed'"),
         ({"window_size": -1}, ValueError, "window_size must be an int >= 0"),
         ({"window_size": (1, 2, 3)}, ValueError, "window_size must be an int >= 0"),
+        ({"window_size": (True, 0)}, ValueError, r"window_size must be an int >= 0 .*\(True, 0\)"),
         (
             {"startend_row_indices": torch.full((1, 1, 10, 1), 10, dtype=torch.int32), "window_size": 2},
             ValueError,

@@ -8,7 +8,7 @@ import torch
 from ..api import attention
 from ..reference import ColumnMask
 from ..reference.attention import check_attention_inputs
-from ..reference.constructors import check_flag
+from ..reference.constructors import check_flag, check_int
 
 
 def flashmask_attention(
@@ -95,15 +95,13 @@ def flashmask_attention(
 
 def _window(window_size: int | tuple[int, int], causal: bool) -> tuple[int, int]:
     """Paddle's window_size as FlashAttention's (left, right)."""
-    pair = (
-        (window_size, window_size)
-        if isinstance(window_size, int) and not isinstance(window_size, bool)
-        else window_size
-    )
-    if (
-        not isinstance(pair, (tuple, list))
-        or len(pair) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in pair)
-    ):
-        raise ValueError(f"window_size must be an int >= 0 or a pair (left, right) of them, got {window_size!r}")
-    return (pair[0], 0) if causal else (pair[0], pair[1])
+    pair = window_size if isinstance(window_size, (tuple, list)) else (window_size, window_size)
+    try:
+        if len(pair) != 2:
+            raise ValueError
+        left, right = (check_int("window_size", w, 0) for w in pair)  # numpy ints too, not bools
+    except ValueError:
+        raise ValueError(
+            f"window_size must be an int >= 0 or a pair (left, right) of them, got {window_size!r}"
+        ) from None
+    return (left, 0) if causal else (left, right)
