@@ -43,7 +43,14 @@ from .config import (
     bwd_config,
     fwd_config,
 )
-from .plans import backward_grid, backward_plan, forward_plan, mask_fwd_config, mask_variant, work_tiles
+from .plans import (
+    backward_grid,
+    backward_plan,
+    forward_plan,
+    mask_bwd_config,
+    mask_fwd_config,
+    work_tiles,
+)
 from .plans import sm_count as gpu_sm_count
 from .segments import forward_virtual_length
 from .tile_plan import full_mask
@@ -125,7 +132,7 @@ def mask_configs(
     changes = overrides or {}
     return (
         apply_overrides(mask_fwd_config(head_dim, mask, causal), changes),
-        apply_overrides(bwd_config(head_dim, *mask_variant(mask, causal), deterministic, mask is None), changes),
+        apply_overrides(mask_bwd_config(head_dim, mask, deterministic, causal), changes),
     )
 
 

@@ -208,6 +208,13 @@ def mask_fwd_config(head_dim: int, mask: ColumnMask | None, causal: bool = False
     return fwd_config(head_dim, *mask_variant(mask), segmented=mask.segmented)
 
 
+def mask_bwd_config(
+    head_dim: int, mask: ColumnMask | None, deterministic: bool = False, causal: bool = False
+) -> BwdConfig:
+    """`bwd_config`'s choice for this head dim, mask and mode, as `mask_fwd_config`'s."""
+    return bwd_config(head_dim, *mask_variant(mask, causal), deterministic, plain=mask is None)
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """The SMs of CUDA `device`."""
@@ -222,7 +229,7 @@ def plan_mask(
     configurations they choose (v's head dim changes no plan)."""
     sequence_tiles = mask.seqlen_q != mask.seqlen_k
     forward_plan(mask, mask_fwd_config(head_dim, mask), batch, q_heads, sms, sequence_tiles=sequence_tiles)
-    config = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1], deterministic)
+    config = mask_bwd_config(head_dim, mask, deterministic)
     backward_plan(
         mask, config, batch, q_heads, kv_heads, sms, sequence_tiles=sequence_tiles, deterministic=deterministic
     )
