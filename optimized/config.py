@@ -77,6 +77,10 @@ class FwdConfig:
     # Causal masks: a PARTIAL key tile the causal diagonal does not cut is listed as such and masked
     # by its keys' bounds alone, without the per-element causal comparison.
     off_diagonal_tiles: bool
+    # Non-causal masks: a PARTIAL key tile that only one of the two intervals reaches (a band's
+    # edge, the global keys' tile of a global window) is listed as such and masked by that
+    # interval's bounds alone, half the compares per element.
+    one_interval_tiles: bool
     # Masks over Sq = Sk whose rows split into independent segments (packed documents): query and
     # key tiles aligned to the segments instead of the sequence, through a virtual sequence that
     # pads each segment to whole tiles (segments.py); the tiles straddling two documents, and their
@@ -339,6 +343,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         lazy_rescale=head_dim == 256 or (head_dim == 128 and not causal and mask_width == 2),
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
+        one_interval_tiles=False,
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
         turn_barriers=head_dim != 192,

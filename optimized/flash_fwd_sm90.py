@@ -47,14 +47,16 @@ from .hopper import (
     wgmma,
 )
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
-from .mask import apply_causal_diagonal, apply_column_mask
+from .mask import LOWER, UPPER, apply_causal_diagonal, apply_column_mask
 from .mask_role import (
     DIAGONAL_ONLY,
     END_OF_LIST,
     FLAG_BITS,
+    LOWER_ONLY,
     OFF_DIAGONAL,
     PARTIAL,
     UNIFORM,
+    UPPER_ONLY,
     TileList,
     counted_key_tiles,
     entry_tile,
@@ -110,6 +112,7 @@ class FlashMaskForwardSm90:
         self.uniform_tiles = config.uniform_tiles
         self.diagonal_tiles = config.diagonal_tiles and causal
         self.off_diagonal_tiles = config.off_diagonal_tiles and causal
+        self.one_interval_tiles = config.one_interval_tiles and not causal
         self.late_k_release = config.late_k_release
         self.fmax_row_max = config.fmax_row_max
         self.lazy_rescale = config.lazy_rescale
@@ -375,6 +378,7 @@ class FlashMaskForwardSm90:
                     self.uniform_tiles,
                     self.diagonal_tiles,
                     self.off_diagonal_tiles,
+                    self.one_interval_tiles,
                     self.counted_keys,
                     timeline,
                 )
@@ -938,15 +942,29 @@ class FlashMaskForwardSm90:
 
     @cute.jit
     def mask_partial(self, mask, tile_bounds, entry, diagonal: cutlass.Constexpr[bool]):
-        """A PARTIAL tile's element mask from its bounds in smem: per row where UNIFORM; the causal
-        comparison only if `diagonal`."""
+        """A PARTIAL tile's element mask from its bounds in smem: per row where UNIFORM; one interval
+        where LOWER_ONLY or UPPER_ONLY; the causal comparison only if `diagonal`."""
         if const_expr(self.uniform_tiles):
             if (entry & UNIFORM) != 0:
                 apply_column_mask(
                     *mask, self.causal, self.mask_width, tile_bounds=tile_bounds, uniform=True, diagonal=diagonal
                 )
             else:
-                apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds, diagonal=diagonal)
+                self.mask_by_columns(mask, tile_bounds, entry, diagonal)
+        else:
+            self.mask_by_columns(mask, tile_bounds, entry, diagonal)
+
+    @cute.jit
+    def mask_by_columns(self, mask, tile_bounds, entry, diagonal: cutlass.Constexpr[bool]):
+        """A PARTIAL tile's element mask from each key's bounds: of the one interval that reaches its
+        rows where the tile is listed LOWER_ONLY or UPPER_ONLY, else of all."""
+        if const_expr(self.one_interval_tiles):
+            if (entry & LOWER_ONLY) != 0:
+                apply_column_mask(*mask, False, self.mask_width, tile_bounds=tile_bounds, interval=LOWER)
+            elif (entry & UPPER_ONLY) != 0:
+                apply_column_mask(*mask, False, self.mask_width, tile_bounds=tile_bounds, interval=UPPER)
+            else:
+                apply_column_mask(*mask, False, self.mask_width, tile_bounds=tile_bounds)
         else:
             apply_column_mask(*mask, self.causal, self.mask_width, tile_bounds=tile_bounds, diagonal=diagonal)
 

@@ -8,7 +8,8 @@ column costs exactly the loads its variant has (1, 2 or 4 int32 from `startend_r
     non-causal, 2: row >= LTS or row < UTE     non-causal, 4: [LTS, LTE) or [UTS, UTE)
 
 plus the causal part (key after the query, bottom-right aligned) and keys past the end (the
-ragged last tile).
+ragged last tile). A non-causal tile that only one of the two intervals reaches tests that one
+alone (`interval`: LOWER, [LTS, LTE) or row >= LTS; UPPER, [UTS, UTE) or row < UTE).
 """
 
 import cutlass
@@ -16,6 +17,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .layout import acc_rows_view
+
+LOWER = 0  # `interval`: the lower interval of a non-causal mask alone
+UPPER = 1  # the upper one alone
 
 
 @cute.jit
@@ -30,15 +34,25 @@ def _hidden(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     diagonal: cutlass.Constexpr[bool] = True,
+    interval: cutlass.Constexpr[int | None] = None,
 ):
     """Whether (query, key) is masked, given the key's 1, 2 or 4 boundaries (unused ones repeat);
-    not `diagonal`: the causal part is left out (it hides nothing here, or the caller tests it)."""
+    not `diagonal`: the causal part is left out (it hides nothing here, or the caller tests it);
+    `interval` (non-causal, LOWER or UPPER): that interval alone (the other reaches no row here)."""
     if cutlass.const_expr(causal and width == 1):
         hidden = query >= first
     elif cutlass.const_expr(causal):
         hidden = query >= first and query < second
+    elif cutlass.const_expr(width == 2 and interval == LOWER):
+        hidden = query >= first
+    elif cutlass.const_expr(width == 2 and interval == UPPER):
+        hidden = query < second
     elif cutlass.const_expr(width == 2):
         hidden = query >= first or query < second
+    elif cutlass.const_expr(interval == LOWER):
+        hidden = query >= first and query < second
+    elif cutlass.const_expr(interval == UPPER):
+        hidden = query >= third and query < fourth
     else:
         hidden = (query >= first and query < second) or (query >= third and query < fourth)
     if cutlass.const_expr(causal and diagonal):
@@ -112,6 +126,7 @@ def apply_column_mask(
     tile_bounds: cute.Tensor | None = None,
     uniform: cutlass.Constexpr[bool] = False,
     diagonal: cutlass.Constexpr[bool] = True,
+    interval: cutlass.Constexpr[int | None] = None,
 ) -> None:
     """Set hidden scores of the thread's fragment to -inf.
 
@@ -122,7 +137,8 @@ def apply_column_mask(
     in smem) when given. `uniform` (forward, with `tile_bounds`): every key of the tile has the
     bounds of `tile_bounds` row 0 and none is past the end, so the mask is a set of rows (and the
     causal diagonal). Not `diagonal` (forward, causal): the causal diagonal does not cut the tile
-    (`OFF_DIAGONAL`), so no element is tested against it.
+    (`OFF_DIAGONAL`), so no element is tested against it. `interval` (forward, non-causal, LOWER or
+    UPPER): only that interval reaches the tile's rows (`LOWER_ONLY`, `UPPER_ONLY`).
     """
     s_rows = acc_rows_view(acc_S)
     c_rows = acc_rows_view(coords)
@@ -146,6 +162,6 @@ def apply_column_mask(
         for q in cutlass.range_constexpr(cute.size(s_rows, mode=[1 - key_mode])):
             r, c = (k, q) if cutlass.const_expr(keys_on_rows) else (q, k)
             query = query_start + (c_rows[r, c][1] if cutlass.const_expr(keys_on_rows) else c_rows[r, c][0])
-            hidden = _hidden(query, key, first, second, third, fourth, causal_offset, causal, width, diagonal)
+            hidden = _hidden(query, key, first, second, third, fourth, causal_offset, causal, width, diagonal, interval)
             hidden = not in_range or hidden
             s_rows[r, c] = -Float32.inf if hidden else s_rows[r, c]

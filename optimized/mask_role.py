@@ -5,8 +5,8 @@ warp also draws: tile_scheduler.py; the backward: one key tile) and walks the ti
 The mask warp classifies those 32 at a time, one per lane, from the per-key-block min/max of the
 boundary vectors (`block_minmax`, computed once per call on the GPU; FlashMask's rule, exactly
 `ColumnMask.block_classes`): SKIP tiles are left out, the others are published in order as
-`tile << FLAG_BITS | flags` (PARTIAL, UNIFORM, OFF_DIAGONAL) into a small smem ring (`TileList`),
-then -1. The TMA producer reads the ring (and in the forward the consumer warps too; the
+`tile << FLAG_BITS | flags` (PARTIAL, UNIFORM, OFF_DIAGONAL, LOWER_ONLY, UPPER_ONLY) into a small
+smem ring (`TileList`), then -1. The TMA producer reads the ring (and in the forward the consumer warps too; the
 backward's producer hands each entry on with its Q stage), so skipped tiles cost neither loads nor
 MMAs and UNMASKED tiles cost no mask arithmetic.
 """
@@ -31,7 +31,12 @@ DIAGONAL_ONLY = UNIFORM
 # Entry flag of a PARTIAL causal forward tile that the causal diagonal does not cut (with
 # `flag_off_diagonal`): its keys' bounds alone mask it, no per-element causal comparison.
 OFF_DIAGONAL = 4
-FLAG_BITS = 3  # an entry is its tile index shifted past the flags
+# Entry flags of a PARTIAL non-causal forward tile that only one of the mask's two intervals
+# reaches (with `flag_one_interval`): the lower one, [LTS, LTE) or [LTS, Sq), or the upper one,
+# [UTS, UTE) or [0, UTE). Its element mask tests that interval's bounds alone (half the compares).
+LOWER_ONLY = 8
+UPPER_ONLY = 16
+FLAG_BITS = 5  # an entry is its tile index shifted past the flags
 
 
 @cute.jit
@@ -121,10 +126,12 @@ def tile_flags(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
 ):
-    """(listed, partial, uniform, diagonal_only, on_diagonal) of the tile rows [row_start, row_end) x
-    keys [key_start, key_start + tile_n); uniform: every boundary column's min equals its max and no
-    key is past the end; diagonal_only: partial by the causal diagonal alone (no interval reaches
-    the rows, no key past the end); on_diagonal: the causal diagonal cuts it (False when not causal).
+    """(listed, partial, uniform, diagonal_only, on_diagonal, lower_only, upper_only) of the tile rows
+    [row_start, row_end) x keys [key_start, key_start + tile_n); uniform: every boundary column's min
+    equals its max and no key is past the end; diagonal_only: partial by the causal diagonal alone
+    (no interval reaches the rows, no key past the end); on_diagonal: the causal diagonal cuts it
+    (False when not causal); lower_only / upper_only (non-causal only, else False): of the two
+    intervals, only the lower / the upper one reaches the rows.
 
     `bounds` holds the key block's min of each of the `width` boundary columns, then their max.
     A tile is SKIP when one interval covers all its rows for every key (or the causal part hides
@@ -133,6 +140,8 @@ def tile_flags(
     [0, UTE), non-causal 4 = [LTS, LTE) and [UTS, UTE).
     """
     lo0, hi0 = bounds[0], bounds[width]
+    lower_touched = False  # non-causal: whether each interval reaches the rows
+    upper_touched = False
     if const_expr(causal and width == 1):
         covered = hi0 <= row_start
         touched = lo0 < row_end
@@ -143,11 +152,15 @@ def tile_flags(
         if const_expr(width == 4):
             lo2, hi2, lo3, hi3 = bounds[2], bounds[6], bounds[3], bounds[7]
             covered = covered or (hi2 <= row_start and lo3 >= row_end)
-            touched = touched or (lo2 < row_end and hi3 > row_start)
+            lower_touched = touched
+            upper_touched = lo2 < row_end and hi3 > row_start
+            touched = lower_touched or upper_touched
     else:
         lo1, hi1 = bounds[1], bounds[3]
         covered = hi0 <= row_start or lo1 >= row_end
-        touched = lo0 < row_end or hi1 > row_start
+        lower_touched = lo0 < row_end
+        upper_touched = hi1 > row_start
+        touched = lower_touched or upper_touched
     key_end = cutlass.min(key_start + tile_n, seqlen_k)
     complete = key_end == key_start + tile_n  # no key past the end
     uniform = complete
@@ -161,7 +174,9 @@ def tile_flags(
         on_diagonal = key_end - 1 > row_start + causal_offset
         touched = touched or on_diagonal
     diagonal_only = touched and not touched_by_bounds and complete
-    return not covered, touched, uniform, diagonal_only, on_diagonal
+    lower_only = lower_touched and not upper_touched
+    upper_only = upper_touched and not lower_touched
+    return not covered, touched, uniform, diagonal_only, on_diagonal, lower_only, upper_only
 
 
 @cute.jit
@@ -204,11 +219,13 @@ def list_key_tiles(
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
+    flag_one_interval: cutlass.Constexpr[bool],
 ) -> Int32:
     """Forward mask warp: the key tiles the query rows [row_start, row_end) see, in key order,
     published from entry `position` on (PARTIAL tiles flagged UNIFORM where they are, if
-    `flag_uniform`, and OFF_DIAGONAL where they are, if `flag_off_diagonal`; DIAGONAL_ONLY instead
-    of PARTIAL where they are, if `flag_diagonal`); returns the position after END_OF_LIST."""
+    `flag_uniform`, OFF_DIAGONAL where they are, if `flag_off_diagonal`, and LOWER_ONLY or
+    UPPER_ONLY where they are, if `flag_one_interval`; DIAGONAL_ONLY instead of PARTIAL where they
+    are, if `flag_diagonal`); returns the position after END_OF_LIST."""
     lane = cute.arch.lane_idx()
     # Key tiles past the last row's diagonal are SKIP: do not even load their bounds.
     num_tiles = seen_key_tiles(cute.size(mBounds.shape[0]), row_end, causal_offset, tile_n, causal)
@@ -217,7 +234,7 @@ def list_key_tiles(
         tile = first + lane
         for w in cutlass.range_constexpr(2 * width):
             bounds[w] = mBounds[cutlass.min(tile, num_tiles - 1), w]
-        listed, partial, uniform, diagonal_only, on_diagonal = tile_flags(
+        listed, partial, uniform, diagonal_only, on_diagonal, lower_only, upper_only = tile_flags(
             bounds, row_start, row_end, tile * tile_n, tile_n, seqlen_k, causal_offset, causal, width
         )
         flags = Int32(partial)
@@ -225,6 +242,9 @@ def list_key_tiles(
             flags = flags | (Int32(UNIFORM) if partial and uniform else Int32(0))
         if const_expr(flag_off_diagonal):
             flags = flags | (Int32(OFF_DIAGONAL) if partial and not on_diagonal else Int32(0))
+        if const_expr(flag_one_interval):
+            flags = flags | (Int32(LOWER_ONLY) if partial and lower_only else Int32(0))
+            flags = flags | (Int32(UPPER_ONLY) if partial and upper_only else Int32(0))
         if const_expr(flag_diagonal):
             flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)
@@ -337,6 +357,7 @@ def list_work_tiles(
     flag_uniform: cutlass.Constexpr[bool],
     flag_diagonal: cutlass.Constexpr[bool],
     flag_off_diagonal: cutlass.Constexpr[bool],
+    flag_one_interval: cutlass.Constexpr[bool],
     counted_keys: cutlass.Constexpr[bool],
     timeline: Timeline,
 ) -> None:
@@ -350,7 +371,17 @@ def list_work_tiles(
     tiles_done = Int32(0)
     work = Int32(cute.arch.block_idx()[0])
     args = (work_tiles, mBlockBounds, mTileRows, mask_batch_stride, qheads_per_maskhead, seqlen_q, seqlen_k)
-    choices = (tile_m, counted_keys, tile_n, causal, width, flag_uniform, flag_diagonal, flag_off_diagonal)
+    choices = (
+        tile_m,
+        counted_keys,
+        tile_n,
+        causal,
+        width,
+        flag_uniform,
+        flag_diagonal,
+        flag_off_diagonal,
+        flag_one_interval,
+    )
     while work < work_tiles.total:
         if const_expr(mTileRows is None):
             position, tiles_done = _list_work_tile(tile_list, position, tiles_done, work, args, choices, timeline)
@@ -434,7 +465,7 @@ def list_query_tiles(
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
         tile = base + lane
         row_start = tile * tile_m
-        listed, partial, _, diagonal_only, _ = tile_flags(
+        listed, partial, _, diagonal_only, *_ = tile_flags(
             bounds,
             row_start,
             cutlass.min(row_start + tile_m, seqlen_q),

@@ -791,6 +791,14 @@ def test_counted_query_steps_give_the_listed_steps_gradients(causal, head_dim, h
             torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["global_sliding_window", "document", "prefix_lm_document", "prefix_lm_causal"])
+@pytest.mark.parametrize("head_dim, head_dim_v, seqlen", [*_HEAD_DIMS, (256, 256, 1531)])
+def test_one_interval_tiles_give_the_full_masks_numbers(name, head_dim, head_dim_v, seqlen):
+    """`one_interval_tiles`: PARTIAL tiles of a non-causal mask that one interval alone reaches,
+    masked by that interval's bounds, get the same -inf positions as with both intervals."""
+    assert_a_field_keeps_the_forwards_numbers("one_interval_tiles", name, head_dim, head_dim_v, seqlen, seed=37)
+
+
 @pytest.mark.parametrize(
     "name", ["sliding_window", "causal_document", "share_question", "causal_blockwise", "qk_sparse", "random_eviction"]
 )

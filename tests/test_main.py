@@ -167,6 +167,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
         "lazy_rescale": False,
         "diagonal_tiles": False,
         "off_diagonal_tiles": False,
+        "one_interval_tiles": False,
         "segment_tiles": False,
         "o_from_registers": False,
         "turn_barriers": True,
@@ -200,8 +201,8 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
     chosen = (
         "fwd tile_m=192 tile_n=128 num_stages=2 q_buffers=2 persistent=False uniform_tiles=True"
         " longest_tiles_first_waves=128 late_k_release=False fmax_row_max=False lazy_rescale=False"
-        " diagonal_tiles=False off_diagonal_tiles=False segment_tiles=False o_from_registers=False"
-        " turn_barriers=True counted_keys=False;"
+        " diagonal_tiles=False off_diagonal_tiles=False one_interval_tiles=False segment_tiles=False"
+        " o_from_registers=False turn_barriers=True counted_keys=False;"
         " bwd key_tile=128 query_tile=128 keys_on_rows=True q_stages=2 do_stages=0 lse_ahead=False"
         " longest_ctas_first_waves=16 longest_ctas_first_buckets=8"
         " diagonal_steps=True segment_steps=False dq_writer=True short_grid_q_stages=0"
