@@ -176,9 +176,6 @@ class BwdConfig:
     # Causal masks: the steps that only the causal diagonal cuts (no key's bounds reach their
     # rows) masked by the causal comparison alone, without loading the keys' bounds.
     diagonal_steps: bool
-    # Non-causal masks: the steps that only one of the two intervals reaches masked by that
-    # interval's bounds alone, as the forward's `one_interval_tiles`.
-    one_interval_steps: bool
     # Masks over Sq = Sk whose rows split into independent segments: key tiles (the CTAs) and query
     # steps aligned to the segments through the virtual rows of `segments.py`, as the forward's
     # `segment_tiles`; the preprocess and postprocess map their tiles the same way. 128-key tiles
@@ -415,7 +412,6 @@ def bwd_config(
         longest_ctas_first_waves=LONGEST_CTAS_FIRST_WAVES,
         longest_ctas_first_buckets=LONGEST_CTAS_FIRST_BUCKETS,
         diagonal_steps=causal,
-        one_interval_steps=False,
         segment_steps=False,
         dq_writer=not ((head_dim == 192 and mask_width == 4) or rows_128_no_writer),  # their consumers spill with it
         short_grid_q_stages=2 if head_dim == 128 and causal and mask_width == 1 else 0,

@@ -65,14 +65,12 @@ from .hopper import (
     wgmma,
 )
 from .layout import acc_as_operand_a, acc_rows_view, transpose_view
-from .mask import LOWER, UPPER, apply_causal_diagonal, apply_column_mask
+from .mask import apply_causal_diagonal, apply_column_mask
 from .mask_role import (
     DIAGONAL_ONLY,
     END_OF_LIST,
     FLAG_BITS,
-    LOWER_ONLY,
     PARTIAL,
-    UPPER_ONLY,
     TileList,
     counted_query_tiles,
     entry_tile,
@@ -183,7 +181,6 @@ class FlashMaskBackwardSm90:
             self.producer_regs, self.consumer_regs = 32, 232
         self.lse_ahead = config.lse_ahead
         self.diagonal_steps = config.diagonal_steps and causal
-        self.one_interval_steps = config.one_interval_steps and not causal
         self.segment_steps = config.segment_steps
         self.dq_writer = config.dq_writer
         self.counted_steps = config.counted_steps
@@ -555,7 +552,6 @@ class FlashMaskBackwardSm90:
                                 self.causal,
                                 self.mask_width,
                                 self.diagonal_steps,
-                                self.one_interval_steps,
                                 tile_range,
                             )
                 if const_expr(self.dq_writer):
@@ -862,8 +858,20 @@ class FlashMaskBackwardSm90:
                         )
                 if const_expr(self.partial_steps):
                     if (entry & PARTIAL) != 0:
-                        mask = (acc_S, st_coords, mRowIndices, mask_batch, mask_head, query_start, key_start)
-                        self.mask_step(mask + (seqlen_k, causal_offset), entry)
+                        apply_column_mask(
+                            acc_S,
+                            st_coords,
+                            mRowIndices,
+                            mask_batch,
+                            mask_head,
+                            query_start,
+                            key_start,
+                            seqlen_k,
+                            causal_offset,
+                            self.causal,
+                            self.mask_width,
+                            keys_on_rows=self.keys_on_rows,
+                        )
                 p_rows = acc_rows_view(acc_S)
                 for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
                     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
@@ -972,21 +980,6 @@ class FlashMaskBackwardSm90:
                 tidx,
             )
         profile.stamp(cta, BwdEvent.STORED)
-
-    @cute.jit
-    def mask_step(self, mask: tuple, entry: Int32):
-        """A PARTIAL step's element mask from its keys' bounds: of the one interval that reaches its
-        rows where the step is listed LOWER_ONLY or UPPER_ONLY, else of all."""
-        masked = (*mask, self.causal, self.mask_width)
-        if const_expr(self.one_interval_steps):
-            if (entry & LOWER_ONLY) != 0:
-                apply_column_mask(*masked, keys_on_rows=self.keys_on_rows, interval=LOWER)
-            elif (entry & UPPER_ONLY) != 0:
-                apply_column_mask(*masked, keys_on_rows=self.keys_on_rows, interval=UPPER)
-            else:
-                apply_column_mask(*masked, keys_on_rows=self.keys_on_rows)
-        else:
-            apply_column_mask(*masked, keys_on_rows=self.keys_on_rows)
 
     def rows(self, mQK: cute.Tensor, mStepRows: cute.Tensor | None):
         """The rows the steps walk: Q's or K's, or with segment_steps the virtual rows (from the step

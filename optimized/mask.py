@@ -137,8 +137,8 @@ def apply_column_mask(
     in smem) when given. `uniform` (forward, with `tile_bounds`): every key of the tile has the
     bounds of `tile_bounds` row 0 and none is past the end, so the mask is a set of rows (and the
     causal diagonal). Not `diagonal` (forward, causal): the causal diagonal does not cut the tile
-    (`OFF_DIAGONAL`), so no element is tested against it. `interval` (non-causal, LOWER or UPPER): only
-    that interval reaches the tile's rows (`LOWER_ONLY`, `UPPER_ONLY`).
+    (`OFF_DIAGONAL`), so no element is tested against it. `interval` (forward, non-causal, LOWER or
+    UPPER): only that interval reaches the tile's rows (`LOWER_ONLY`, `UPPER_ONLY`).
     """
     s_rows = acc_rows_view(acc_S)
     c_rows = acc_rows_view(coords)

@@ -31,8 +31,8 @@ DIAGONAL_ONLY = UNIFORM
 # Entry flag of a PARTIAL causal forward tile that the causal diagonal does not cut (with
 # `flag_off_diagonal`): its keys' bounds alone mask it, no per-element causal comparison.
 OFF_DIAGONAL = 4
-# Entry flags of a PARTIAL non-causal tile (forward) or step (backward) that only one of the
-# mask's two intervals reaches (with `flag_one_interval`): the lower one, [LTS, LTE) or [LTS, Sq), or the upper one,
+# Entry flags of a PARTIAL non-causal forward tile that only one of the mask's two intervals
+# reaches (with `flag_one_interval`): the lower one, [LTS, LTE) or [LTS, Sq), or the upper one,
 # [UTS, UTE) or [0, UTE). Its element mask tests that interval's bounds alone (half the compares).
 LOWER_ONLY = 8
 UPPER_ONLY = 16
@@ -451,13 +451,11 @@ def list_query_tiles(
     causal: cutlass.Constexpr[bool],
     width: cutlass.Constexpr[int],
     flag_diagonal: cutlass.Constexpr[bool] = False,
-    flag_one_interval: cutlass.Constexpr[bool] = False,
     tile_range: tuple[Int32, Int32] | None = None,
 ) -> Int32:
     """Backward mask warp: the query tiles that see the keys [key_start, key_start + tile_n), in
     query order, published from entry `position` on (DIAGONAL_ONLY instead of PARTIAL where they
-    are, if `flag_diagonal`; PARTIAL ones flagged LOWER_ONLY or UPPER_ONLY where they are, if
-    `flag_one_interval`); returns the position after END_OF_LIST. `tile_range`: only the query
+    are, if `flag_diagonal`); returns the position after END_OF_LIST. `tile_range`: only the query
     tiles in [first, end) (a split CTA's part)."""
     lane = cute.arch.lane_idx()
     bounds = cute.make_rmem_tensor((2 * width,), Int32)
@@ -467,7 +465,7 @@ def list_query_tiles(
     for base in cutlass.range(first, num_tiles, 32, unroll=1):
         tile = base + lane
         row_start = tile * tile_m
-        listed, partial, _, diagonal_only, _, lower_only, upper_only = tile_flags(
+        listed, partial, _, diagonal_only, *_ = tile_flags(
             bounds,
             row_start,
             cutlass.min(row_start + tile_m, seqlen_q),
@@ -479,9 +477,6 @@ def list_query_tiles(
             width,
         )
         flags = Int32(partial)
-        if const_expr(flag_one_interval):
-            flags = flags | (Int32(LOWER_ONLY) if partial and lower_only else Int32(0))
-            flags = flags | (Int32(UPPER_ONLY) if partial and upper_only else Int32(0))
         if const_expr(flag_diagonal):
             flags = Int32(DIAGONAL_ONLY) if diagonal_only else flags
         position = _publish_batch(tile_list, position, tile, listed and tile < num_tiles, flags)

@@ -136,27 +136,6 @@ def test_diagonal_steps_give_the_default_backwards_numbers(name, seqlen_q, seqle
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("name", ["global_sliding_window", "document", "prefix_lm_document", "prefix_lm_causal"])
-@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 128), (64, 64), (192, 128), (256, 256)])
-def test_one_interval_steps_give_the_default_backwards_numbers(name, head_dim, head_dim_v):
-    """`one_interval_steps`: the steps of a non-causal mask that one interval alone reaches, masked
-    by that interval's bounds, hide the same elements: the deterministic backward's dQ, dK, dV bit
-    for bit (GQA 4 on 2, a ragged length)."""
-    from flashmask3.optimized import bwd_config
-    from flashmask3.optimized.interface import backward, forward
-
-    mask = masks.build(name, 1531, batch=2, heads=4, seed=41, device="cuda")
-    q, k, v, dout = random_inputs(2, 1531, 1531, 4, 2, head_dim, torch.bfloat16, "cuda", seed=41, head_dim_v=head_dim_v)
-    scale = 1 / math.sqrt(head_dim)
-    default = bwd_config(head_dim, mask.causal, mask.startend_row_indices.shape[-1], deterministic=True)
-    out, lse = forward(q, k, v, mask, scale)
-    grads = [
-        backward(dout, q, k, v, out, lse, mask, scale, True, config=dataclasses.replace(default, one_interval_steps=on))
-        for on in (False, True)
-    ]
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
 @pytest.mark.parametrize(
     "name, head_dim",
     [("full", 128), ("causal_document", 128), ("global_sliding_window", 128), ("causal", 64)]

@@ -186,7 +186,6 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
             "longest_ctas_first_waves": 16,
             "longest_ctas_first_buckets": 8,
             "diagonal_steps": True,
-            "one_interval_steps": False,
             "segment_steps": False,
             "dq_writer": True,
             "short_grid_q_stages": 0,
@@ -206,7 +205,7 @@ def test_cute_kernel_variant_runs_and_prints_its_configurations(tmp_path, monkey
         " o_from_registers=False turn_barriers=True counted_keys=False;"
         " bwd key_tile=128 query_tile=128 keys_on_rows=True q_stages=2 do_stages=0 lse_ahead=False"
         " longest_ctas_first_waves=16 longest_ctas_first_buckets=8"
-        " diagonal_steps=True one_interval_steps=False segment_steps=False dq_writer=True short_grid_q_stages=0"
+        " diagonal_steps=True segment_steps=False dq_writer=True short_grid_q_stages=0"
         " split_ctas_max_parts=0 split_ctas_slack_pct=2 counted_steps=False"
     )
     assert f"kernel=no_persistent: {chosen}" in printed
