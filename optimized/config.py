@@ -322,8 +322,12 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     share-question (an H100, 8K). At 192/128 the consumer warpgroups issue their GEMMs without
     taking turns, FA4's choice above head dim 128 (on an H100 at 8K +0.9-4.1% on full, causal, the
     documents, share-question and causal blockwise); at 256 that loses 7.6% on share-question and is
-    within 1% elsewhere, so not there. On plain calls the key tiles counted in registers instead of
-    listed (on an H100 at head dim 128 +1.0-3.5% on full and +0.3-5.8% on causal at 8K, 32K and the
+    within 1% elsewhere, so not there. At head dim 128 on the non-causal masks with four bounds per
+    key, the partial tiles that one interval alone reaches masked by its two bounds (the global
+    sliding window +10.6% and +11.2% at 8K in two runs on an H100, at equal clocks; with two bounds
+    per key +0.1-2.6% on documents and prefix-LM documents but -3.3 and -4.5% on prefix-LM causal,
+    at a lower clock each time, so not there). On plain calls the key tiles counted in registers
+    instead of listed (on an H100 at head dim 128 +1.0-3.5% on full and +0.3-5.8% on causal at 8K, 32K and the
     training shape; at 192/128 +3.4% on full, -0.7% on causal at 32K, within the clocks' spread),
     but not by the causal build at 192-row tiles, whose consumers then hold 35 values in local
     memory against the list's 18."""
@@ -343,7 +347,7 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
         lazy_rescale=head_dim == 256 or (head_dim == 128 and not causal and mask_width == 2),
         diagonal_tiles=causal and mask_width == 1 and tile_m == 128,
         off_diagonal_tiles=causal and mask_width == 2 and tile_m == 128,
-        one_interval_tiles=False,
+        one_interval_tiles=head_dim == 128 and not causal and mask_width == 4,
         segment_tiles=tile_m == 128 and segmented,
         o_from_registers=head_dim > 128,
         turn_barriers=head_dim != 192,

@@ -36,6 +36,7 @@ def test_the_forward_takes_192_row_query_tiles_at_head_dim_64_only():
             lazy_rescale=not causal and width == 2,
             diagonal_tiles=diagonal,
             off_diagonal_tiles=off_diagonal,
+            one_interval_tiles=not causal and width == 4,
         )
     assert (fwd_config(64, True, 1).num_consumer_wgs, fwd_config(128, True, 1).num_consumer_wgs) == (3, 2)
 
