@@ -56,7 +56,7 @@ from ..memo import TensorMemo
 from ..optimized import interface as cute_kernels
 from ..reference import ColumnMask
 from ..reference import attention as reference
-from ..reference.constructors import check_flag
+from ..reference.constructors import check_count, check_flag
 from .localize import chunk_visibility, localize
 from .plan import CPPlan
 
@@ -106,12 +106,9 @@ class CPConfig:
             raise ValueError(f"unknown CP backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
         for name in ("prune", "overlap", "hold_remote_kv"):
             check_flag(name, getattr(self, name))
-        rpn = self.ranks_per_node
-        if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
-            raise ValueError(f"ranks_per_node must be a positive int or None, got {rpn!r}")
+        for name in ("ranks_per_node", "stage_chunks"):  # a numpy int is kept as a plain int
+            object.__setattr__(self, name, check_count(name, getattr(self, name)))
         if self.stage_chunks is not None:
-            if not isinstance(self.stage_chunks, int) or isinstance(self.stage_chunks, bool) or self.stage_chunks < 1:
-                raise ValueError(f"stage_chunks must be a positive int or None, got {self.stage_chunks!r}")
             for clash, why in (
                 (self.scheme != "mask_aware", f"scheme={self.scheme!r}: only mask_aware fetches in stages"),
                 (self.ranks_per_node is not None, "ranks_per_node: hierarchical routing's relays are not staged"),

@@ -341,6 +341,16 @@ def check_flag(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def check_count(name: str, value: object) -> int | None:
+    """`value` None or an int (Python or numpy, not bool) >= 1, as a plain Python int; else a
+    ValueError naming `name` (an optional limit or count)."""
+    if value is None:
+        return None
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return int(value)
+
+
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
     """`value` an int (Python or numpy, not bool) >= `low` and, if given, <= `high`, as a plain
     Python int (what a mask stores); else a ValueError naming `name` and the accepted range."""

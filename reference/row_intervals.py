@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .constructors import check_count
 from .mask import ColumnMask
 
 _CHUNK_ELEMENTS = 1 << 24
@@ -47,10 +48,7 @@ def row_intervals(mask: ColumnMask, max_intervals: int | None = None) -> torch.T
     """
     if not isinstance(mask, ColumnMask):
         raise TypeError(f"mask must be a ColumnMask, got {type(mask).__name__}")
-    if max_intervals is not None and (
-        not isinstance(max_intervals, int) or isinstance(max_intervals, bool) or max_intervals < 1
-    ):
-        raise ValueError(f"max_intervals must be a positive int or None, got {max_intervals!r}")
+    max_intervals = check_count("max_intervals", max_intervals)
     batch, heads, seqlen_q, seqlen_k = mask.batch, mask.heads, mask.seqlen_q, mask.seqlen_k
     rows_per_chunk = max(1, _CHUNK_ELEMENTS // (batch * heads * (seqlen_k + 1)))
     chunks = []

@@ -188,3 +188,10 @@ def test_chunk_loads_refuses_a_bad_chunk_size_by_name(chunk_size, tile, match):
 def test_cp_config_refuses_bad_fields_by_name(kwargs, error, match):
     with pytest.raises(error, match=match):
         CPConfig(**kwargs)
+
+
+def test_cp_config_keeps_numpy_counts_as_ints():
+    hierarchical = CPConfig(ranks_per_node=np.int64(2))
+    staged = CPConfig(stage_chunks=np.int32(3))
+    assert (hierarchical.ranks_per_node, staged.stage_chunks) == (2, 3)
+    assert type(hierarchical.ranks_per_node) is int and type(staged.stage_chunks) is int

@@ -2,6 +2,7 @@
 
 import importlib
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_column_mask
@@ -91,6 +92,7 @@ def test_the_first_row_over_the_limit_is_named(monkeypatch):
     monkeypatch.setattr(row_intervals_module, "_CHUNK_ELEMENTS", 2 * 7 * 2)
     with pytest.raises(IntervalLimitError, match=r"query row 3 \(batch 0, mask head 1\) needs 2 intervals"):
         row_intervals(mask, max_intervals=1)
+    assert torch.equal(row_intervals(mask, max_intervals=np.int64(2)), row_intervals(mask))
 
 
 @pytest.mark.parametrize(
