@@ -327,10 +327,10 @@ def fwd_config(head_dim: int, causal: bool, mask_width: int, segmented: bool = F
     sliding window +10.6% and +11.2% at 8K in two runs on an H100, at equal clocks; with two bounds
     per key +0.1-2.6% on documents and prefix-LM documents but -3.3 and -4.5% on prefix-LM causal,
     at a lower clock each time, so not there). On plain calls the key tiles counted in registers
-    instead of listed (on an H100 at head dim 128 +1.0-3.5% on full and +0.3-5.8% on causal at 8K, 32K and the
-    training shape; at 192/128 +3.4% on full, -0.7% on causal at 32K, within the clocks' spread),
-    but not by the causal build at 192-row tiles, whose consumers then hold 35 values in local
-    memory against the list's 18."""
+    instead of listed (on an H100 at head dim 128 +1.0-3.5% on full and +0.3-5.8% on causal at 8K,
+    32K and the training shape; at 192/128 +3.4% on full, -0.7% on causal at 32K, within the
+    clocks' spread), but not by the causal build at 192-row tiles, whose consumers then hold 35
+    values in local memory against the list's 18."""
     tile_m = 192 if head_dim == 64 else 128
     return FwdConfig(
         tile_m=tile_m,

@@ -6,9 +6,9 @@ The mask warp classifies those 32 at a time, one per lane, from the per-key-bloc
 boundary vectors (`block_minmax`, computed once per call on the GPU; FlashMask's rule, exactly
 `ColumnMask.block_classes`): SKIP tiles are left out, the others are published in order as
 `tile << FLAG_BITS | flags` (PARTIAL, UNIFORM, OFF_DIAGONAL, LOWER_ONLY, UPPER_ONLY) into a small
-smem ring (`TileList`), then -1. The TMA producer reads the ring (and in the forward the consumer warps too; the
-backward's producer hands each entry on with its Q stage), so skipped tiles cost neither loads nor
-MMAs and UNMASKED tiles cost no mask arithmetic.
+smem ring (`TileList`), then -1. The TMA producer reads the ring (and in the forward the consumer
+warps too; the backward's producer hands each entry on with its Q stage), so skipped tiles cost
+neither loads nor MMAs and UNMASKED tiles cost no mask arithmetic.
 """
 
 from dataclasses import dataclass
