@@ -585,6 +585,19 @@ def test_the_fp16_forward_at_head_dims_192_and_256_keeps_its_loop_in_registers(
     assert wgmmas and not any(".BF16" in line for line in wgmmas)
 
 
+@pytest.mark.slow  # compiles and disassembles four forwards, ~40 s
+@pytest.mark.parametrize("width", [2, 4])
+def test_one_interval_tiles_keep_the_loop_in_registers(tmp_path, width):
+    """`one_interval_tiles` (non-causal masks) adds two element masks of one interval each to the
+    forward's PARTIAL branch: no local memory, the WGMMAs not serialized, the loop's HGMMA count as
+    without it."""
+    loops = {
+        on: forward_hot_loop(tmp_path, f"one_interval_{width}_{on}", 128, False, width, f"one_interval_tiles={on}")
+        for on in (False, True)
+    }
+    assert sum("HGMMA" in inst for inst in loops[True]) == sum("HGMMA" in inst for inst in loops[False])
+
+
 @pytest.mark.slow  # compiles and disassembles two backwards, ~12 s
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_diagonal_steps_keep_the_loop_in_registers(tmp_path, head_dim):
