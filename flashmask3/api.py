@@ -7,7 +7,6 @@ import functools
 import math
 from typing import Literal
 
-import numpy as np
 import torch
 
 from . import peers
@@ -22,7 +21,7 @@ from .reference.attention import (
     join_sinks,
     reference_attention,
 )
-from .reference.constructors import check_flag
+from .reference.constructors import check_flag, is_int
 
 Backend = Literal["auto", "reference", "cute", "sdpa", "flex"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cute", "sdpa", "flex")
@@ -277,7 +276,7 @@ def _check_flash_arguments(causal: bool, window_size: tuple[int, int]) -> tuple[
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
-        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= -1 for w in window_size)
+        or not all(is_int(w) and w >= -1 for w in window_size)
     ):
         raise ValueError(
             f"window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}"

@@ -14,7 +14,7 @@ repeating its last entry (empty documents). Tokens after `cu_seqlens[-1]` form o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence, TypeGuard
 
 import numpy as np
 import torch
@@ -341,12 +341,17 @@ def check_flag(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def is_int(value: object) -> TypeGuard[int | np.integer]:
+    """Whether `value` is an integer argument: a Python or numpy int, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_count(name: str, value: object) -> int | None:
     """`value` None or an int (Python or numpy, not bool) >= 1, as a plain Python int; else a
     ValueError naming `name` (an optional limit or count)."""
     if value is None:
         return None
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     return int(value)
 
@@ -354,12 +359,7 @@ def check_count(name: str, value: object) -> int | None:
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
     """`value` an int (Python or numpy, not bool) >= `low` and, if given, <= `high`, as a plain
     Python int (what a mask stores); else a ValueError naming `name` and the accepted range."""
-    if (
-        not isinstance(value, (int, np.integer))
-        or isinstance(value, bool)
-        or value < low
-        or (high is not None and value > high)
-    ):
+    if not is_int(value) or value < low or (high is not None and value > high):
         accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be an int {accepted}, got {value!r}")
     return int(value)
